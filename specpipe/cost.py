@@ -1,0 +1,104 @@
+"""The measured cost of one target forward as a function of the number of query tokens.
+
+Speculation pays when the expected tokens per step beat the cost of verifying the tree
+relative to a plain one-token step, so draft sizes are chosen from this curve, measured
+once per machine, model and dtype and cached on disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specpipe.models import cache_root
+from specpipe.types import DraftTree
+
+DEFAULT_QUERIES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Milliseconds per forward at measured query counts, linearly interpolated between them."""
+
+    queries: tuple[int, ...]
+    milliseconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.queries) != len(self.milliseconds) or not self.queries:
+            raise ValueError("a cost curve needs one time per query count")
+        if list(self.queries) != sorted(set(self.queries)):
+            raise ValueError(f"cost curve query counts must be increasing, got {self.queries}")
+
+    @staticmethod
+    def flat() -> "CostCurve":
+        """Every tree size costs one step: drafts are never cut for cost (tests, idealised runs)."""
+        return CostCurve((1,), (1.0,))
+
+    def __call__(self, queries: int) -> float:
+        xs, ys = self.queries, self.milliseconds
+        if len(xs) == 1 or queries <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if queries <= x1:
+                return y0 + (y1 - y0) * (queries - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (queries - xs[-1])
+
+    def to_json(self) -> dict:
+        return {"queries": list(self.queries), "milliseconds": list(self.milliseconds)}
+
+
+def measure_cost_curve(target, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_length: int = 256,
+                       repeats: int = 7, seed: int = 0) -> CostCurve:
+    """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.vocab_size
+    context = torch.randint(0, vocab, (kv_length + 1,), generator=generator).tolist()
+    cache = target.new_cache()
+    target.prefill(context[:-1], cache)
+    times = []
+    for q in queries:
+        tokens = torch.randint(0, vocab, (q - 1,), generator=generator)
+        tree = DraftTree.from_parents(tokens, torch.arange(-1, q - 2))
+        samples = []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            target.forward_tree(context[-1], tree, cache)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            cache.crop(kv_length)
+            if i >= 2:  # warm-up
+                samples.append(elapsed * 1000.0)
+        times.append(statistics.median(samples))
+    return CostCurve(tuple(queries), tuple(times))
+
+
+def _machine_key(target, kv_length: int) -> str:
+    parts = [target.name, str(target.dtype), target.device.type, platform.machine(), platform.processor(),
+             str(torch.get_num_threads()), torch.__version__, str(kv_length), str(os.cpu_count())]
+    if target.device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(target.device))
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
+    """The curve for this machine/model/dtype: measured once (a few seconds), then read from disk."""
+    folder = (cache_dir or cache_root()) / "cost"
+    path = folder / f"{target.name}-{_machine_key(target, kv_length)}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return CostCurve(tuple(data["queries"]), tuple(data["milliseconds"]))
+    curve = measure_cost_curve(target, kv_length=kv_length)
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(curve.to_json(), indent=1))
+    staging.replace(path)
+    return curve

@@ -1,0 +1,98 @@
+"""Builds a Pipeline from a composed Hydra config: the only place, with run.py, that sees config objects."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.cost import CostCurve, cached_cost_curve
+from specpipe.errors import ConfigError
+from specpipe.models import LoadedModel
+from specpipe.pipelines.decoder import SpeculativeDecoder
+from specpipe.pipelines.pipeline import Pipeline
+from specpipe.stages.base import Proposer, Verifier
+from specpipe.target import TargetModel
+from specpipe.types import SamplingConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `python run.py OVERRIDES...` would see, composed from `conf/`."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except HydraException as error:
+        raise ConfigError(str(error)) from None
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, stage: str) -> None:
+    """Draft tokens are verified by id, so a drafter must share the target's vocabulary exactly."""
+    if len(target) != len(other) or target.get_vocab() != other.get_vocab():
+        raise ConfigError(
+            f"stage {stage!r} uses a tokenizer that differs from the target's ({len(other)} vs {len(target)} "
+            f"tokens, or different ids): its draft token ids would mean other text. Use a drafter trained "
+            f"with the target's tokenizer")
+
+
+def load_model(model_cfg: DictConfig) -> LoadedModel:
+    try:
+        source = instantiate(model_cfg)
+    except Exception as error:  # instantiate wraps constructor errors; show the cause only
+        raise ConfigError(f"cannot build model config {model_cfg.get('name')!r}: {error}") from None
+    return source.load()
+
+
+def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeline:
+    """Instantiates every stage of `cfg.pipeline` around the target model `cfg.model`."""
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    loaded = loaded or load_model(cfg.model)
+    target = TargetModel(loaded.model, name=loaded.name)
+    pipeline_cfg = cfg.pipeline
+    proposers: list[Proposer] = []
+    for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items():
+        proposer = _instantiate_stage(stage_cfg, f"pipeline.proposers.{key}")
+        if callable(proposer) and not hasattr(proposer, "propose"):  # _partial_: needs the target at run time
+            proposer = proposer(target=target, tokenizer=loaded.tokenizer)
+        tokenizer = getattr(proposer, "tokenizer", None)
+        if tokenizer is not None and tokenizer is not loaded.tokenizer:
+            check_same_tokenizer(loaded.tokenizer, tokenizer, key)
+        proposers.append(proposer)
+    tree_builder = None
+    if proposers and pipeline_cfg.get("tree") is not None:
+        make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
+        tree_builder = make_tree(cost_curve=_cost_curve(cfg, target))
+    verifier: Verifier = _instantiate_stage(cfg.verifier, "verifier")
+    sampling = SamplingConfig(**OmegaConf.to_container(cfg.sampling, resolve=True))
+    if not sampling.greedy and not getattr(verifier, "supports_sampling", False):
+        raise ConfigError(
+            f"sampling.temperature={sampling.temperature} needs a sampling verifier; the {type(verifier).__name__} "
+            f"only decodes greedily. Use sampling.temperature=0")
+    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier)
+    return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
+                    system_prompt=cfg.get("system_prompt"), sampling=sampling)
+
+
+def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve:
+    choice = cfg.get("cost_curve", "measured")
+    if choice == "flat":
+        return CostCurve.flat()
+    if choice == "measured":
+        return cached_cost_curve(target)
+    raise ConfigError(f"cost_curve must be 'measured' or 'flat', got {choice!r}")
+
+
+def _instantiate_stage(stage_cfg: DictConfig, where: str):
+    try:
+        return instantiate(stage_cfg)
+    except Exception as error:
+        raise ConfigError(f"cannot build {where} ({stage_cfg.get('_target_')}): {error}") from None

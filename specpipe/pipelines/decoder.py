@@ -1,0 +1,86 @@
+"""The decode loop: Retrieve/Draft -> TreeBuild -> Verify -> Commit, one step at a time."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specpipe.pipelines.stopping import StopCondition
+from specpipe.stages.base import Proposer, TreeBuilder, Verifier
+from specpipe.stages.commit.kv_compact import KVCompactCommit
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState, DraftTree, SamplingConfig, StepStats
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step committed. `drafted` of the tokens came from accepted draft nodes."""
+
+    tokens: list[int]
+    drafted: int
+    stats: StepStats
+    finished: bool
+
+
+class SpeculativeDecoder:
+    """Runs one sequence through the stages; owns no model state of its own.
+
+    With no proposers (or when the tree builder drafts nothing) a step is exactly a plain
+    decoding step: one query token through the target.
+    """
+
+    def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
+                 verifier: Verifier, committer: KVCompactCommit | None = None) -> None:
+        self.target = target
+        self.proposers = list(proposers)
+        self.tree_builder = tree_builder
+        self.verifier = verifier
+        self.committer = committer or KVCompactCommit()
+
+    def decode(self, prompt: list[int], stop: StopCondition,
+               sampling: SamplingConfig = SamplingConfig()) -> Iterator[StepOutput]:
+        rng = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        cache = self.target.new_cache()
+        clock = time.perf_counter
+        started = clock()
+        first = self.target.prefill(prompt, cache)
+        result = self.verifier.accept(DraftTree.empty(), first.logits, rng)
+        emitted, finished = stop.cut([result.bonus])
+        state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
+                            hidden=first.hidden[-1], logits=first.logits[-1])
+        yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
+        for proposer in self.proposers:
+            proposer.reset(state)
+        while not finished:
+            seconds: dict[str, float] = {}
+            mark = clock()
+            proposals = [proposer.propose(state) for proposer in self.proposers]
+            seconds["propose"] = clock() - mark
+
+            mark = clock()
+            tree = self.tree_builder.build(state, proposals, []) if self.tree_builder and proposals \
+                else DraftTree.empty()
+            seconds["tree"] = clock() - mark
+
+            mark = clock()
+            forward = self.target.forward_tree(state.tokens[-1], tree, cache)
+            seconds["forward"] = clock() - mark
+
+            mark = clock()
+            result = self.verifier.accept(tree, forward.logits, rng)
+            result = dataclasses.replace(result, hidden=forward.hidden)
+            tree_tokens = tree.tokens.tolist()
+            emitted, finished = stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
+            seconds["verify"] = clock() - mark
+
+            mark = clock()
+            self.committer.commit(state, cache, tree, result, emitted)
+            for proposer in self.proposers:
+                proposer.on_commit(state, result)
+            seconds["commit"] = clock() - mark
+
+            drafted = min(len(result.accepted), len(emitted))
+            yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds), finished)

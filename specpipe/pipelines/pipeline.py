@@ -1,0 +1,195 @@
+"""The application API: `generate` and `stream` over a built decoder."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.errors import InvalidRequest
+from specpipe.pipelines.decoder import SpeculativeDecoder, StepOutput
+from specpipe.pipelines.stopping import StopCondition
+from specpipe.types import SamplingConfig
+
+Messages = Sequence[dict]
+PromptLike = str | Messages
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    steps: int = 0  # target forwards, the prompt's prefill included
+    seconds: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over steps
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, step: StepOutput) -> None:
+        self.new_tokens += len(step.tokens)
+        self.steps += 1
+        self.accept_lengths.append(len(step.tokens))
+        for stage, seconds in step.stats.seconds.items():
+            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
+
+    def summary(self) -> str:
+        per_step = " ".join(f"{stage} {1000 * s / self.steps:.1f}" for stage, s in self.stage_seconds.items()
+                            if stage != "prefill")
+        prefill = 1000 * self.stage_seconds.get("prefill", 0.0)
+        return (f"{self.new_tokens} tokens in {self.steps} steps | mean accepted {self.mean_accepted:.2f} | "
+                f"{self.tokens_per_second:.1f} tok/s | prefill {prefill:.0f} ms | per step (ms): {per_step}")
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
+
+
+class Pipeline:
+    """A built speculative-decoding pipeline for one target model.
+
+    `generate("question")` or `generate([{"role": "user", "content": ...}, ...])` returns
+    text, token ids and stats; `stream(...)` yields text chunks as they are committed.
+    Chat models get their chat template applied unless `chat_template=False`.
+    """
+
+    def __init__(self, name: str, decoder: SpeculativeDecoder, tokenizer: PreTrainedTokenizerBase,
+                 chat_template: bool = True, system_prompt: str | None = None,
+                 sampling: SamplingConfig = SamplingConfig()) -> None:
+        self.name = name
+        self.decoder = decoder
+        self.target = decoder.target
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.sampling = sampling
+        eos = getattr(self.target.model.generation_config, "eos_token_id", None)
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids = frozenset(e for e in eos + [tokenizer.eos_token_id] if e is not None)
+
+    @classmethod
+    def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
+        """Composes `conf/` with Hydra-style overrides, e.g. ["pipeline=prompt_lookup", "model.dtype=bf16"]."""
+        from specpipe.pipelines.builder import build_pipeline, compose_config
+
+        return build_pipeline(compose_config(overrides))
+
+    # ---- prompts -------------------------------------------------------------------
+    def encode(self, prompt: PromptLike, chat_template: bool | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages."""
+        use_template = self.chat_template if chat_template is None else chat_template
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequest("the prompt is empty; give some text to continue")
+            if not (use_template and has_template):
+                return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+            if not messages:
+                raise InvalidRequest("the message list is empty; give at least one {'role', 'content'} message")
+            for i, message in enumerate(messages):
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise InvalidRequest(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
+            if not any(str(m["content"]).strip() for m in messages):
+                raise InvalidRequest("every message is empty; give some text to continue")
+            if not has_template:
+                raise InvalidRequest(
+                    f"model {self.target.name!r} has no chat template, so chat messages cannot be formatted; "
+                    f"pass a plain prompt string instead")
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)
+        return list(encoded["input_ids"])
+
+    def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt encodes to no tokens")
+        context = self.target.context_length
+        if context and len(prompt_ids) >= context:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens but model {self.target.name!r} has a context of "
+                f"{context}; shorten the prompt")
+        if context and len(prompt_ids) + max_new_tokens > context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                f"model {self.target.name!r} ({context}); lower max_new_tokens to at most "
+                f"{context - len(prompt_ids)}")
+
+    # ---- decoding ------------------------------------------------------------------
+    def steps(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
+              sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Iterator[StepOutput]:
+        """Every decoding step's committed tokens. A list of ints is taken as ready token ids."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = self.encode(prompt, chat_template)
+        self._check_lengths(prompt_ids, max_new_tokens)
+        if isinstance(stop, str):
+            stop = (stop,)
+        condition = StopCondition(max_new_tokens, self.eos_token_ids, tuple(s for s in stop if s), self.tokenizer)
+        return self.decoder.decode(prompt_ids, condition, sampling or self.sampling)
+
+    def generate(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
+                 sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Generation:
+        prompt_ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
+            else self.encode(prompt, chat_template)
+        stats = GenerationStats()
+        tokens: list[int] = []
+        started = time.perf_counter()
+        for step in self.steps(prompt_ids, max_new_tokens, stop, sampling, chat_template):
+            tokens.extend(step.tokens)
+            stats.add(step)
+        stats.seconds = time.perf_counter() - started
+        return Generation(self.decode_text(tokens), tokens, list(prompt_ids), stats)
+
+    def stream(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
+               sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Iterator[str]:
+        """Yields the answer's text in chunks as decoding commits tokens."""
+        text = IncrementalText(self)
+        for step in self.steps(prompt, max_new_tokens, stop, sampling, chat_template):
+            chunk = text.push(step.tokens)
+            if chunk:
+                yield chunk
+        tail = text.flush()
+        if tail:
+            yield tail
+
+    def decode_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class IncrementalText:
+    """Turns committed tokens into new text, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters already returned
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.pipeline.decode_text(self.tokens)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is split across tokens: wait for the rest
+        chunk, self.emitted = text[self.emitted:], len(text)
+        return chunk
+
+    def flush(self) -> str:
+        text = self.pipeline.decode_text(self.tokens)
+        chunk, self.emitted = text[self.emitted:], len(text)
+        return chunk

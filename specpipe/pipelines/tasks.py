@@ -1,0 +1,53 @@
+"""The tasks `run.py` dispatches to (`task=generate`, `task=bench`)."""
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import DictConfig, OmegaConf
+
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline
+from specpipe.pipelines.pipeline import GenerationStats, IncrementalText
+
+DRAFTED_STYLE = "\033[32;4m"  # green, underlined
+RESET = "\033[0m"
+
+
+def run_task(cfg: DictConfig) -> None:
+    name = cfg.task.name
+    if name == "generate":
+        generate(cfg)
+    elif name == "bench":
+        from specpipe.pipelines.bench import run_bench
+
+        run_bench(cfg)
+    else:
+        raise ConfigError(f"unknown task {name!r}; choose task=generate or task=bench")
+
+
+def generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
+    """Streams one answer; tokens that came from accepted drafts are marked."""
+    pipeline = build_pipeline(cfg)
+    prompt = OmegaConf.to_container(cfg.messages, resolve=True) if cfg.get("messages") else cfg.prompt
+    color = cfg.task.get("color", "auto")
+    use_color = color == "always" or (color == "auto" and out.isatty())
+    start_mark, end_mark = (DRAFTED_STYLE, RESET) if use_color else ("[", "]")
+    started = time.perf_counter()
+    steps = pipeline.steps(prompt, int(cfg.max_new_tokens), list(cfg.stop or ()))  # validates the request
+    out.write(f"# pipeline={pipeline.name} model={pipeline.target.name} dtype={cfg.model.dtype}; "
+              f"{'marked' if use_color else '[bracketed]'} text came from accepted drafts\n")
+    text = IncrementalText(pipeline)
+    stats = GenerationStats()
+    for step in steps:
+        stats.add(step)
+        drafted = text.push(step.tokens[: step.drafted])
+        plain = text.push(step.tokens[step.drafted:])
+        if drafted:
+            out.write(f"{start_mark}{drafted}{end_mark}")
+        out.write(plain)
+        out.flush()
+    out.write(text.flush())
+    stats.seconds = time.perf_counter() - started
+    out.write(f"\n\n[{pipeline.name}] {stats.summary()}\n")
+    return stats

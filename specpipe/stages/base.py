@@ -1,0 +1,47 @@
+"""The stage protocols of one decoding step: Retrieve/Draft -> TreeBuild -> Verify -> Commit."""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A Retrieve or Draft stage: proposes continuations of the committed text."""
+
+    name: str
+
+    def reset(self, state: DecodeState) -> None:
+        """A new sequence starts (the prompt is in `state.tokens`)."""
+
+    def propose(self, state: DecodeState) -> Proposal: ...
+
+    def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
+        """`state.tokens` now holds the newly committed tokens."""
+
+
+@runtime_checkable
+class StepDrafter(Proposer, Protocol):
+    """A model drafter a tree builder can expand node by node."""
+
+    def step(self, state: DecodeState, frontier: Tensor) -> tuple[Tensor, Tensor]:
+        """frontier [m] node ids -> top-k next tokens [m, k] and their log-probs [m, k]."""
+
+
+@runtime_checkable
+class TreeBuilder(Protocol):
+    def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter]) -> DraftTree: ...
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """An acceptance rule over the target's logits for [root | tree nodes]."""
+
+    lossless: bool
+
+    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None) -> VerifyResult:
+        """logits [n + 1, vocab]: row 0 after the root, row i + 1 after node i."""

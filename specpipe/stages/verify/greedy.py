@@ -1,0 +1,36 @@
+"""Greedy verification: the lossless reference acceptance rule."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specpipe.types import DraftTree, VerifyResult
+
+
+class GreedyVerifier:
+    """Accepts the longest tree path whose every token is the target's argmax.
+
+    From the root, the target's argmax token is looked up among the current node's
+    children; a match is accepted and the walk continues from it, otherwise the argmax is
+    the bonus token. The output equals plain greedy decoding token for token.
+    """
+
+    lossless = True
+    supports_sampling = False
+
+    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None) -> VerifyResult:
+        # logits: [n + 1, vocab]; row 0 follows the root, row i + 1 follows node i
+        best = logits.argmax(dim=-1).tolist()  # [n + 1]
+        tokens = tree.tokens.tolist()
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(tree.parents.tolist()):
+            children.setdefault(parent, []).append(node)
+        accepted: list[int] = []
+        node = -1
+        while True:
+            wanted = best[node + 1]
+            match = next((c for c in children.get(node, ()) if tokens[c] == wanted), None)
+            if match is None:
+                return VerifyResult(accepted=accepted, bonus=wanted, logits=logits)
+            accepted.append(match)
+            node = match

@@ -1,0 +1,93 @@
+"""The target model runner: prefill and one forward over [last committed token | draft tree].
+
+Tree verification goes through transformers' attention plug-in point: the model runs with
+the attention implementation registered here, which receives an explicit 4D boolean mask
+(`[batch, 1, queries, cache + queries]`) and explicit position ids. No modeling file is
+forked and no module attribute carries the tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specpipe.kv_cache import PositionIndexedCache
+from specpipe.types import DraftTree
+
+TREE_ATTENTION = "specpipe_tree"
+
+
+def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                           **kwargs) -> tuple[Tensor, None]:
+    """query [batch, heads, q, head_dim], key/value [batch, kv_heads, kv, head_dim],
+    attention_mask [batch, 1, q, kv] bool (True = attend) or None (causal prefill / one token).
+
+    On CPU SDPA with a boolean mask is exact for trees; a GPU kernel plugs in here.
+    """
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+# Prompt prefill passes no mask: build it the way SDPA's own path does (None when plain causal).
+ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: Tensor  # [q, vocab] fp32
+    hidden: Tensor  # [q, hidden]
+
+
+class TargetModel:
+    """Runs a Hugging Face causal LM for speculative decoding (batch 1 for now; tensors keep the batch dim)."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "target") -> None:
+        self.model = model
+        self.name = name
+        self.model.set_attn_implementation(TREE_ATTENTION)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self) -> PositionIndexedCache:
+        return PositionIndexedCache()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> ForwardOutput:
+        """Runs the whole prompt; returns logits and hidden state of its last token only."""
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         output_hidden_states=True, logits_to_keep=1)
+        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0, -1:])
+
+    @torch.inference_mode()
+    def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> ForwardOutput:
+        """One forward over the root (last committed token) and every tree node.
+
+        Appends q = 1 + n entries to the cache (the caller keeps the accepted ones) and
+        returns rows in that order: row 0 = root, row i + 1 = node i.
+        """
+        committed = cache.get_seq_length()  # the cache covers every committed token but the root
+        n = len(tree)
+        input_ids = torch.empty(1, n + 1, dtype=torch.long)  # [1, q]
+        input_ids[0, 0] = root_token
+        input_ids[0, 1:] = tree.tokens
+        position_ids = torch.empty(1, n + 1, dtype=torch.long)  # [1, q]
+        position_ids[0, 0] = committed
+        position_ids[0, 1:] = tree.depth + (committed + 1)
+        if n == 0:
+            mask = None  # a plain decoding step: one query sees everything
+        else:
+            mask = torch.ones(1, 1, n + 1, committed + n + 1, dtype=torch.bool)  # [1, 1, q, kv]
+            mask[0, 0, 0, committed + 1:] = False  # the root sees only the cache and itself
+            mask[0, 0, 1:, committed + 1:] = tree.mask  # nodes see their ancestors and themselves
+            mask = mask.to(self.device)
+        out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
+                         attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0])

@@ -1,0 +1,159 @@
+"""The data contracts shared by every stage of a decoding step.
+
+Vocabulary: the *root* of a draft tree is the last committed token. Its key/value
+entries are not in the target's cache yet (the cache always covers all committed
+tokens but the last), so every verify forward runs the root plus the tree nodes, and
+row 0 of the verify logits is the target's prediction after the committed text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A scored token tree from one source.
+
+    A single continuation is a tree with one branch; several retrieved continuations
+    are a trie. Nodes are in topological order (a parent comes before its children).
+    """
+
+    tokens: Tensor  # [n] int64 token ids
+    parents: Tensor  # [n] int64, index of the parent node in this proposal, -1 = child of the root
+    scores: Tensor  # [n] float, estimated probability that the node is accepted (cumulative along its path)
+    source: str
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,) or self.scores.shape != (n,):
+            raise ValueError(
+                f"Proposal from {self.source!r}: tokens, parents and scores must all be [n]; got "
+                f"{tuple(self.tokens.shape)}, {tuple(self.parents.shape)}, {tuple(self.scores.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def empty(source: str) -> "Proposal":
+        return Proposal(
+            tokens=torch.empty(0, dtype=torch.long),
+            parents=torch.empty(0, dtype=torch.long),
+            scores=torch.empty(0, dtype=torch.float32),
+            source=source,
+        )
+
+    @staticmethod
+    def chain(tokens: list[int], scores: list[float], source: str) -> "Proposal":
+        """One continuation: node i is the child of node i-1."""
+        n = len(tokens)
+        return Proposal(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            parents=torch.arange(-1, n - 1, dtype=torch.long),
+            scores=torch.tensor(scores, dtype=torch.float32),
+            source=source,
+        )
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The tree handed to Verify, tensorized. Nodes exclude the root.
+
+    Node i sees node j iff j is an ancestor of i or i itself; every node sees the root
+    and the whole committed context.
+    """
+
+    tokens: Tensor  # [n] int64
+    parents: Tensor  # [n] int64, -1 = child of the root (the last committed token)
+    depth: Tensor  # [n] int64, 0 for children of the root
+    mask: Tensor  # [n, n] bool, mask[i, j] = j is an ancestor-or-self of i
+    sources: tuple[str, ...] = ()  # [n] which proposal each node came from (the first, on merges)
+
+    @staticmethod
+    def from_parents(tokens: Tensor, parents: Tensor, sources: tuple[str, ...] = ()) -> "DraftTree":
+        """Derives depth and the ancestor mask; parents must point to earlier nodes."""
+        n = int(tokens.shape[0])
+        parent_list = parents.tolist()
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        depth = [0] * n
+        for i, p in enumerate(parent_list):
+            if p >= i:
+                raise ValueError(f"draft tree node {i} has parent {p}: parents must come first")
+            if p >= 0:
+                mask[i] = mask[p]
+                depth[i] = depth[p] + 1
+            mask[i, i] = True
+        return DraftTree(
+            tokens=tokens.to(torch.long),
+            parents=parents.to(torch.long),
+            depth=torch.tensor(depth, dtype=torch.long),
+            mask=mask,
+            sources=sources,
+        )
+
+    @staticmethod
+    def empty() -> "DraftTree":
+        none = torch.empty(0, dtype=torch.long)
+        return DraftTree(none, none, none, torch.empty(0, 0, dtype=torch.bool))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = the root), in node order."""
+        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What the target said about one tree."""
+
+    accepted: list[int]  # node indices on the accepted path, root to leaf (root excluded)
+    bonus: int  # the target's own next token after the accepted path
+    logits: Tensor  # [n + 1, vocab] target logits; row 0 = root, row i + 1 = node i
+    hidden: Tensor | None = None  # [n + 1, hidden] last hidden states, same rows
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class StepStats:
+    """One decoding step: how many tokens were accepted and where time went."""
+
+    accepted: int  # tokens emitted by this step (accepted draft tokens + the bonus)
+    tree_size: int  # draft nodes verified (0 = a plain decoding step)
+    seconds: dict[str, float] = field(default_factory=dict)  # stage name -> wall time
+
+
+@dataclass
+class DecodeState:
+    """The state of one sequence being decoded.
+
+    `tokens` holds every committed token (prompt + generated); the target's KV cache
+    covers `tokens[:-1]`. Stages keep their own state and update it in `on_commit`.
+    """
+
+    tokens: list[int]
+    prompt_length: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    hidden: Tensor | None = None  # [hidden] last hidden state of the target at the last committed token
+    logits: Tensor | None = None  # [vocab] target logits after the last committed token, when known
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
