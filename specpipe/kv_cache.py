@@ -97,10 +97,14 @@ class PositionIndexedCache(Cache):
         super().__init__(layer_class_to_replicate=PositionIndexedLayer)
 
     @torch.inference_mode()
-    def keep(self, start: int, rows: Tensor) -> None:
-        """Drops every entry after `start` except `start + rows` (rows ascending, [k] int64)."""
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Drops every entry after `start` except rows `start + rows` (ascending)."""
+        if rows == list(range(len(rows))):  # a chain's accepted prefix: nothing moves
+            self.crop(start + len(rows))
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.layers[0].keys.device)  # [k]
         for layer in self.layers:
-            layer.keep(start, rows)
+            layer.keep(start, index)
 
     def crop(self, max_length: int) -> None:
         for layer in self.layers:

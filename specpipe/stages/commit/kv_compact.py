@@ -1,8 +1,6 @@
 """Commit: keep the accepted path's KV entries, extend the committed text."""
 from __future__ import annotations
 
-import torch
-
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.types import DecodeState, DraftTree, VerifyResult
 
@@ -20,8 +18,7 @@ class KVCompactCommit:
                emitted: list[int]) -> None:
         start = len(state.tokens) - 1  # cache rows before this step's forward
         kept_nodes = result.accepted[: len(emitted) - 1]
-        rows = torch.tensor([0] + [node + 1 for node in kept_nodes], dtype=torch.long)  # [1 + kept]
-        cache.keep(start, rows.to(cache.layers[0].keys.device))
+        cache.keep(start, [0] + [node + 1 for node in kept_nodes])  # the root, then the kept path
         state.tokens.extend(emitted)
         last_row = kept_nodes[-1] + 1 if kept_nodes else 0
         if result.hidden is not None:
