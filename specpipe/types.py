@@ -151,8 +151,10 @@ class DecodeState:
     tokens: list[int]
     prompt_length: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    hidden: Tensor | None = None  # [hidden] last hidden state of the target at the last committed token
-    logits: Tensor | None = None  # [vocab] target logits after the last committed token, when known
+    # The root (last committed token) has not been through the target yet: these belong to
+    # the token before it, whose logits chose the root (heads and EAGLE drafters read them).
+    hidden: Tensor | None = None  # [hidden] target's last hidden state at tokens[-2]
+    logits: Tensor | None = None  # [vocab] target logits at tokens[-2]
 
     @property
     def generated(self) -> list[int]:
