@@ -115,10 +115,15 @@ class Pipeline:
         return list(encoded["input_ids"])
 
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not prompt_ids:
             raise InvalidRequest("the prompt encodes to no tokens")
+        vocab = self.target.vocab_size
+        outside = [t for t in prompt_ids if not 0 <= t < vocab]
+        if outside:
+            raise InvalidRequest(f"prompt token ids must lie in [0, {vocab}) for model {self.target.name!r}; "
+                                 f"got {outside[:5]}")
         context = self.target.context_length
         if context and len(prompt_ids) >= context:
             raise InvalidRequest(
@@ -141,8 +146,13 @@ class Pipeline:
         self._check_lengths(prompt_ids, max_new_tokens)
         if isinstance(stop, str):
             stop = (stop,)
+        sampling = sampling or self.sampling
+        if not sampling.greedy and not getattr(self.decoder.verifier, "supports_sampling", False):
+            raise InvalidRequest(
+                f"temperature={sampling.temperature} needs a sampling verifier; "
+                f"{type(self.decoder.verifier).__name__} only decodes greedily (use temperature 0)")
         condition = StopCondition(max_new_tokens, self.eos_token_ids, tuple(s for s in stop if s), self.tokenizer)
-        return self.decoder.decode(prompt_ids, condition, sampling or self.sampling)
+        return self.decoder.decode(prompt_ids, condition, sampling)
 
     def generate(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Generation:

@@ -25,8 +25,8 @@ class StopCondition:
     def __post_init__(self) -> None:
         if self.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        # Enough trailing tokens to contain any stop string (a token is at least one character).
-        self._window = max((len(s) for s in self.stop_strings), default=0) + 1
+        # Enough trailing tokens to contain any stop string (a token is at least one byte, not one character).
+        self._window = max((len(s.encode("utf-8")) for s in self.stop_strings), default=0) + 1
 
     def cut(self, emitted: list[int]) -> tuple[list[int], bool]:
         """Returns the tokens to keep and whether generation is finished after them."""

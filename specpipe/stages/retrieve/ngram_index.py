@@ -43,7 +43,15 @@ class NgramIndex:
                 if start >= end or start in used:
                     continue  # the suffix itself has nothing after it
                 used.add(start)
-                found.append((n, tokens[start:start + max_length]))
+                found.append((n, self._continuation(start, max_length)))
                 if len(found) >= max_matches:
                     return found
         return found
+
+    def _continuation(self, start: int, max_length: int) -> list[int]:
+        """What followed the match; a match that overlaps the suffix is a period of repeating
+        text, so its continuation repeats that period instead of stopping at the end."""
+        tokens = self.tokens
+        period = len(tokens) - start
+        return [tokens[start + i % period] for i in range(max_length)] if period < max_length \
+            else tokens[start:start + max_length]

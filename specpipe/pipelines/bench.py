@@ -1,0 +1,404 @@
+"""`task=bench`: a Spec-Bench-style benchmark of one pipeline against plain HF decoding.
+
+    python run.py task=bench pipeline=lookahead_trie bench.prompts=FILE bench.per_category=N \
+        bench.max_new_tokens=M bench.dtype=fp32|bf16 bench.out=DIR
+
+Reads Spec-Bench question JSONL (`question_id`, `category`, `turns`), keeps the first N
+questions of each category and, in one process and on the same loaded model object, runs
+every method of `bench.methods` over them:
+
+- `hf_generate`: transformers' greedy `model.generate` (the reference, speedup 1.0),
+- `hf_pld`: transformers' prompt lookup decoding (`prompt_lookup_num_tokens=bench.pld_tokens`),
+- `pipeline`: the configured specpipe pipeline (reported under its own name).
+
+Every method sees the same prompt token ids (`Pipeline.encode` of the chat messages); in
+multi-turn questions each method carries its own previous answer into the next turn.
+`bench.dtype` sets the model's dtype: `conf/task/bench.yaml` interpolates
+`model.dtype: ${bench.dtype}`. Results go to `bench.out` (default: the Hydra run dir);
+see `specpipe.pipelines.bench_report` for the files written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from specpipe.errors import ConfigError, InvalidRequest
+from specpipe.models import LoadedModel, parse_dtype
+from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline
+from specpipe.pipelines.pipeline import GenerationStats, Pipeline
+
+REFERENCE = "hf_generate"
+HF_PLD = "hf_pld"
+PIPELINE = "pipeline"  # in bench.methods: the configured pipeline, reported under its own name
+REPO_ROOT = CONFIG_DIR.parent
+
+
+# ---- questions -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+def read_questions(path: Path) -> list[Question]:
+    """Parses Spec-Bench question JSONL; a malformed line stops with its line number."""
+    questions: list[Question] = []
+    seen: dict[int | str, int] = {}
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InvalidRequest(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+            questions.append(_parse_question(row, where))
+            qid = questions[-1].question_id
+            if qid in seen:
+                raise InvalidRequest(f"{where}: question_id {qid!r} already used on line {seen[qid]}")
+            seen[qid] = number
+    return questions
+
+
+def _parse_question(row: object, where: str) -> Question:
+    if not isinstance(row, dict):
+        raise InvalidRequest(f"{where}: expected a JSON object with question_id, category and turns")
+    missing = [key for key in ("question_id", "category", "turns") if key not in row]
+    if missing:
+        raise InvalidRequest(f"{where}: missing {', '.join(missing)} (Spec-Bench format: "
+                             f'{{"question_id": 1, "category": "qa", "turns": ["..."]}})')
+    qid, category, turns = row["question_id"], row["category"], row["turns"]
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+        raise InvalidRequest(f"{where}: question_id must be an integer or a string, got {qid!r}")
+    if not isinstance(category, str) or not category:
+        raise InvalidRequest(f"{where}: category must be a non-empty string, got {category!r}")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise InvalidRequest(f"{where}: turns must be a non-empty list of non-empty strings")
+    return Question(qid, category, tuple(turns))
+
+
+def select_questions(questions: Sequence[Question], per_category: int,
+                     categories: Sequence[str] | None = None) -> list[Question]:
+    """The first `per_category` questions of each category (file order), optionally only `categories`."""
+    if not isinstance(per_category, int) or isinstance(per_category, bool) or per_category <= 0:
+        raise InvalidRequest(f"bench.per_category must be a positive integer, got {per_category!r}")
+    available = list(dict.fromkeys(q.category for q in questions))
+    if categories:
+        unknown = [c for c in categories if c not in available]
+        if unknown:
+            raise InvalidRequest(f"bench.categories: unknown categor{'y' if len(unknown) == 1 else 'ies'} "
+                                 f"{', '.join(map(repr, unknown))}; the prompts file has {', '.join(available)}")
+        available = [c for c in available if c in categories]
+    taken: dict[str, int] = {}
+    selected = []
+    for question in questions:
+        if question.category in available and taken.get(question.category, 0) < per_category:
+            taken[question.category] = taken.get(question.category, 0) + 1
+            selected.append(question)
+    return selected
+
+
+def resolve_prompts_path(name: str) -> Path:
+    """A relative path is looked up from the working directory, then from the repository root."""
+    path = Path(name).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise InvalidRequest(f"bench.prompts={name}: no such file (looked at {', '.join(map(str, candidates))}); "
+                         f"give a Spec-Bench question JSONL, e.g. bench.prompts=bench/dev_prompts.jsonl")
+
+
+# ---- methods -------------------------------------------------------------------------
+@dataclass
+class TurnOutput:
+    """One turn of one question through one method."""
+
+    tokens: list[int]
+    seconds: float
+    forwards: int  # target forwards, the prefill included
+    accept_lengths: list[int]  # new tokens committed per forward
+
+
+@dataclass
+class QuestionRun:
+    """One question (all its turns) through one method."""
+
+    question: Question
+    method: str
+    turns: list[TurnOutput] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t.tokens) for t in self.turns)
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.turns)
+
+    @property
+    def forwards(self) -> int:
+        return sum(t.forwards for t in self.turns)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def output_ids(self) -> list[list[int]]:
+        return [t.tokens for t in self.turns]
+
+
+Method = Callable[[list[int], int], TurnOutput]  # (prompt ids, max new tokens) -> output
+
+
+class _StepRecorder(BaseStreamer):
+    """Records how many tokens `generate` commits per step (the first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.lengths.append(int(value.numel()))
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+class HFGenerate:
+    """transformers' own greedy `generate` on the pipeline's model object.
+
+    `prompt_lookup_num_tokens` switches on HF's prompt lookup decoding. Target forwards are
+    counted with a forward pre-hook on the model during the call (the prefill counts as one,
+    as in `GenerationStats`); per-step accepted lengths come from a streamer.
+    """
+
+    def __init__(self, pipeline: Pipeline, prompt_lookup_num_tokens: int | None = None) -> None:
+        self.model = pipeline.target.model
+        self.eos_token_ids = sorted(pipeline.eos_token_ids)
+        pad = pipeline.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else None)
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> TurnOutput:
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
+        options = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens} if self.prompt_lookup_num_tokens else {}
+        forwards = [0]
+
+        def count_forward(module, args, kwargs) -> None:
+            forwards[0] += 1
+
+        recorder = _StepRecorder()
+        hook = self.model.register_forward_pre_hook(count_forward, with_kwargs=True)
+        try:
+            started = time.perf_counter()
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                streamer=recorder, **options)
+            seconds = time.perf_counter() - started
+        finally:
+            hook.remove()
+        tokens = output[0, len(prompt_ids):].tolist()
+        return TurnOutput(tokens, seconds, forwards[0], recorder.lengths)
+
+
+class PipelineDecode:
+    """The configured specpipe pipeline, stepped exactly as `Pipeline.generate` does."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> TurnOutput:
+        stats = GenerationStats()
+        tokens: list[int] = []
+        started = time.perf_counter()
+        for step in self.pipeline.steps(list(prompt_ids), max_new_tokens):
+            tokens.extend(step.tokens)
+            stats.add(step)
+        seconds = time.perf_counter() - started
+        return TurnOutput(tokens, seconds, stats.steps, stats.accept_lengths)
+
+
+def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int) -> dict[str, Method]:
+    """Method name -> callable, in the order given; `pipeline` is reported under the pipeline's name."""
+    if not names:
+        raise InvalidRequest("bench.methods is empty; choose some of hf_generate, hf_pld, pipeline")
+    methods: dict[str, Method] = {}
+    for name in names:
+        if name == REFERENCE:
+            methods[REFERENCE] = HFGenerate(pipeline)
+        elif name == HF_PLD:
+            methods[HF_PLD] = HFGenerate(pipeline, prompt_lookup_num_tokens=pld_tokens)
+        elif name in (PIPELINE, pipeline.name):
+            methods[pipeline.name] = PipelineDecode(pipeline)
+        else:
+            raise InvalidRequest(f"bench.methods: unknown method {name!r}; choose among {REFERENCE}, {HF_PLD}, "
+                                 f"{PIPELINE} (the configured pipeline, here {pipeline.name!r})")
+    return methods
+
+
+# ---- running -------------------------------------------------------------------------
+def run_question(pipeline: Pipeline, method_name: str, method: Method, question: Question,
+                 max_new_tokens: int) -> QuestionRun:
+    """All turns of one question; the method's own answer goes into the next turn's messages."""
+    run = QuestionRun(question, method_name)
+    messages: list[dict] = []
+    for turn in question.turns:
+        messages.append({"role": "user", "content": turn})
+        prompt_ids = pipeline.encode(messages)
+        output = method(prompt_ids, max_new_tokens)
+        text = pipeline.decode_text(output.tokens)
+        run.turns.append(output)
+        run.texts.append(text)
+        messages.append({"role": "assistant", "content": text})
+    return run
+
+
+def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Sequence[Question],
+                max_new_tokens: int, warmup: int = 1, progress: bool = True) -> list[QuestionRun]:
+    """Warms every method up on the first `warmup` questions (not counted), then runs each question
+    through every method in turn (interleaved, so slow drift of the machine hits all methods alike)."""
+    for question in questions[:warmup]:
+        for name, method in methods.items():
+            run_question(pipeline, name, method, question, max_new_tokens)
+    runs: list[QuestionRun] = []
+    with tqdm(total=len(questions) * len(methods), desc="bench", unit="run", disable=not progress,
+              file=sys.stderr) as bar:
+        for question in questions:
+            for name, method in methods.items():
+                bar.set_postfix_str(f"{question.category} #{question.question_id} {name}", refresh=False)
+                runs.append(run_question(pipeline, name, method, question, max_new_tokens))
+                bar.update()
+    return runs
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    prompts: Path
+    per_category: int
+    max_new_tokens: int
+    dtype: str
+    methods: tuple[str, ...]
+    warmup: int
+    pld_tokens: int
+    categories: tuple[str, ...] | None
+    out: Path
+
+
+def read_settings(cfg: DictConfig) -> BenchSettings:
+    bench = cfg.get("bench")
+    if bench is None:
+        raise ConfigError("task=bench needs the `bench` settings of conf/task/bench.yaml; run with task=bench")
+    if parse_dtype(cfg.model.dtype) != parse_dtype(bench.dtype):
+        raise ConfigError(f"the benchmark sets the model dtype from bench.dtype ({bench.dtype}), but model.dtype "
+                          f"was set to {cfg.model.dtype}; use bench.dtype={cfg.model.dtype} instead")
+    max_new_tokens = bench.max_new_tokens
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise InvalidRequest(f"bench.max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    warmup = int(bench.get("warmup") or 0)
+    if warmup < 0:
+        raise InvalidRequest(f"bench.warmup must be >= 0, got {warmup}")
+    categories = bench.get("categories")
+    if isinstance(categories, str):
+        categories = [categories]
+    return BenchSettings(
+        prompts=resolve_prompts_path(str(bench.prompts)),
+        per_category=bench.per_category,
+        max_new_tokens=max_new_tokens,
+        dtype=str(bench.dtype),
+        methods=tuple(bench.get("methods") or ()),
+        warmup=warmup,
+        pld_tokens=int(bench.get("pld_tokens") or 10),
+        categories=tuple(categories) if categories else None,
+        out=output_dir(bench.get("out")),
+    )
+
+
+def output_dir(out: str | None) -> Path:
+    """`bench.out`, or the Hydra run dir; in a multirun every job writes into its own job dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN and out:
+        raise ConfigError("in a multirun (-m) every job writes into its own Hydra job dir and the sweep merges "
+                          "them: leave bench.out unset and choose the place with hydra.sweep.dir=DIR")
+    if out:
+        return Path(str(out)).expanduser()
+    if hydra_cfg is None:
+        raise ConfigError("bench.out is not set and there is no Hydra run dir to default to; give bench.out=DIR")
+    return Path(hydra_cfg.runtime.output_dir)
+
+
+def hydra_job_info() -> dict:
+    """The command line and overrides of the current Hydra job (empty outside `run.py`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {"command": " ".join(sys.argv), "overrides": [], "job_num": None}
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    job_num = hydra_cfg.job.get("num") if hydra_cfg.mode.name == "MULTIRUN" else None
+    return {"command": "python run.py " + " ".join(overrides), "overrides": overrides, "job_num": job_num}
+
+
+def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None) -> dict:
+    """Runs the benchmark described by `cfg.bench` and writes its report; returns summary.json's content.
+
+    `loaded` is an already loaded model to use instead of loading `cfg.model` (tests).
+    """
+    from specpipe.pipelines import bench_report
+
+    settings = read_settings(cfg)
+    questions = select_questions(read_questions(settings.prompts), settings.per_category, settings.categories)
+    if not questions:
+        raise InvalidRequest(f"{settings.prompts} holds no questions; nothing to benchmark")
+    pipeline = build_pipeline(cfg, loaded=loaded)
+    methods = make_methods(settings.methods, pipeline, settings.pld_tokens)
+    print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}) on "
+          f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
+          f"warm-up {settings.warmup}", file=sys.stderr)
+    load_before = os.getloadavg()[0]
+    runs = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup)
+    if not runs:
+        raise InvalidRequest("the benchmark produced no results")
+    meta = {
+        "pipeline": pipeline.name,
+        "model": pipeline.target.name,
+        "dtype": settings.dtype,
+        "torch_dtype": str(pipeline.target.dtype),
+        "methods": list(methods),
+        "reference": REFERENCE if REFERENCE in methods else None,
+        "prompts": str(settings.prompts),
+        "per_category": settings.per_category,
+        "max_new_tokens": settings.max_new_tokens,
+        "warmup": settings.warmup,
+        "pld_tokens": settings.pld_tokens,
+        "questions": len(questions),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        **hydra_job_info(),
+        "machine": {**bench_report.machine_info(), "load_avg_before": load_before,
+                    "load_avg_after": os.getloadavg()[0]},
+    }
+    summary = bench_report.write_report(runs, meta, settings.out)
+    print(bench_report.markdown_table(summary))
+    print(f"bench: report written to {settings.out}", file=sys.stderr)
+    return summary

@@ -1,0 +1,234 @@
+"""Shared fixtures: models loaded once per session, pipelines built around them, and two
+independent greedy references (HF `generate` and a plain full-recompute argmax loop).
+
+Every model fixture holds two instances with identical weights: `loaded` is what the
+pipelines run (TargetModel switches its attention to specpipe's tree attention), and
+`reference` is a separate instance left on stock attention, so the oracles never share
+code paths or state with the engine under test.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
+# Before torch loads OpenMP: spinning worker threads make every op ~100x slower whenever another
+# process competes for this 2-core machine; sleeping ones cost next to nothing here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+from specpipe.models import LoadedModel  # noqa: E402
+from specpipe.pipelines.builder import build_pipeline, compose_config, load_model  # noqa: E402
+from specpipe.pipelines.pipeline import Pipeline  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+
+def config_options(group: str) -> list[str]:
+    """Option names of a config group, from the files in conf/GROUP/."""
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def config_groups() -> list[str]:
+    return sorted(path.name for path in CONF_DIR.iterdir() if path.is_dir() and any(path.glob("*.yaml")))
+
+
+PIPELINES = config_options("pipeline")
+DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla"]
+
+
+def seed_everything(seed: int = 0) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    seed_everything(0)
+    yield
+
+
+@dataclass
+class ModelUnderTest:
+    """One model for the tests: the engine's instance, an identical reference instance, and helpers."""
+
+    name: str
+    overrides: tuple[str, ...]  # the `model=...` overrides it was composed with
+    loaded: LoadedModel
+    reference: torch.nn.Module
+    _pipelines: dict = field(default_factory=dict)
+    _greedy: dict = field(default_factory=dict)
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def config(self, pipeline: str = "vanilla", *overrides: str, cost_curve: str = "flat"):
+        return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *overrides])
+
+    def pipeline(self, name: str = "vanilla", *overrides: str, cost_curve: str = "flat", fresh: bool = False) -> Pipeline:
+        """A pipeline by config name around the shared loaded model (cached unless `fresh`)."""
+        key = (name, cost_curve, overrides)
+        if fresh or key not in self._pipelines:
+            pipe = build_pipeline(self.config(name, *overrides, cost_curve=cost_curve), loaded=self.loaded)
+            if fresh:
+                return pipe
+            self._pipelines[key] = pipe
+        return self._pipelines[key]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.pipeline("vanilla").eos_token_ids)
+
+    def greedy_hf(self, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=None) -> list[int]:
+        """Plain greedy decoding with HF `generate(do_sample=False)` on the reference instance."""
+        eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        key = (tuple(prompt_ids), max_new_tokens, tuple(eos))
+        if key not in self._greedy:
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+            with torch.inference_mode():
+                out = self.reference.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                    min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=eos,
+                    pad_token_id=self.tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None)
+            self._greedy[key] = out[0, len(prompt_ids):].tolist()
+        return list(self._greedy[key])
+
+    def greedy_loop(self, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=None) -> list[int]:
+        """The simplest possible greedy reference: recompute the whole sequence, take the argmax."""
+        eos = set(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        tokens = list(prompt_ids)
+        with torch.inference_mode():
+            for _ in range(max_new_tokens):
+                logits = self.reference(input_ids=torch.tensor([tokens]), use_cache=False, logits_to_keep=1).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+                if tokens[-1] in eos:
+                    break
+        return tokens[len(prompt_ids):]
+
+    def causal_logits(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), vocab] fp32 logits of a plain causal forward (no cache) on the reference."""
+        with torch.inference_mode():
+            return self.reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def _rescale(model: torch.nn.Module, mix: float, sharpen: float) -> None:
+    """Makes a random Llama's greedy output depend on its context.
+
+    At init the residual stream is ~ the token's own (tied) embedding, so the stock tiny
+    model just repeats the last token. Scaling the attention/MLP output projections lets
+    the context dominate; scaling queries and keys sharpens attention.
+    """
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                parameter.mul_(mix)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(sharpen)
+
+
+def _make(name: str, overrides: tuple[str, ...], mix: float = 1.0, sharpen: float = 1.0) -> ModelUnderTest:
+    cfg = compose_config(list(overrides))
+    loaded = load_model(cfg.model)
+    reference = load_model(cfg.model).model.eval()
+    for model in (loaded.model, reference):
+        if mix != 1.0 or sharpen != 1.0:
+            _rescale(model, mix, sharpen)
+    for (n1, p1), (n2, p2) in zip(loaded.model.state_dict().items(), reference.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), f"reference instance of {name} differs at {n1}"
+    assert reference.config._attn_implementation in ("sdpa", "eager")
+    return ModelUnderTest(name, overrides, loaded, reference)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> ModelUnderTest:
+    """The stock `model=tiny_random` (2-layer random Llama; its greedy output copies the last token)."""
+    return _make("tiny", ("model=tiny_random",))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixed() -> ModelUnderTest:
+    """tiny_random with its residual branches scaled up: output depends on context, drafts are
+    sometimes right and sometimes rejected."""
+    return _make("tiny_mixed", ("model=tiny_random",), mix=100.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_chaotic() -> ModelUnderTest:
+    """tiny_random with sharp attention and strong residual branches: nearly random output,
+    most drafts rejected (exercises the rejection paths)."""
+    return _make("tiny_chaotic", ("model=tiny_random",), mix=20.0, sharpen=10.0)
+
+
+@pytest.fixture(scope="session", params=["tiny", "tiny_mixed", "tiny_chaotic"])
+def any_tiny(request) -> ModelUnderTest:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def embedded() -> ModelUnderTest:
+    """The embedded SmolLM2-135M-Instruct in fp32 (converted once to the local cache)."""
+    return _make("embedded", ("model=smollm2_135m", "model.dtype=fp32"))
+
+
+def random_prompts(count: int, seed: int, low: int = 300, high: int = 1300) -> list[list[int]]:
+    """Token-id prompts of several kinds, deterministic per seed.
+
+    Kinds cycle: random ids; a random 5-token pattern repeated 10 times (long drafts);
+    random prefix + repeated pattern; a repeated pattern with a few tokens changed;
+    a single token; a random 3-token pattern repeated with a random tail.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(low, high, (n,), generator=generator).tolist()
+
+    prompts = []
+    for i in range(count):
+        kind = i % 6
+        if kind == 0:
+            prompt = ids(int(torch.randint(5, 60, (1,), generator=generator)))
+        elif kind == 1:
+            prompt = ids(5) * 10
+        elif kind == 2:
+            prompt = ids(12) + ids(5) * 8
+        elif kind == 3:
+            prompt = ids(6) * 8
+            for position in torch.randint(0, len(prompt), (4,), generator=generator).tolist():
+                prompt[position] = ids(1)[0]
+        elif kind == 4:
+            prompt = ids(1)
+        else:
+            prompt = ids(3) * 6 + ids(7)
+        prompts.append(prompt)
+    return prompts
+
+
+def is_repetitive(prompt: list[int]) -> bool:
+    """A prompt made of one 5-token pattern repeated (kind 1 of random_prompts)."""
+    return len(prompt) == 50 and prompt == prompt[:5] * 10
+
+
+def run_steps(pipeline: Pipeline, prompt, max_new_tokens: int, **kwargs):
+    """(tokens, steps) from Pipeline.steps: every step's committed tokens and stats."""
+    steps = list(pipeline.steps(prompt, max_new_tokens, **kwargs))
+    tokens = [token for step in steps for token in step.tokens]
+    return tokens, steps
+
+
+def run_cli(*args: str, timeout: float = 120.0, cwd=None) -> subprocess.CompletedProcess:
+    """`python run.py ARGS...` in a subprocess (cwd: where Hydra writes its outputs/ folder)."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    return subprocess.run([sys.executable, str(REPO / "run.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)

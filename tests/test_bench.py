@@ -1,0 +1,206 @@
+"""`task=bench` end to end on the tiny random model, its error messages, and the multirun merge."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from specpipe.errors import ConfigError, InvalidRequest
+from specpipe.pipelines.bench import (Question, TurnOutput, read_questions, run_bench, run_question,
+                                      select_questions)
+from specpipe.pipelines.builder import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = {"hf_generate", "hf_pld", "prompt_lookup"}
+METRICS = {"speedup", "tok_s", "mean_accepted", "exact_rate"}
+QUESTIONS = [
+    {"question_id": 1, "category": "chat", "turns": ["Write a haiku about the sea.", "Now one about mountains."]},
+    {"question_id": 2, "category": "chat", "turns": ["Name three colors."]},
+    {"question_id": 3, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 4, "category": "qa", "turns": ["Repeat: the cat sat on the mat, the cat sat on the mat."]},
+]
+
+
+def tiny_overrides(prompts: Path, *extra: str) -> list[str]:
+    return ["task=bench", "model=tiny_random", "cost_curve=flat", f"bench.prompts={prompts}", *extra]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench_run(prompts_file, tmp_path_factory, tiny_mixed) -> tuple[Path, dict]:
+    """The bench on conftest's `tiny_mixed` (a tiny_random whose output depends on the context,
+    so drafts are sometimes accepted and sometimes not; the stock one repeats its last token)."""
+    out = tmp_path_factory.mktemp("bench_out")
+    cfg = compose_config(tiny_overrides(prompts_file, "pipeline=prompt_lookup", "bench.per_category=2",
+                                        "bench.max_new_tokens=8", f"bench.out={out}"))
+    return out, run_bench(cfg, loaded=tiny_mixed.loaded)
+
+
+def test_summary_json_has_the_documented_shape(bench_run):
+    out, returned = bench_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(returned))
+    assert set(summary["overall"]) == METHODS
+    assert list(summary["categories"]) == ["chat", "qa"]
+    groups = [summary["overall"], *summary["categories"].values()]
+    for group in groups:
+        assert set(group) == METHODS
+        for metrics in group.values():
+            assert METRICS <= set(metrics)
+            assert all(isinstance(metrics[key], float) for key in METRICS)
+
+
+def test_reference_is_one_and_greedy_methods_are_exact(bench_run):
+    _, summary = bench_run
+    for group in [summary["overall"], *summary["categories"].values()]:
+        assert group["hf_generate"]["speedup"] == 1.0
+        assert group["hf_generate"]["mean_accepted"] == 1.0
+        assert group["hf_generate"]["exact_rate"] == 1.0
+        assert group["prompt_lookup"]["exact_rate"] == 1.0  # greedy speculation is lossless
+        assert group["hf_pld"]["exact_rate"] == 1.0
+        assert group["prompt_lookup"]["mean_accepted"] >= 1.0
+    assert summary["overall"]["prompt_lookup"]["mean_accepted"] > 1.0  # some drafts were accepted
+    assert summary["overall"]["hf_pld"]["mean_accepted"] > 1.0
+
+
+def test_answers_are_in_spec_bench_format(bench_run):
+    out, _ = bench_run
+    for method in METHODS:
+        lines = [json.loads(line) for line in (out / "answers" / f"{method}.jsonl").read_text().splitlines()]
+        assert [line["question_id"] for line in lines] == [1, 2, 3, 4]
+        for line, question in zip(lines, QUESTIONS):
+            assert {"question_id", "category", "model_id", "choices"} <= set(line)
+            assert line["category"] == question["category"]
+            (choice,) = line["choices"]
+            assert {"index", "turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths"} <= set(choice)
+            turns = len(question["turns"])
+            assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == turns
+            assert all(isinstance(text, str) for text in choice["turns"])
+            assert len(choice["accept_lengths"]) == sum(choice["decoding_steps"])
+            assert sum(choice["accept_lengths"]) == sum(choice["new_tokens"])
+            assert all(0 < n <= 8 for n in choice["new_tokens"])
+
+
+def test_results_parquet_has_one_row_per_prompt_and_method(bench_run):
+    out, _ = bench_run
+    frame = pd.read_parquet(out / "results.parquet")
+    assert len(frame) == len(QUESTIONS) * len(METHODS)
+    assert set(frame["method"]) == METHODS
+    two_turns = frame[frame["question_id"] == 1]
+    assert (two_turns["turns"] == 2).all()
+    for row in frame.itertuples():
+        assert sum(row.accept_lengths) == row.new_tokens
+        assert len(row.accept_lengths) == row.forwards
+    assert (frame.loc[frame["method"] == "hf_generate", "mean_accepted"] == 1.0).all()
+
+
+def test_markdown_summary_and_plot_are_written(bench_run):
+    out, _ = bench_run
+    text = (out / "summary.md").read_text()
+    for needle in ["| method | chat | qa | overall |", "hf_pld", "prompt_lookup", "torch", "dtype: fp32"]:
+        assert needle in text
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_turn_carries_the_methods_own_previous_answer():
+    class StubPipeline:
+        def __init__(self):
+            self.seen = []
+
+        def encode(self, messages):
+            self.seen.append([dict(m) for m in messages])
+            return [5, 6, 7]
+
+        def decode_text(self, tokens):
+            return "answer " + " ".join(map(str, tokens))
+
+    pipeline = StubPipeline()
+    question = Question(9, "chat", ("first?", "second?"))
+    run = run_question(pipeline, "m", lambda ids, n: TurnOutput([1, 2], 0.5, 2, [1, 1]), question, 8)
+    assert pipeline.seen[1] == [{"role": "user", "content": "first?"},
+                                {"role": "assistant", "content": "answer 1 2"},
+                                {"role": "user", "content": "second?"}]
+    assert run.new_tokens == 4 and run.forwards == 4 and run.texts == ["answer 1 2"] * 2
+
+
+def test_per_category_takes_the_first_questions_of_each_category(prompts_file):
+    questions = read_questions(prompts_file)
+    assert [q.question_id for q in select_questions(questions, 1)] == [1, 3]
+    assert [q.question_id for q in select_questions(questions, 5, ["qa"])] == [3, 4]
+
+
+def test_malformed_jsonl_line_is_reported_with_its_line_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n{not json\n")
+    with pytest.raises(InvalidRequest, match=r"bad.jsonl, line 2: not valid JSON"):
+        run_bench(compose_config(tiny_overrides(path, f"bench.out={tmp_path}")))
+    path.write_text(json.dumps(QUESTIONS[0]) + "\n\n" + json.dumps({"question_id": 2, "turns": ["x"]}) + "\n")
+    with pytest.raises(InvalidRequest, match=r"line 3: missing category"):
+        read_questions(path)
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (["bench.prompts=/nonexistent/questions.jsonl"], InvalidRequest, "no such file"),
+    (["bench.per_category=0"], InvalidRequest, "per_category must be a positive integer"),
+    (["bench.categories=[chat,poetry]"], InvalidRequest, "unknown category 'poetry'"),
+    (["model.dtype=bf16"], ConfigError, "bench.dtype=bf16"),
+])
+def test_bad_settings_stop_with_a_clear_error(prompts_file, tmp_path, overrides, error, message):
+    cfg = compose_config(tiny_overrides(prompts_file, f"bench.out={tmp_path}", *overrides))
+    with pytest.raises(error, match=message):
+        run_bench(cfg)
+
+
+def test_methods_can_be_restricted_and_without_the_reference_ratios_are_null(prompts_file, tmp_path):
+    cfg = compose_config(tiny_overrides(prompts_file, "pipeline=vanilla", "bench.methods=[pipeline]",
+                                        "bench.per_category=1", "bench.max_new_tokens=2", "bench.warmup=0",
+                                        f"bench.out={tmp_path}"))
+    summary = run_bench(cfg)
+    (metrics,) = summary["overall"].values()
+    assert list(summary["overall"]) == ["vanilla"]
+    assert metrics["speedup"] is None and metrics["exact_rate"] is None and metrics["mean_accepted"] == 1.0
+    assert (tmp_path / "answers" / "vanilla.jsonl").is_file() and (tmp_path / "speedup.png").is_file()
+    with pytest.raises(InvalidRequest, match="unknown method 'beam'"):
+        run_bench(compose_config(tiny_overrides(prompts_file, "bench.methods=[beam]", f"bench.out={tmp_path}")))
+
+
+def test_an_empty_prompts_file_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(InvalidRequest, match="holds no questions"):
+        run_bench(compose_config(tiny_overrides(path, f"bench.out={tmp_path}")))
+
+
+def test_bench_dtype_sets_the_model_dtype(prompts_file):
+    cfg = compose_config(tiny_overrides(prompts_file, "bench.dtype=bf16"))
+    assert cfg.model.dtype == "bf16"
+    assert compose_config(tiny_overrides(prompts_file)).model.dtype == "fp32"
+
+
+def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "run.py", "-m", *tiny_overrides(prompts_file), "pipeline=vanilla,prompt_lookup",
+               "bench.per_category=1", "bench.max_new_tokens=4", "bench.warmup=0", f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads((sweep / "summary.json").read_text())
+    rows = {"pipeline=vanilla / hf_generate", "pipeline=vanilla / hf_pld", "pipeline=vanilla / vanilla",
+            "pipeline=prompt_lookup / hf_generate", "pipeline=prompt_lookup / hf_pld",
+            "pipeline=prompt_lookup / prompt_lookup"}
+    assert set(merged["overall"]) == rows
+    assert set(merged["categories"]) == {"chat", "qa"}
+    assert [job["pipeline"] for job in merged["jobs"]] == ["vanilla", "prompt_lookup"]
+    assert merged["overall"]["pipeline=vanilla / vanilla"]["exact_rate"] == 1.0
+    table = (sweep / "summary.md").read_text()
+    assert "pipeline=prompt_lookup / prompt_lookup" in table
+    assert (sweep / "speedup.png").read_bytes()[:4] == b"\x89PNG"

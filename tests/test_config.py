@@ -1,0 +1,155 @@
+"""Every option of every config group composes and instantiates (groups and options are
+discovered from conf/, so new files are covered without touching this test)."""
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, config_groups, config_options, run_cli
+from specpipe.cost import CostCurve
+from specpipe.errors import ModelNotAvailable
+from specpipe.models import EmbeddedGGUFModel, LocalModel, TinyRandomLlama
+from specpipe.pipelines.builder import build_pipeline, compose_config
+from specpipe.stages.base import Proposer, TreeBuilder, Verifier
+from specpipe.target import TargetModel
+
+DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; others need `+group=option`
+    next(iter(entry)) for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
+    if isinstance(entry, dict)
+}
+STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task")]
+ALL_OPTIONS = [(group, option) for group in config_groups() for option in config_options(group)]
+MODELS_WITHOUT_WEIGHTS = {"llama70b", "llama3_8b", "vicuna7b", "local"}
+
+
+def test_groups_are_discovered():
+    groups = set(config_groups())
+    assert {"model", "pipeline", "retriever", "tree", "verifier", "task"} <= groups
+    assert {"model", "pipeline", "verifier", "task"} <= DEFAULT_GROUPS
+    assert MODELS_WITHOUT_WEIGHTS | {"tiny_random", "smollm2_135m"} <= set(config_options("model"))
+
+
+def override(group: str, option: str) -> str:
+    return f"{group}={option}" if group in DEFAULT_GROUPS else f"+{group}={option}"
+
+
+def test_default_config_composes():
+    cfg = compose_config()
+    assert cfg.model.name == "smollm2_135m"
+    assert cfg.pipeline.name in config_options("pipeline")
+    assert cfg.sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize("group,option", ALL_OPTIONS)
+def test_every_option_composes(group, option):
+    cfg = compose_config(["model=tiny_random", override(group, option)])
+    node = cfg[group] if group != "pipeline" else cfg.pipeline
+    assert node is not None
+    if "name" in node:
+        assert node.name == option, f"conf/{group}/{option}.yaml should be named {option!r}"
+
+
+@pytest.mark.parametrize("option", config_options("model"))
+def test_model_options_instantiate(option, tiny):
+    cfg = compose_config([f"model={option}"])
+    source = instantiate(cfg.model)
+    assert callable(getattr(source, "load", None))
+    assert source.name == option
+    if isinstance(source, LocalModel) and not source.path:
+        assert option in MODELS_WITHOUT_WEIGHTS
+        with pytest.raises(ModelNotAvailable, match="model.path="):
+            source.load()
+    elif isinstance(source, TinyRandomLlama):
+        loaded = source.load()
+        assert loaded.model.config.num_hidden_layers == cfg.model.num_hidden_layers
+        assert loaded.model.config.max_position_embeddings == 2048
+        assert loaded.tokenizer.get_vocab() == tiny.tokenizer.get_vocab()
+    elif isinstance(source, EmbeddedGGUFModel):
+        assert (source.package_folder() / source.gguf_file).is_file()
+        assert (source.convert() / "config.json").is_file()  # converted once, then cached
+    else:
+        pytest.fail(f"model option {option!r}: unknown model source {type(source).__name__}")
+
+
+@pytest.mark.parametrize("option", sorted(MODELS_WITHOUT_WEIGHTS))
+def test_models_without_weights_say_model_path(option):
+    source = instantiate(compose_config([f"model={option}"]).model)
+    with pytest.raises(ModelNotAvailable) as error:
+        source.load()
+    assert "model.path=" in str(error.value)
+
+
+@pytest.mark.parametrize("option", config_options("pipeline"))
+def test_pipeline_options_build_and_run(option, tiny_mixed):
+    cfg = tiny_mixed.config(option)
+    assert cfg.pipeline.name == option
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    assert pipe.name == option
+    proposers = cfg.pipeline.get("proposers") or {}
+    assert len(pipe.decoder.proposers) == len(proposers)
+    assert (pipe.decoder.tree_builder is None) == (not proposers or cfg.pipeline.get("tree") is None)
+    prompt = [400, 401, 402, 403, 404] * 4
+    assert pipe.generate(prompt, max_new_tokens=12).token_ids == tiny_mixed.greedy_hf(prompt, 12)
+
+
+def complete_partial(stage, model):
+    """Fills in what the pipeline builder passes to `_partial_` stages at run time."""
+    if not isinstance(stage, functools.partial):
+        return stage
+    available = {"target": TargetModel(model.loaded.model, name=model.name), "tokenizer": model.tokenizer,
+                 "cost_curve": CostCurve.flat()}
+    parameters = inspect.signature(stage.func).parameters
+    return stage(**{k: v for k, v in available.items() if k in parameters and k not in stage.keywords})
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in STAGE_GROUPS for o in config_options(g)])
+def test_stage_options_instantiate(group, option, tiny):
+    cfg = compose_config(["model=tiny_random", override(group, option)])
+    stage = complete_partial(instantiate(cfg[group]), tiny)
+    protocol = {"tree": TreeBuilder, "verifier": Verifier}.get(group, Proposer)
+    assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
+    if group == "tree":
+        assert stage.cost_curve == CostCurve.flat()
+
+
+@pytest.mark.parametrize("option", config_options("task"))
+def test_task_options_compose(option):
+    cfg = compose_config([f"task={option}"])
+    assert cfg.task.name == option
+
+
+def test_cli_missing_model_weights_is_a_clear_error(tmp_path):
+    started = time.perf_counter()
+    result = run_cli("model=llama70b", "pipeline=prompt_lookup", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "model.path=" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert time.perf_counter() - started < 60
+
+
+def test_cli_generates_on_the_tiny_model(tmp_path):
+    result = run_cli("model=tiny_random", "pipeline=prompt_lookup", "cost_curve=flat", "max_new_tokens=6",
+                     "prompt=hello hello hello", "chat_template=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "[prompt_lookup]" in result.stdout and "6 tokens" in result.stdout
+
+
+@pytest.mark.parametrize("pipeline", config_options("pipeline"))
+def test_bf16_builds_and_generates(pipeline):
+    """bf16 runs end to end (exactness is an fp32 property; here: the right number of tokens, each a
+    valid id, and the first one the argmax of the prompt's logits)."""
+    cfg = compose_config(["model=tiny_random", "model.dtype=bf16", f"pipeline={pipeline}", "cost_curve=flat"])
+    pipe = build_pipeline(cfg)
+    assert pipe.target.dtype == torch.bfloat16
+    prompt = [500, 501, 502, 503] * 5
+    out = pipe.generate(prompt, max_new_tokens=16)
+    assert len(out.token_ids) == 16 and all(0 <= t < 49152 for t in out.token_ids)
+    with torch.inference_mode():
+        first = pipe.target.model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax()
+    assert out.token_ids[0] == int(first)

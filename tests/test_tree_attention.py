@@ -1,0 +1,114 @@
+"""Tree verification oracle at the target level: every node's logits from one tree forward equal
+the logits of a plain causal forward (no cache) over context + that node's root-to-node path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpipe.target import TargetModel
+from specpipe.types import DraftTree
+
+
+def tree_parents(shape: str, generator: torch.Generator) -> list[int]:
+    if shape == "single":
+        return [-1]
+    if shape == "chain":
+        return list(range(-1, 7))
+    if shape == "wide":
+        return [-1] * 8
+    if shape == "deep":  # a long chain with a side branch half-way
+        return list(range(-1, 11)) + [4, 11, 12]
+    if shape == "mixed":  # random parents: any earlier node or the root
+        return [int(torch.randint(-1, i, (1,), generator=generator)) if i else -1 for i in range(16)]
+    if shape == "two_level":  # 3 root children with 3 children each
+        return [-1, -1, -1] + [p for p in range(3) for _ in range(3)]
+    raise ValueError(shape)
+
+
+SHAPES = ["single", "chain", "wide", "deep", "mixed", "two_level"]
+
+
+def paths(parents: list[int]) -> list[list[int]]:
+    """Root-to-node node index paths."""
+    result = []
+    for i, p in enumerate(parents):
+        result.append((result[p] if p >= 0 else []) + [i])
+    return result
+
+
+def check_tree(model, context: list[int], parents: list[int], tokens: list[int], atol: float) -> None:
+    target = TargetModel(model.loaded.model, name=model.name)
+    cache = target.new_cache()
+    target.prefill(context[:-1], cache)
+    assert cache.get_seq_length() == len(context) - 1
+    tree = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+    out = target.forward_tree(context[-1], tree, cache)
+    assert out.logits.shape == (len(tokens) + 1, target.vocab_size)
+    assert cache.get_seq_length() == len(context) + len(tokens)  # committed + root + nodes appended
+
+    root = model.causal_logits(context)[-1]
+    torch.testing.assert_close(out.logits[0], root, atol=atol, rtol=0)
+    assert int(out.logits[0].argmax()) == int(root.argmax())
+    for node, path in enumerate(paths(parents)):
+        expected = model.causal_logits(context + [tokens[i] for i in path])[-1]
+        torch.testing.assert_close(out.logits[node + 1], expected, atol=atol, rtol=0,
+                                   msg=lambda m: f"node {node} (path {path}): {m}")
+        assert int(out.logits[node + 1].argmax()) == int(expected.argmax())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("context_length", [2, 37])
+def test_tree_forward_matches_causal_tiny(tiny_chaotic, shape, context_length):
+    generator = torch.Generator().manual_seed(100 * SHAPES.index(shape) + context_length)
+    parents = tree_parents(shape, generator)
+    context = torch.randint(300, 5000, (context_length,), generator=generator).tolist()
+    tokens = torch.randint(300, 5000, (len(parents),), generator=generator).tolist()
+    if shape == "wide":
+        tokens[3] = tokens[5]  # the same token in two sibling branches
+    check_tree(tiny_chaotic, context, parents, tokens, atol=1e-5)
+
+
+def test_tree_forward_matches_causal_stock_tiny(tiny):
+    generator = torch.Generator().manual_seed(3)
+    parents = tree_parents("mixed", generator)
+    context = torch.randint(300, 5000, (20,), generator=generator).tolist()
+    tokens = torch.randint(300, 5000, (len(parents),), generator=generator).tolist()
+    check_tree(tiny, context, parents, tokens, atol=1e-5)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("shape", ["single", "chain", "mixed", "two_level"])
+def test_tree_forward_matches_causal_embedded(embedded, shape):
+    generator = torch.Generator().manual_seed(SHAPES.index(shape))
+    parents = tree_parents(shape, generator)
+    context = embedded.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown")["input_ids"]
+    tokens = torch.randint(300, 20000, (len(parents),), generator=generator).tolist()
+    check_tree(embedded, context, parents, tokens, atol=1e-4)
+
+
+def test_empty_tree_is_a_plain_decoding_step(tiny_chaotic):
+    target = TargetModel(tiny_chaotic.loaded.model, name="t")
+    context = list(range(400, 430))
+    cache = target.new_cache()
+    target.prefill(context[:-1], cache)
+    out = target.forward_tree(context[-1], DraftTree.empty(), cache)
+    assert out.logits.shape[0] == 1
+    torch.testing.assert_close(out.logits[0], tiny_chaotic.causal_logits(context)[-1], atol=1e-5, rtol=0)
+
+
+def test_prefill_logits_match_causal(tiny_chaotic):
+    target = TargetModel(tiny_chaotic.loaded.model, name="t")
+    context = list(range(700, 760))
+    out = target.prefill(context, target.new_cache())
+    torch.testing.assert_close(out.logits[-1], tiny_chaotic.causal_logits(context)[-1], atol=1e-5, rtol=0)
+
+
+def test_draft_tree_mask_and_depth():
+    parents = [-1, 0, 0, -1, 2, 4]
+    tree = DraftTree.from_parents(torch.arange(6), torch.tensor(parents))
+    assert tree.depth.tolist() == [0, 1, 1, 0, 2, 3]
+    for i, path in enumerate(paths(parents)):
+        assert tree.mask[i].nonzero().flatten().tolist() == path
+    assert tree.children(-1) == [0, 3] and tree.children(0) == [1, 2]
+    with pytest.raises(ValueError):
+        DraftTree.from_parents(torch.arange(2), torch.tensor([1, -1]))
