@@ -56,29 +56,31 @@ class CostCurve:
 
 
 def measure_cost_curve(target, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_length: int = 256,
-                       repeats: int = 7, seed: int = 0) -> CostCurve:
-    """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache."""
+                       rounds: int = 7, seed: int = 0) -> CostCurve:
+    """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache.
+
+    Sizes are measured in interleaved rounds (every q once per round, after a warm-up round),
+    so a slow spell of the machine spreads over all sizes instead of bending one of them.
+    """
     generator = torch.Generator().manual_seed(seed)
     vocab = target.vocab_size
     context = torch.randint(0, vocab, (kv_length + 1,), generator=generator).tolist()
     cache = target.new_cache()
     target.prefill(context[:-1], cache)
-    times = []
-    for q in queries:
-        tokens = torch.randint(0, vocab, (q - 1,), generator=generator)
-        tree = DraftTree.from_parents(tokens, torch.arange(-1, q - 2))
-        samples = []
-        for i in range(repeats + 2):
+    trees = {q: DraftTree.from_parents(torch.randint(0, vocab, (q - 1,), generator=generator),
+                                       torch.arange(-1, q - 2)) for q in queries}
+    samples: dict[int, list[float]] = {q: [] for q in queries}
+    for round_index in range(rounds + 1):
+        for q in queries:
             start = time.perf_counter()
-            target.forward_tree(context[-1], tree, cache)
+            target.forward_tree(context[-1], trees[q], cache)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             cache.crop(kv_length)
-            if i >= 2:  # warm-up
-                samples.append(elapsed * 1000.0)
-        times.append(statistics.median(samples))
-    return CostCurve(tuple(queries), tuple(times))
+            if round_index > 0:  # round 0 warms up
+                samples[q].append(elapsed * 1000.0)
+    return CostCurve(tuple(queries), tuple(statistics.median(samples[q]) for q in queries))
 
 
 def _machine_key(target, kv_length: int) -> str:
@@ -92,7 +94,7 @@ def _machine_key(target, kv_length: int) -> str:
 def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
     """The curve for this machine/model/dtype: measured once (a few seconds), then read from disk."""
     folder = (cache_dir or cache_root()) / "cost"
-    path = folder / f"{target.name}-{_machine_key(target, kv_length)}.json"
+    path = folder / f"{target.name}-{_machine_key(target, kv_length)}-v2.json"
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["queries"]), tuple(data["milliseconds"]))

@@ -71,9 +71,13 @@ class DraftTree:
     depth: Tensor  # [n] int64, 0 for children of the root
     mask: Tensor  # [n, n] bool, mask[i, j] = j is an ancestor-or-self of i
     sources: tuple[str, ...] = ()  # [n] which proposal each node came from (the first, on merges)
+    # [n, vocab] the distribution each node's token was sampled from, for rejection sampling;
+    # None = deterministic drafts (retrieval, n-grams, argmax), i.e. one-hot at the token.
+    draft_probs: Tensor | None = None
 
     @staticmethod
-    def from_parents(tokens: Tensor, parents: Tensor, sources: tuple[str, ...] = ()) -> "DraftTree":
+    def from_parents(tokens: Tensor, parents: Tensor, sources: tuple[str, ...] = (),
+                     draft_probs: Tensor | None = None) -> "DraftTree":
         """Derives depth and the ancestor mask; parents must point to earlier nodes."""
         n = int(tokens.shape[0])
         parent_list = parents.tolist()
@@ -92,6 +96,7 @@ class DraftTree:
             depth=torch.tensor(depth, dtype=torch.long),
             mask=mask,
             sources=sources,
+            draft_probs=draft_probs,
         )
 
     @staticmethod
@@ -102,9 +107,12 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def children(self, node: int) -> list[int]:
-        """Children of `node` (-1 = the root), in node order."""
-        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+    def children(self) -> dict[int, list[int]]:
+        """Node -> its children in node order; -1 is the root."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents.tolist()):
+            children.setdefault(parent, []).append(node)
+        return children
 
 
 @dataclass(frozen=True)

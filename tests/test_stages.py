@@ -458,5 +458,5 @@ def test_measured_cost_curve_shape(tiny):
     from specpipe.target import TargetModel
 
     target = TargetModel(tiny.loaded.model, name="tiny")
-    curve = measure_cost_curve(target, queries=(1, 2, 4), kv_length=32, repeats=2)
+    curve = measure_cost_curve(target, queries=(1, 2, 4), kv_length=32, rounds=2)
     assert curve.queries == (1, 2, 4) and all(ms > 0 for ms in curve.milliseconds)

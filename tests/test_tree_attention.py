@@ -109,6 +109,6 @@ def test_draft_tree_mask_and_depth():
     assert tree.depth.tolist() == [0, 1, 1, 0, 2, 3]
     for i, path in enumerate(paths(parents)):
         assert tree.mask[i].nonzero().flatten().tolist() == path
-    assert tree.children(-1) == [0, 3] and tree.children(0) == [1, 2]
+    assert tree.children()[-1] == [0, 3] and tree.children()[0] == [1, 2]
     with pytest.raises(ValueError):
         DraftTree.from_parents(torch.arange(2), torch.tensor([1, -1]))

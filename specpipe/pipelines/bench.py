@@ -182,7 +182,8 @@ class _StepRecorder(BaseStreamer):
 
 
 class HFGenerate:
-    """transformers' own greedy `generate` on the pipeline's model object.
+    """transformers' own `generate` on the pipeline's model object: greedy, or sampling with
+    the pipeline's temperature / top-k / top-p when `sampling.temperature > 0`.
 
     `prompt_lookup_num_tokens` switches on HF's prompt lookup decoding. Target forwards are
     counted with a forward pre-hook on the model during the call (the prefill counts as one,
@@ -195,11 +196,19 @@ class HFGenerate:
         pad = pipeline.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else None)
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.sampling = pipeline.sampling
 
     def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> TurnOutput:
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
         options = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens} if self.prompt_lookup_num_tokens else {}
+        if self.sampling.greedy:
+            options["do_sample"] = False
+        else:  # the same warpers, in the same order, as the pipeline's sampling (specpipe.sampling)
+            options.update(do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k,
+                           top_p=self.sampling.top_p)
+            if self.sampling.seed is not None:
+                torch.manual_seed(self.sampling.seed)
         forwards = [0]
 
         def count_forward(module, args, kwargs) -> None:
@@ -210,7 +219,7 @@ class HFGenerate:
         try:
             started = time.perf_counter()
             output = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id,
                 streamer=recorder, **options)
             seconds = time.perf_counter() - started
@@ -392,6 +401,7 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None) -> dict:
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
         "pld_tokens": settings.pld_tokens,
+        "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
         "questions": len(questions),
         "config": OmegaConf.to_container(cfg, resolve=True),
         **hydra_job_info(),

@@ -139,6 +139,13 @@ def machine_info() -> dict:
     }
 
 
+def _decoding(sampling: dict | None) -> str:
+    if not sampling or sampling.get("temperature", 0) <= 0:
+        return "greedy"
+    return (f"sampling at temperature {sampling['temperature']} (top_k {sampling.get('top_k', 0)}, top_p "
+            f"{sampling.get('top_p', 1.0)}, seed {sampling.get('seed')}): exact rates are not expected to be 1")
+
+
 def summary_markdown(summary: dict, meta: dict) -> str:
     machine = meta["machine"]
     lines = [
@@ -150,7 +157,7 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         "",
         f"- prompts: `{meta['prompts']}`, first {meta['per_category']} per category ({meta['questions']} "
         f"questions), max_new_tokens {meta['max_new_tokens']} per turn, warm-up {meta['warmup']} question(s), "
-        f"greedy, batch 1",
+        f"{_decoding(meta.get('sampling'))}, batch 1",
         f"- methods: {', '.join(f'`{m}`' for m in meta['methods'])} (`hf_pld` = HF `generate("
         f"prompt_lookup_num_tokens={meta['pld_tokens']})`), all on the same loaded model object",
         f"- machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "

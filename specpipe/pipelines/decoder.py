@@ -47,7 +47,7 @@ class SpeculativeDecoder:
         clock = time.perf_counter
         started = clock()
         first = self.target.prefill(prompt, cache)
-        result = self.verifier.accept(DraftTree.empty(), first.logits, rng)
+        result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                             hidden=first.hidden[-1], logits=first.logits[-1])
@@ -70,7 +70,7 @@ class SpeculativeDecoder:
             seconds["forward"] = clock() - mark
 
             mark = clock()
-            result = self.verifier.accept(tree, forward.logits, rng)
+            result = self.verifier.accept(tree, forward.logits, rng, sampling)
             result = dataclasses.replace(result, hidden=forward.hidden)
             tree_tokens = tree.tokens.tolist()
             emitted, finished = stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])

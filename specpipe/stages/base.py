@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
+from specpipe.types import DecodeState, DraftTree, Proposal, SamplingConfig, VerifyResult
 
 
 @runtime_checkable
@@ -41,7 +41,9 @@ class TreeBuilder(Protocol):
 class Verifier(Protocol):
     """An acceptance rule over the target's logits for [root | tree nodes]."""
 
-    lossless: bool
+    lossless: bool  # output distributed exactly as the target alone would produce it
+    supports_sampling: bool  # handles temperature > 0 (else greedy only)
 
-    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None) -> VerifyResult:
+    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None,
+               sampling: SamplingConfig | None = None) -> VerifyResult:
         """logits [n + 1, vocab]: row 0 after the root, row i + 1 after node i."""

@@ -13,8 +13,14 @@ class AcceptanceCalibration:
     quality (here: the n-gram match length).
     """
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, max_depth: int = 8) -> None:
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, max_depth: int = 8,
+                 memory: float = float("inf")) -> None:
+        if memory < 1:
+            raise ValueError(f"calibration memory must be >= 1 observation, got {memory}")
         self.max_depth = max_depth
+        # Each observation scales the old counts by `keep`: about the last `memory` observations
+        # count, so the estimate follows a change of text (a new prompt, another task).
+        self._keep = 1.0 - 1.0 / memory
         self._accepted: dict[tuple[int, int], float] = defaultdict(lambda: prior * prior_weight)
         self._predicted: dict[tuple[int, int], float] = defaultdict(lambda: prior_weight)
 
@@ -24,5 +30,5 @@ class AcceptanceCalibration:
 
     def observe(self, bucket: int, depth: int, raw: float, accepted: bool) -> None:
         key = (bucket, min(depth, self.max_depth))
-        self._accepted[key] += float(accepted)
-        self._predicted[key] += raw
+        self._accepted[key] = self._accepted[key] * self._keep + float(accepted)
+        self._predicted[key] = self._predicted[key] * self._keep + raw

@@ -34,14 +34,15 @@ class PromptNgram:
     """
 
     def __init__(self, name: str = "prompt_ngram", min_ngram: int = 1, max_ngram: int = 4,
-                 max_matches: int = 1, max_length: int = 16, prior: float = 0.5) -> None:
+                 max_matches: int = 1, max_length: int = 16, prior: float = 0.5,
+                 memory: float = float("inf")) -> None:
         if max_matches < 1 or max_length < 1:
             raise ValueError(f"{name}: max_matches and max_length must be >= 1")
         self.name = name
         self.max_matches = max_matches
         self.max_length = max_length
         self.index = NgramIndex(min_ngram, max_ngram)
-        self.calibration = AcceptanceCalibration(prior=prior)
+        self.calibration = AcceptanceCalibration(prior=prior, memory=memory)
         self._trie: list[_TrieNode] = []
         self._proposed_at = 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specpipe.types import DraftTree, VerifyResult
+from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
 class GreedyVerifier:
@@ -18,13 +18,12 @@ class GreedyVerifier:
     lossless = True
     supports_sampling = False
 
-    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None) -> VerifyResult:
+    def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None,
+               sampling: SamplingConfig | None = None) -> VerifyResult:
         # logits: [n + 1, vocab]; row 0 follows the root, row i + 1 follows node i
         best = logits.argmax(dim=-1).tolist()  # [n + 1]
         tokens = tree.tokens.tolist()
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(tree.parents.tolist()):
-            children.setdefault(parent, []).append(node)
+        children = tree.children()
         accepted: list[int] = []
         node = -1
         while True:

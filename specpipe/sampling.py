@@ -1,0 +1,35 @@
+"""The target's sampling distribution: temperature, then top-k, then top-p, as
+transformers' `generate` applies them, so speculative sampling and plain sampling sample
+from exactly the same distribution."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specpipe.types import SamplingConfig
+
+
+def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """logits [m, vocab] -> probabilities [m, vocab] (fp32) after temperature, top-k, top-p."""
+    if sampling.greedy:
+        raise ValueError("target_probs needs temperature > 0; greedy decoding takes the argmax")
+    scores = logits.float() / sampling.temperature  # [m, vocab]
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]  # [m, 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)  # [m, vocab]
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1.0 - sampling.top_p
+        drop[..., -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def sample(probs: Tensor, rng: torch.Generator | None) -> int:
+    """One token from probs [vocab]."""
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def uniform(rng: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=rng))
