@@ -114,6 +114,12 @@ class Pipeline:
                                                      return_dict=True)
         return list(encoded["input_ids"])
 
+    def _prompt_ids(self, prompt: PromptLike | list[int], chat_template: bool | None) -> list[int]:
+        """A list of ints is taken as ready token ids; anything else is encoded."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        return self.encode(prompt, chat_template)
+
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -139,10 +145,7 @@ class Pipeline:
     def steps(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
               sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Iterator[StepOutput]:
         """Every decoding step's committed tokens. A list of ints is taken as ready token ids."""
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompt_ids = list(prompt)
-        else:
-            prompt_ids = self.encode(prompt, chat_template)
+        prompt_ids = self._prompt_ids(prompt, chat_template)
         self._check_lengths(prompt_ids, max_new_tokens)
         if isinstance(stop, str):
             stop = (stop,)
@@ -156,8 +159,7 @@ class Pipeline:
 
     def generate(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Generation:
-        prompt_ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
-            else self.encode(prompt, chat_template)
+        prompt_ids = self._prompt_ids(prompt, chat_template)
         stats = GenerationStats()
         tokens: list[int] = []
         started = time.perf_counter()
