@@ -84,23 +84,35 @@ def measure_cost_curve(target, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_le
 
 
 def _machine_key(target, kv_length: int) -> str:
-    parts = [target.name, str(target.dtype), target.device.type, platform.machine(), platform.processor(),
+    parts = [target.name, getattr(target, "engine", "hf"), getattr(target, "attn_implementation", "sdpa"),
+             str(target.dtype), target.device.type, platform.machine(), platform.processor(),
              str(torch.get_num_threads()), torch.__version__, str(kv_length), str(os.cpu_count())]
     if target.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(target.device))
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
-    """The curve for this machine/model/dtype: measured once (a few seconds), then read from disk."""
+def cost_curve_path(target, kv_length: int = 256, cache_dir: Path | None = None) -> Path:
     folder = (cache_dir or cache_root()) / "cost"
-    path = folder / f"{target.name}-{_machine_key(target, kv_length)}-v2.json"
+    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v2.json"
+
+
+def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: Path | None = None) -> Path:
+    """Writes the curve where `cached_cost_curve` looks for it (atomically: runs may share the cache)."""
+    path = cost_curve_path(target, kv_length, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(curve.to_json(), indent=1))
+    staging.replace(path)
+    return path
+
+
+def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
+    """The curve for this machine/model/engine/dtype: measured once (a few seconds), then read from disk."""
+    path = cost_curve_path(target, kv_length, cache_dir)
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(tuple(data["queries"]), tuple(data["milliseconds"]))
     curve = measure_cost_curve(target, kv_length=kv_length)
-    folder.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(json.dumps(curve.to_json(), indent=1))
-    staging.replace(path)
+    store_cost_curve(target, curve, kv_length, cache_dir)
     return curve

@@ -15,6 +15,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.types import DraftTree
 
@@ -26,7 +27,8 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     """query [batch, heads, q, head_dim], key/value [batch, kv_heads, kv, head_dim],
     attention_mask [batch, 1, q, kv] bool (True = attend) or None (causal prefill / one token).
 
-    On CPU SDPA with a boolean mask is exact for trees; a GPU kernel plugs in here.
+    On CPU SDPA with a boolean mask is exact for trees; the Triton kernel registers its own
+    implementation (specpipe.kernels.tree_attention), chosen by `attention=`.
     """
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -34,6 +36,33 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
 AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
 # Prompt prefill passes no mask: build it the way SDPA's own path does (None when plain causal).
 ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
+
+ATTENTION_CHOICES = ("sdpa", "triton", "auto")
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """The attention implementation name for `attention=choice` (sdpa | triton | auto) on `device`.
+
+    `auto` is the Triton kernel on CUDA when Triton imports, SDPA elsewhere. Triton is imported
+    here, only when its kernel is wanted, so specpipe works where it is not installed.
+    """
+    if choice not in ATTENTION_CHOICES:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice!r}")
+    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
+        return TREE_ATTENTION
+    try:
+        from specpipe.kernels import tree_attention as triton_kernel
+    except Exception as error:  # ImportError, or a Triton that cannot initialize on this machine
+        if choice == "auto":
+            return TREE_ATTENTION
+        raise ConfigError(f"attention=triton needs Triton, which does not import here ({type(error).__name__}: "
+                          f"{error}). Install it (pip install triton, or the project's [dev] extra) or use "
+                          f"attention=sdpa") from None
+    if device.type != "cuda" and not triton_kernel.INTERPRETED:
+        raise ConfigError(f"attention=triton runs on CUDA but the model is on {device}: use attention=sdpa (or "
+                          f"auto) here, or set TRITON_INTERPRET=1 before starting to interpret the kernel "
+                          f"(~1000x slower; for tests)")
+    return triton_kernel.TRITON_TREE_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -45,15 +74,23 @@ class ForwardOutput:
 class TargetModel:
     """Runs a Hugging Face causal LM for speculative decoding (batch 1 for now; tensors keep the batch dim)."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "target") -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "target", attention: str = "sdpa",
+                 engine: str = "hf") -> None:
         self.model = model
         self.name = name
-        self.model.set_attn_implementation(TREE_ATTENTION)
+        self.engine = engine  # which engine rewrote the model's forward (keys measured cost curves)
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.attn_implementation = resolve_attention(attention, self.device)  # a registered AttentionInterface name
+        self._use_attention()
+
+    def _use_attention(self) -> None:
+        """Several runners may share one model with different attention choices: each forward uses its own."""
+        if self.model.config._attn_implementation != self.attn_implementation:
+            self.model.set_attn_implementation(self.attn_implementation)
 
     def new_cache(self) -> PositionIndexedCache:
         return PositionIndexedCache()
@@ -61,6 +98,7 @@ class TargetModel:
     @torch.inference_mode()
     def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> ForwardOutput:
         """Runs the whole prompt; returns logits and hidden state of its last token only."""
+        self._use_attention()
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=True, logits_to_keep=1)
@@ -73,6 +111,7 @@ class TargetModel:
         Appends q = 1 + n entries to the cache (the caller keeps the accepted ones) and
         returns rows in that order: row 0 = root, row i + 1 = node i.
         """
+        self._use_attention()
         committed = cache.get_seq_length()  # the cache covers every committed token but the root
         n = len(tree)
         input_ids = torch.empty(1, n + 1, dtype=torch.long)  # [1, q]

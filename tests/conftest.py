@@ -117,10 +117,13 @@ class ModelUnderTest:
                     break
         return tokens[len(prompt_ids):]
 
-    def causal_logits(self, tokens: list[int]) -> torch.Tensor:
-        """[len(tokens), vocab] fp32 logits of a plain causal forward (no cache) on the reference."""
+    def causal_logits(self, tokens: list[int], engine: bool = False) -> torch.Tensor:
+        """[len(tokens), vocab] fp32 logits of a plain causal forward (no cache) on the reference, or
+        with `engine` on the instance the pipelines run (rewritten by their engine: same products,
+        so a comparison with it isolates the attention mask and cache from the engine's rounding)."""
+        model = self.loaded.model if engine else self.reference
         with torch.inference_mode():
-            return self.reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+            return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
 def _rescale(model: torch.nn.Module, mix: float, sharpen: float) -> None:
@@ -225,6 +228,22 @@ def run_steps(pipeline: Pipeline, prompt, max_new_tokens: int, **kwargs):
     steps = list(pipeline.steps(prompt, max_new_tokens, **kwargs))
     tokens = [token for step in steps for token in step.tokens]
     return tokens, steps
+
+
+def near_tie_divergence(model: "ModelUnderTest", prompt_ids: list[int], tokens: list[int],
+                        expected: list[int]) -> tuple[int, float] | None:
+    """Where `tokens` first leave the reference greedy output `expected`, and the reference's top-2
+    logit gap there; None when they agree. A faster engine may legitimately flip a near-tie (its float
+    sums run in another order); anything else is a bug."""
+    for i, (ours, theirs) in enumerate(zip(tokens, expected)):
+        if ours != theirs:
+            logits = model.causal_logits(prompt_ids + expected[:i])[-1]
+            top = logits.topk(2)
+            assert int(top.indices[0]) == theirs, "the reference's own token is not its argmax"
+            assert ours in top.indices.tolist(), f"token {i}: {ours} is not even among the reference's top 2"
+            return i, float(top.values[0] - top.values[1])
+    assert len(tokens) == len(expected), f"same prefix but {len(tokens)} vs {len(expected)} tokens"
+    return None
 
 
 def run_cli(*args: str, timeout: float = 120.0, cwd=None) -> subprocess.CompletedProcess:

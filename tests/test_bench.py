@@ -15,7 +15,7 @@ from specpipe.pipelines.bench import (Question, TurnOutput, read_questions, run_
 from specpipe.pipelines.builder import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = {"hf_generate", "hf_pld", "prompt_lookup"}
+METHODS = {"hf_generate", "hf_pld", "vanilla", "prompt_lookup"}
 METRICS = {"speedup", "tok_s", "mean_accepted", "exact_rate"}
 QUESTIONS = [
     {"question_id": 1, "category": "chat", "turns": ["Write a haiku about the sea.", "Now one about mountains."]},
@@ -43,7 +43,7 @@ def bench_run(prompts_file, tmp_path_factory, tiny_mixed) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("bench_out")
     cfg = compose_config(tiny_overrides(prompts_file, "pipeline=prompt_lookup", "bench.per_category=2",
                                         "bench.max_new_tokens=8", f"bench.out={out}"))
-    return out, run_bench(cfg, loaded=tiny_mixed.loaded)
+    return out, run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
 
 
 def test_summary_json_has_the_documented_shape(bench_run):
@@ -67,6 +67,10 @@ def test_reference_is_one_and_greedy_methods_are_exact(bench_run):
         assert group["hf_generate"]["mean_accepted"] == 1.0
         assert group["hf_generate"]["exact_rate"] == 1.0
         assert group["prompt_lookup"]["exact_rate"] == 1.0  # greedy speculation is lossless
+        assert group["vanilla"]["exact_rate"] == 1.0
+        assert group["vanilla"]["speedup_vs_vanilla"] == 1.0 and group["vanilla"]["mean_accepted"] == 1.0
+        assert group["prompt_lookup"]["speedup_vs_vanilla"] == pytest.approx(
+            group["prompt_lookup"]["tok_s"] / group["vanilla"]["tok_s"])
         assert group["hf_pld"]["exact_rate"] == 1.0
         assert group["prompt_lookup"]["mean_accepted"] >= 1.0
     assert summary["overall"]["prompt_lookup"]["mean_accepted"] > 1.0  # some drafts were accepted
@@ -196,7 +200,7 @@ def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path
     merged = json.loads((sweep / "summary.json").read_text())
     rows = {"pipeline=vanilla / hf_generate", "pipeline=vanilla / hf_pld", "pipeline=vanilla / vanilla",
             "pipeline=prompt_lookup / hf_generate", "pipeline=prompt_lookup / hf_pld",
-            "pipeline=prompt_lookup / prompt_lookup"}
+            "pipeline=prompt_lookup / vanilla", "pipeline=prompt_lookup / prompt_lookup"}
     assert set(merged["overall"]) == rows
     assert set(merged["categories"]) == {"chat", "qa"}
     assert [job["pipeline"] for job in merged["jobs"]] == ["vanilla", "prompt_lookup"]
@@ -204,3 +208,19 @@ def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path
     table = (sweep / "summary.md").read_text()
     assert "pipeline=prompt_lookup / prompt_lookup" in table
     assert (sweep / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hf_methods_run_transformers_forward_when_the_engine_rewrites_the_model(prompts_file, tiny_mixed, tmp_path):
+    """hf_generate is the reference only if it runs the stock model, not the one engine=fast rewrote."""
+    from specpipe.pipelines.bench import make_methods
+    from specpipe.pipelines.builder import build_pipeline
+
+    cfg = compose_config(tiny_overrides(prompts_file, "engine=fast", f"bench.out={tmp_path}"))
+    pipeline = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    assert pipeline.target.engine == "fast"
+    methods = make_methods(["hf_generate", "hf_pld", "vanilla", "pipeline"], pipeline, 10, tiny_mixed.reference)
+    assert methods["hf_generate"].model is tiny_mixed.reference and methods["hf_pld"].model is tiny_mixed.reference
+    assert not any("OneDNN" in type(m).__name__ for m in tiny_mixed.reference.modules())
+    assert methods["vanilla"].pipeline.target is pipeline.target and not methods["vanilla"].pipeline.decoder.proposers
+    with pytest.raises(ValueError, match="needs hf_model="):
+        run_bench(cfg, loaded=tiny_mixed.loaded)

@@ -13,11 +13,12 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, config_groups, config_options, run_cli
 from specpipe.cost import CostCurve
+from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
 from specpipe.models import EmbeddedGGUFModel, LocalModel, TinyRandomLlama
 from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.base import Proposer, TreeBuilder, Verifier
-from specpipe.target import TargetModel
+from specpipe.target import TREE_ATTENTION, TargetModel
 
 DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; others need `+group=option`
     next(iter(entry)) for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
@@ -112,10 +113,26 @@ def complete_partial(stage, model):
 def test_stage_options_instantiate(group, option, tiny):
     cfg = compose_config(["model=tiny_random", override(group, option)])
     stage = complete_partial(instantiate(cfg[group]), tiny)
-    protocol = {"tree": TreeBuilder, "verifier": Verifier}.get(group, Proposer)
+    protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine}.get(group, Proposer)
     assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
     if group == "tree":
         assert stage.cost_curve == CostCurve.flat()
+
+
+@pytest.mark.parametrize("attention", ["auto", "sdpa", "triton"])
+def test_attention_options_build_and_run(attention, tiny):
+    """`attention=` is a top-level key, not a group: every value builds and decodes like plain greedy
+    (triton runs interpreted here: conftest sets TRITON_INTERPRET=1)."""
+    assert compose_config().attention == "auto"
+    expected = TREE_ATTENTION  # auto is SDPA on CPU
+    if attention == "triton":
+        pytest.importorskip("triton")
+        from specpipe.kernels.tree_attention import TRITON_TREE_ATTENTION as expected
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=prompt_lookup", "cost_curve=flat",
+                                          f"attention={attention}"]), loaded=tiny.loaded)
+    assert pipe.target.attn_implementation == expected
+    prompt = [400, 401, 402, 403] * 3
+    assert pipe.generate(prompt, max_new_tokens=6).token_ids == tiny.greedy_hf(prompt, 6)
 
 
 @pytest.mark.parametrize("option", config_options("task"))

@@ -1,5 +1,8 @@
 """Tree verification oracle at the target level: every node's logits from one tree forward equal
-the logits of a plain causal forward (no cache) over context + that node's root-to-node path."""
+the logits of a plain causal forward (no cache) over context + that node's root-to-node path.
+
+The causal forward runs on the same model instance (so through the same engine's products): the
+oracle checks masks, positions and cache, not the engine's rounding (tests/test_engine.py does)."""
 from __future__ import annotations
 
 import pytest
@@ -46,11 +49,11 @@ def check_tree(model, context: list[int], parents: list[int], tokens: list[int],
     assert out.logits.shape == (len(tokens) + 1, target.vocab_size)
     assert cache.get_seq_length() == len(context) + len(tokens)  # committed + root + nodes appended
 
-    root = model.causal_logits(context)[-1]
+    root = model.causal_logits(context, engine=True)[-1]
     torch.testing.assert_close(out.logits[0], root, atol=atol, rtol=0)
     assert int(out.logits[0].argmax()) == int(root.argmax())
     for node, path in enumerate(paths(parents)):
-        expected = model.causal_logits(context + [tokens[i] for i in path])[-1]
+        expected = model.causal_logits(context + [tokens[i] for i in path], engine=True)[-1]
         torch.testing.assert_close(out.logits[node + 1], expected, atol=atol, rtol=0,
                                    msg=lambda m: f"node {node} (path {path}): {m}")
         assert int(out.logits[node + 1].argmax()) == int(expected.argmax())
@@ -93,14 +96,14 @@ def test_empty_tree_is_a_plain_decoding_step(tiny_chaotic):
     target.prefill(context[:-1], cache)
     out = target.forward_tree(context[-1], DraftTree.empty(), cache)
     assert out.logits.shape[0] == 1
-    torch.testing.assert_close(out.logits[0], tiny_chaotic.causal_logits(context)[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits[0], tiny_chaotic.causal_logits(context, engine=True)[-1], atol=1e-5, rtol=0)
 
 
 def test_prefill_logits_match_causal(tiny_chaotic):
     target = TargetModel(tiny_chaotic.loaded.model, name="t")
     context = list(range(700, 760))
     out = target.prefill(context, target.new_cache())
-    torch.testing.assert_close(out.logits[-1], tiny_chaotic.causal_logits(context)[-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits[-1], tiny_chaotic.causal_logits(context, engine=True)[-1], atol=1e-5, rtol=0)
 
 
 def test_draft_tree_mask_and_depth():

@@ -4,12 +4,17 @@
         bench.max_new_tokens=M bench.dtype=fp32|bf16 bench.out=DIR
 
 Reads Spec-Bench question JSONL (`question_id`, `category`, `turns`), keeps the first N
-questions of each category and, in one process and on the same loaded model object, runs
+questions of each category and, in one process, runs
 every method of `bench.methods` over them:
 
 - `hf_generate`: transformers' greedy `model.generate` (the reference, speedup 1.0),
 - `hf_pld`: transformers' prompt lookup decoding (`prompt_lookup_num_tokens=bench.pld_tokens`),
+- `vanilla`: specpipe's own loop with no drafting, on the same target and engine (the
+  baseline that isolates the gain of drafting from the gain of the engine),
 - `pipeline`: the configured specpipe pipeline (reported under its own name).
+
+The HF methods run on a separate stock instance of the model when the pipeline's engine
+rewrites its own (`engine=fast`), so `hf_generate` stays transformers' forward.
 
 Every method sees the same prompt token ids (`Pipeline.encode` of the chat messages); in
 multi-turn questions each method carries its own previous answer into the next turn.
@@ -34,12 +39,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
-from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline
+from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline, load_model
 from specpipe.pipelines.pipeline import GenerationStats, Pipeline
 
 REFERENCE = "hf_generate"
 HF_PLD = "hf_pld"
 PIPELINE = "pipeline"  # in bench.methods: the configured pipeline, reported under its own name
+VANILLA = "vanilla"  # in bench.methods: specpipe's loop without drafting (same target and engine)
 REPO_ROOT = CONFIG_DIR.parent
 
 
@@ -190,8 +196,8 @@ class HFGenerate:
     as in `GenerationStats`); per-step accepted lengths come from a streamer.
     """
 
-    def __init__(self, pipeline: Pipeline, prompt_lookup_num_tokens: int | None = None) -> None:
-        self.model = pipeline.target.model
+    def __init__(self, pipeline: Pipeline, model: torch.nn.Module, prompt_lookup_num_tokens: int | None = None) -> None:
+        self.model = model
         self.eos_token_ids = sorted(pipeline.eos_token_ids)
         pad = pipeline.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else None)
@@ -246,21 +252,29 @@ class PipelineDecode:
         return TurnOutput(tokens, seconds, stats.steps, stats.accept_lengths)
 
 
-def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int) -> dict[str, Method]:
-    """Method name -> callable, in the order given; `pipeline` is reported under the pipeline's name."""
+def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int,
+                 hf_model: torch.nn.Module | None = None) -> dict[str, Method]:
+    """Method name -> callable, in the order given; `pipeline` is reported under the pipeline's name.
+
+    The HF methods run `hf_model` (default: the pipeline's own model, when its engine left it stock).
+    """
     if not names:
-        raise InvalidRequest("bench.methods is empty; choose some of hf_generate, hf_pld, pipeline")
+        raise InvalidRequest(f"bench.methods is empty; choose some of {REFERENCE}, {HF_PLD}, {VANILLA}, {PIPELINE}")
+    hf_model = hf_model if hf_model is not None else pipeline.target.model
     methods: dict[str, Method] = {}
     for name in names:
         if name == REFERENCE:
-            methods[REFERENCE] = HFGenerate(pipeline)
+            methods[REFERENCE] = HFGenerate(pipeline, hf_model)
         elif name == HF_PLD:
-            methods[HF_PLD] = HFGenerate(pipeline, prompt_lookup_num_tokens=pld_tokens)
+            methods[HF_PLD] = HFGenerate(pipeline, hf_model, prompt_lookup_num_tokens=pld_tokens)
         elif name in (PIPELINE, pipeline.name):
             methods[pipeline.name] = PipelineDecode(pipeline)
+        elif name == VANILLA:  # the same as the pipeline when that is vanilla: run once
+            methods[VANILLA] = PipelineDecode(pipeline.without_drafting(VANILLA))
         else:
             raise InvalidRequest(f"bench.methods: unknown method {name!r}; choose among {REFERENCE}, {HF_PLD}, "
-                                 f"{PIPELINE} (the configured pipeline, here {pipeline.name!r})")
+                                 f"{VANILLA} (specpipe's loop without drafting), {PIPELINE} (the configured "
+                                 f"pipeline, here {pipeline.name!r})")
     return methods
 
 
@@ -341,19 +355,19 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
     )
 
 
-def output_dir(out: str | None) -> Path:
-    """`bench.out`, or the Hydra run dir; in a multirun every job writes into its own job dir."""
+def output_dir(out: str | None, key: str = "bench.out") -> Path:
+    """`out` (the config's `key`), or the Hydra run dir; in a multirun every job writes into its own job dir."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN and out:
         raise ConfigError("in a multirun (-m) every job writes into its own Hydra job dir and the sweep merges "
-                          "them: leave bench.out unset and choose the place with hydra.sweep.dir=DIR")
+                          f"them: leave {key} unset and choose the place with hydra.sweep.dir=DIR")
     if out:
         return Path(str(out)).expanduser()
     if hydra_cfg is None:
-        raise ConfigError("bench.out is not set and there is no Hydra run dir to default to; give bench.out=DIR")
+        raise ConfigError(f"{key} is not set and there is no Hydra run dir to default to; give {key}=DIR")
     return Path(hydra_cfg.runtime.output_dir)
 
 
@@ -369,10 +383,12 @@ def hydra_job_info() -> dict:
     return {"command": "python run.py " + " ".join(overrides), "overrides": overrides, "job_num": job_num}
 
 
-def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None) -> dict:
+def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torch.nn.Module | None = None) -> dict:
     """Runs the benchmark described by `cfg.bench` and writes its report; returns summary.json's content.
 
-    `loaded` is an already loaded model to use instead of loading `cfg.model` (tests).
+    `loaded` is an already loaded model to use instead of loading `cfg.model`, and `hf_model` a
+    stock instance with the same weights for the HF methods (tests); by default the HF methods
+    get a fresh instance of `cfg.model` whenever the engine rewrites the pipeline's.
     """
     from specpipe.pipelines import bench_report
 
@@ -381,7 +397,12 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None) -> dict:
     if not questions:
         raise InvalidRequest(f"{settings.prompts} holds no questions; nothing to benchmark")
     pipeline = build_pipeline(cfg, loaded=loaded)
-    methods = make_methods(settings.methods, pipeline, settings.pld_tokens)
+    if hf_model is None and pipeline.target.engine != "hf" and {REFERENCE, HF_PLD} & set(settings.methods):
+        if loaded is not None:
+            raise ValueError("run_bench(loaded=...) with an engine that rewrites the model needs hf_model=, a "
+                             "stock instance with the same weights for the HF methods")
+        hf_model = load_model(cfg.model).model  # stock weights and forward for the HF methods
+    methods = make_methods(settings.methods, pipeline, settings.pld_tokens, hf_model)
     print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}) on "
           f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
           f"warm-up {settings.warmup}", file=sys.stderr)
@@ -391,6 +412,7 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None) -> dict:
         raise InvalidRequest("the benchmark produced no results")
     meta = {
         "pipeline": pipeline.name,
+        "engine": pipeline.target.engine,
         "model": pipeline.target.name,
         "dtype": settings.dtype,
         "torch_dtype": str(pipeline.target.dtype),

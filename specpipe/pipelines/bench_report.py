@@ -8,7 +8,9 @@ Metrics, per method, over all prompts (`overall`) and within each category:
 - `mean_accepted`: new tokens per target forward, the prefill counted as one forward
   (total tokens over total forwards of the group);
 - `exact_rate`: the share of prompts whose output tokens, all turns, equal
-  `hf_generate`'s (null when `hf_generate` was not run).
+  `hf_generate`'s (null when `hf_generate` was not run);
+- `speedup_vs_vanilla`: the same ratio of means over specpipe's `vanilla` (our loop and
+  engine, no drafting; null when it was not run).
 
 The sweep merge (`specpipe.pipelines.sweep`) renders its table and plot with the same
 functions, from summaries whose row names are `JOB / METHOD`.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from specpipe.pipelines.bench import QuestionRun
 
 REFERENCE = "hf_generate"
+VANILLA = "vanilla"  # specpipe's own loop without drafting: the second baseline
 METRICS = ("speedup", "tok_s", "mean_accepted", "exact_rate")
 ROW_SEPARATOR = " / "  # merged sweep rows are "JOB / METHOD"
 
@@ -60,12 +63,13 @@ def run_records(runs: Sequence["QuestionRun"]) -> list[dict]:
     return records
 
 
-def group_metrics(records: Sequence[dict], reference_tok_s: float | None) -> dict:
+def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanilla_tok_s: float | None = None) -> dict:
     tok_s = sum(r["tok_s"] for r in records) / len(records)
     forwards = sum(r["forwards"] for r in records)
     exact = [r["exact"] for r in records if r["exact"] is not None]
     return {
         "speedup": tok_s / reference_tok_s if reference_tok_s else None,
+        "speedup_vs_vanilla": tok_s / vanilla_tok_s if vanilla_tok_s else None,
         "tok_s": tok_s,
         "mean_accepted": sum(r["new_tokens"] for r in records) / forwards if forwards else 0.0,
         "exact_rate": sum(exact) / len(exact) if exact else None,
@@ -77,10 +81,13 @@ def group_metrics(records: Sequence[dict], reference_tok_s: float | None) -> dic
 
 def summarize(records: Sequence[dict], methods: Sequence[str]) -> dict:
     """{"overall": {METHOD: metrics}, "categories": {CATEGORY: {METHOD: metrics}}}."""
+    def mean_tok_s(group: list[dict], method: str) -> float | None:
+        rows = [r for r in group if r["method"] == method]
+        return sum(r["tok_s"] for r in rows) / len(rows) if rows else None
+
     def metrics_by_method(group: list[dict]) -> dict:
-        reference = [r for r in group if r["method"] == REFERENCE]
-        reference_tok_s = sum(r["tok_s"] for r in reference) / len(reference) if reference else None
-        return {m: group_metrics([r for r in group if r["method"] == m], reference_tok_s)
+        reference_tok_s, vanilla_tok_s = mean_tok_s(group, REFERENCE), mean_tok_s(group, VANILLA)
+        return {m: group_metrics([r for r in group if r["method"] == m], reference_tok_s, vanilla_tok_s)
                 for m in methods if any(r["method"] == m for r in group)}
 
     categories = list(dict.fromkeys(r["category"] for r in records))
@@ -101,18 +108,20 @@ def _cell(metrics: dict | None) -> str:
 def markdown_table(summary: dict) -> str:
     """Rows = methods (or `JOB / METHOD`), columns = categories + overall; cells `speedup / mean accepted`."""
     categories = list(summary["categories"])
-    header = ["method", *categories, "overall", "tok/s", "exact"]
+    header = ["method", *categories, "overall", "vs vanilla", "tok/s", "exact"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row, overall in summary["overall"].items():
         exact = "n/a" if overall.get("exact_rate") is None else f"{overall['exact_rate']:.2f}"
+        vs_vanilla = "n/a" if overall.get("speedup_vs_vanilla") is None else f"{overall['speedup_vs_vanilla']:.2f}x"
         cells = [row, *(_cell(summary["categories"][c].get(row)) for c in categories), _cell(overall),
-                 f"{overall['tok_s']:.1f}", exact]
+                 vs_vanilla, f"{overall['tok_s']:.1f}", exact]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 TABLE_LEGEND = ("Cells: wall-clock speedup over `hf_generate` (ratio of mean tok/s over prompts) / mean "
-                "accepted tokens per target forward (prefill counted). `tok/s`: mean over prompts; `exact`: "
+                "accepted tokens per target forward (prefill counted). `vs vanilla`: overall speedup over specpipe's "
+                "own loop without drafting (same engine). `tok/s`: mean over prompts; `exact`: "
                 "share of prompts whose output tokens (all turns) equal `hf_generate`'s.")
 
 
@@ -159,7 +168,8 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         f"questions), max_new_tokens {meta['max_new_tokens']} per turn, warm-up {meta['warmup']} question(s), "
         f"{_decoding(meta.get('sampling'))}, batch 1",
         f"- methods: {', '.join(f'`{m}`' for m in meta['methods'])} (`hf_pld` = HF `generate("
-        f"prompt_lookup_num_tokens={meta['pld_tokens']})`), all on the same loaded model object",
+        f"prompt_lookup_num_tokens={meta['pld_tokens']})`); engine `{meta.get('engine', 'hf')}` for specpipe's "
+        f"methods, transformers' stock forward for the HF ones",
         f"- machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
         f"torch {machine['torch']}, transformers {machine['transformers']}, python {machine['python']}; "
         f"1-min load average {machine.get('load_avg_before', float('nan')):.2f} before the runs, "

@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve, cached_cost_curve
+from specpipe.engine.base import Engine
+from specpipe.engine.hf import HFEngine
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
 from specpipe.pipelines.decoder import SpeculativeDecoder
@@ -51,12 +53,22 @@ def load_model(model_cfg: DictConfig) -> LoadedModel:
     return source.load()
 
 
+def build_engine(cfg: DictConfig) -> Engine:
+    """The forward engine `cfg.engine` names (transformers' own when the config has none)."""
+    if cfg.get("engine") is None:
+        return HFEngine()
+    return _instantiate_stage(cfg.engine, "engine")
+
+
 def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeline:
     """Instantiates every stage of `cfg.pipeline` around the target model `cfg.model`."""
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     loaded = loaded or load_model(cfg.model)
-    target = TargetModel(loaded.model, name=loaded.name)
+    engine = build_engine(cfg)
+    engine.apply(loaded.model)
+    target = TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")),
+                         engine=engine.name)
     pipeline_cfg = cfg.pipeline
     proposers: list[Proposer] = []
     for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items():

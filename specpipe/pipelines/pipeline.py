@@ -77,6 +77,12 @@ class Pipeline:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = frozenset(e for e in eos + [tokenizer.eos_token_id] if e is not None)
 
+    def without_drafting(self, name: str = "vanilla") -> "Pipeline":
+        """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
+        decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier)
+        return Pipeline(name, decoder, self.tokenizer, chat_template=self.chat_template,
+                        system_prompt=self.system_prompt, sampling=self.sampling)
+
     @classmethod
     def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
         """Composes `conf/` with Hydra-style overrides, e.g. ["pipeline=prompt_lookup", "model.dtype=bf16"]."""

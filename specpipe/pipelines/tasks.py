@@ -1,4 +1,4 @@
-"""The tasks `run.py` dispatches to (`task=generate`, `task=bench`)."""
+"""The tasks `run.py` dispatches to (`task=generate`, `task=bench`, `task=bench_cost`)."""
 from __future__ import annotations
 
 import sys
@@ -22,8 +22,12 @@ def run_task(cfg: DictConfig) -> None:
         from specpipe.pipelines.bench import run_bench
 
         run_bench(cfg)
+    elif name == "bench_cost":
+        from specpipe.pipelines.bench_cost import run_bench_cost
+
+        run_bench_cost(cfg)
     else:
-        raise ConfigError(f"unknown task {name!r}; choose task=generate or task=bench")
+        raise ConfigError(f"unknown task {name!r}; choose task=generate, task=bench or task=bench_cost")
 
 
 def generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:

@@ -1,0 +1,37 @@
+"""The Engine protocol: how the target model's forward is made fast before decoding starts.
+
+An engine rewrites a loaded model in place (swapping modules; never its modeling code) and
+records its name on the model, so one instance is never run under two engines by mistake.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from specpipe.errors import ConfigError
+
+ENGINE_ATTRIBUTE = "specpipe_engine"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+
+    def apply(self, model: nn.Module) -> nn.Module: ...
+
+
+def claim_model(model: nn.Module, engine: str) -> bool:
+    """Records `engine` on the model; False when it already runs that engine (nothing to do).
+
+    A model another engine has rewritten cannot be turned back: that is a clear error.
+    """
+    current = getattr(model, ENGINE_ATTRIBUTE, "hf")
+    if current == engine:
+        return False
+    if current != "hf":
+        raise ConfigError(
+            f"this model instance was already rewritten for engine={current}; load a fresh instance to "
+            f"run it with engine={engine}")
+    setattr(model, ENGINE_ATTRIBUTE, engine)
+    return True

@@ -1,0 +1,245 @@
+"""`task=bench_cost`: milliseconds per target forward against the number of query tokens.
+
+For each dtype it loads the model once per engine and measures, in one process:
+
+- `transformers`: the stock model as `generate` runs it (its own attention, `DynamicCache`;
+  q tokens = a causal chain, as assisted generation verifies);
+- `specpipe-ENGINE` for each configured engine: specpipe's verify forward (tree mask through the
+  attention plug-in point, position-indexed cache) on the model that engine rewrote.
+
+Each point is the median of interleaved rounds after a warm-up round (`measure_cost_curve`).
+Writes cost.json, cost.md (tables and the issue's ratios) and cost.png (ms vs q, a line per
+engine and dtype, a panel per KV length), and stores the specpipe curves at the drafting
+policy's KV length in the cost cache, so pipelines draft by what was just measured.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from specpipe.cost import measure_cost_curve, store_cost_curve
+from specpipe.errors import ConfigError, InvalidRequest
+from specpipe.models import parse_dtype
+from specpipe.pipelines.bench import output_dir
+from specpipe.pipelines.bench_report import machine_info, write_atomically, write_text
+from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.target import TargetModel
+from specpipe.types import DraftTree
+
+STOCK = "transformers"
+POLICY_KV_LENGTH = 256  # the KV length `cached_cost_curve` measures at
+
+
+class _TruncatingDynamicCache(DynamicCache):
+    """DynamicCache whose `crop(n)` keeps the first n entries (this transformers only removes from the end)."""
+
+    def crop(self, max_length: int) -> None:
+        surplus = self.get_seq_length() - max_length
+        if surplus > 0:
+            super().crop(-surplus)
+
+
+class TransformersForward:
+    """The stock forward, shaped like TargetModel for `measure_cost_curve` (chains only)."""
+
+    engine = STOCK
+
+    def __init__(self, model, name: str) -> None:
+        self.model = model
+        self.name = name
+        self.vocab_size = int(model.config.vocab_size)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def new_cache(self) -> DynamicCache:
+        return _TruncatingDynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], cache: DynamicCache) -> None:
+        self.model(input_ids=torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+
+    @torch.inference_mode()
+    def forward_tree(self, root_token: int, tree: DraftTree, cache: DynamicCache) -> torch.Tensor:
+        if not torch.equal(tree.parents, torch.arange(-1, len(tree) - 1)):
+            raise ValueError("the stock forward measures chains only")
+        input_ids = torch.tensor([[root_token, *tree.tokens.tolist()]], device=self.device)  # [1, q]
+        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    queries: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    engines: tuple[str, ...]
+    rounds: int
+    out: Path
+
+
+def read_settings(cfg: DictConfig) -> CostSettings:
+    bench = cfg.bench_cost
+    queries = tuple(int(q) for q in bench.queries)
+    if not queries or min(queries) < 1 or list(queries) != sorted(set(queries)):
+        raise InvalidRequest(f"bench_cost.queries must be increasing positive counts, got {list(queries)}")
+    kv_lengths = tuple(int(n) for n in bench.kv_lengths)
+    if not kv_lengths or min(kv_lengths) < 1:
+        raise InvalidRequest(f"bench_cost.kv_lengths must be positive, got {list(kv_lengths)}")
+    for name in bench.dtypes:
+        parse_dtype(name)
+    if int(bench.rounds) < 1:
+        raise InvalidRequest(f"bench_cost.rounds must be >= 1, got {bench.rounds}")
+    engines = tuple(str(name) for name in bench.engines)
+    for name in engines:
+        engine_config_path(name)
+    return CostSettings(queries, kv_lengths, tuple(str(d) for d in bench.dtypes), engines, int(bench.rounds),
+                        output_dir(bench.get("out"), "bench_cost.out"))
+
+
+def engine_config_path(name: str) -> Path:
+    path = CONFIG_DIR / "engine" / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"unknown engine {name!r} in bench_cost.engines; choose from {options}")
+    return path
+
+
+def build_engine_by_name(name: str):
+    from hydra.utils import instantiate
+
+    return instantiate(OmegaConf.load(engine_config_path(name)))
+
+
+def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]):
+    """(label, runner) per engine for one dtype: each on its own freshly loaded instance."""
+    model_cfg = OmegaConf.merge(cfg.model, {"dtype": dtype})
+    loaded = load_model(model_cfg)
+    yield STOCK, TransformersForward(loaded.model, loaded.name)
+    for name in engines:
+        loaded = load_model(model_cfg)
+        engine = build_engine_by_name(name)
+        engine.apply(loaded.model)
+        yield f"specpipe-{engine.name}", TargetModel(loaded.model, name=loaded.name, attention="sdpa",
+                                                    engine=engine.name)
+
+
+def measure(cfg: DictConfig, settings: CostSettings) -> list[dict]:
+    rows = []
+    jobs = len(settings.dtypes) * (1 + len(settings.engines)) * len(settings.kv_lengths)
+    with tqdm(total=jobs, desc="bench_cost", file=sys.stderr) as progress:
+        for dtype in settings.dtypes:
+            for label, runner in runners(cfg, dtype, settings.engines):
+                for kv_length in settings.kv_lengths:
+                    progress.set_postfix_str(f"{dtype} {label} kv={kv_length}")
+                    curve = measure_cost_curve(runner, settings.queries, kv_length=kv_length, rounds=settings.rounds)
+                    rows += [{"engine": label, "dtype": dtype, "kv_length": kv_length, "queries": q, "ms": ms}
+                             for q, ms in zip(curve.queries, curve.milliseconds)]
+                    if isinstance(runner, TargetModel) and kv_length == POLICY_KV_LENGTH:
+                        store_cost_curve(runner, curve, kv_length)
+                    progress.update()
+                del runner
+                gc.collect()
+    return rows
+
+
+def lookup(rows: Sequence[dict], engine: str, dtype: str, kv_length: int, queries: int) -> float | None:
+    for row in rows:
+        if (row["engine"], row["dtype"], row["kv_length"], row["queries"]) == (engine, dtype, kv_length, queries):
+            return row["ms"]
+    return None
+
+
+def bar_checks(rows: Sequence[dict], fast: str = "specpipe-fast", kv_length: int = POLICY_KV_LENGTH) -> list[dict]:
+    """The issue's bars, where the rows hold what they need: (what, ratio, limit, met)."""
+    checks = []
+
+    def add(what: str, numerator: float | None, denominator: float | None, limit: float) -> None:
+        if numerator is not None and denominator:
+            ratio = numerator / denominator
+            checks.append({"what": what, "ratio": ratio, "limit": limit, "met": ratio <= limit})
+
+    add("fp32: our 1-token step / transformers' 1-token step",
+        lookup(rows, fast, "fp32", kv_length, 1), lookup(rows, STOCK, "fp32", kv_length, 1), 0.6)
+    add("fp32: our 16-token verify / transformers' 1-token step",
+        lookup(rows, fast, "fp32", kv_length, 16), lookup(rows, STOCK, "fp32", kv_length, 1), 1.0)
+    add("bf16: our 16-token verify / our 1-token step",
+        lookup(rows, fast, "bf16", kv_length, 16), lookup(rows, fast, "bf16", kv_length, 1), 1.2)
+    return checks
+
+
+def markdown(rows: Sequence[dict], settings: CostSettings, checks: Sequence[dict]) -> str:
+    labels = [STOCK] + [f"specpipe-{name}" for name in settings.engines]
+    lines = []
+    for dtype in settings.dtypes:
+        for kv_length in settings.kv_lengths:
+            lines += [f"### {dtype}, KV length {kv_length} (ms per forward, median)", "",
+                      "| q | " + " | ".join(labels) + " | " + " | ".join(f"{label} / {STOCK} q=1" for label in labels[1:]) + " |",
+                      "|---:|" + "---:|" * (2 * len(labels) - 1)]
+            base = lookup(rows, STOCK, dtype, kv_length, 1)
+            for q in settings.queries:
+                values = [lookup(rows, label, dtype, kv_length, q) for label in labels]
+                cells = [f"{v:.1f}" if v is not None else "-" for v in values]
+                ratios = [f"{v / base:.2f}x" if v is not None and base else "-" for v in values[1:]]
+                lines.append(f"| {q} | " + " | ".join(cells + ratios) + " |")
+            lines.append("")
+    if checks:
+        lines += ["### Bars (KV 256)", "", "| check | ratio | limit | met |", "|---|---:|---:|:---:|"]
+        lines += [f"| {c['what']} | {c['ratio']:.2f} | {c['limit']:.1f} | {'yes' if c['met'] else 'NO'} |"
+                  for c in checks]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], settings: CostSettings, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(settings.kv_lengths), figsize=(6 * len(settings.kv_lengths), 4.5),
+                             squeeze=False, sharey=True)
+    labels = [STOCK] + [f"specpipe-{name}" for name in settings.engines]
+    for ax, kv_length in zip(axes[0], settings.kv_lengths):
+        for dtype in settings.dtypes:
+            for label in labels:
+                points = [(q, lookup(rows, label, dtype, kv_length, q)) for q in settings.queries]
+                points = [(q, ms) for q, ms in points if ms is not None]
+                ax.plot([q for q, _ in points], [ms for _, ms in points], marker="o",
+                        linestyle="-" if dtype == "fp32" else "--", label=f"{label} {dtype}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("query tokens per forward (q)")
+        ax.set_title(f"KV length {kv_length}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("ms per forward (median)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    write_atomically(path, lambda staging: fig.savefig(staging, format="png", dpi=120))
+    plt.close(fig)
+
+
+def run_bench_cost(cfg: DictConfig) -> dict:
+    settings = read_settings(cfg)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    rows = measure(cfg, settings)
+    checks = bar_checks(rows)
+    machine = machine_info()
+    report = {"model": str(cfg.model.name), "machine": machine, "threads": torch.get_num_threads(),
+              "rounds": settings.rounds, "rows": rows, "bars": checks}
+    settings.out.mkdir(parents=True, exist_ok=True)
+    write_text(settings.out / "cost.json", json.dumps(report, indent=1))
+    table = markdown(rows, settings, checks)
+    write_text(settings.out / "cost.md", f"# Forward cost: {cfg.model.name}\n\n{table}")
+    plot(rows, settings, settings.out / "cost.png", f"{cfg.model.name}: ms per target forward")
+    print(table)
+    print(f"bench_cost: report written to {settings.out}", file=sys.stderr)
+    return report

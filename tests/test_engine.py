@@ -1,0 +1,186 @@
+"""engine=fast (prepacked oneDNN linears): the rewrite itself, its fallbacks, and exactness.
+
+Exactness contract: greedy pipelines equal specpipe's own vanilla token for token (same engine);
+against transformers' stock forward an output may differ only where the reference's top-2
+logit gap at the first divergence is below 1e-3 (a near-tie flipped by reordered float sums).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import DRAFTING_PIPELINES, near_tie_divergence, random_prompts, run_steps
+from specpipe.engine import onednn
+from specpipe.engine.hf import HFEngine
+from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
+from specpipe.errors import ConfigError
+from specpipe.models import LoadedModel
+from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
+
+NEAR_TIE = 1e-3
+EMBEDDED_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about autumn leaves.",
+    "List three uses of a hash table and give one sentence on each.",
+    "Translate to French: The library opens at nine and closes at six.",
+    "What is 17 times 23? Show the steps.",
+    "Summarize: Python's `with` statement wraps a block with methods defined by a context manager, so that "
+    "setup and cleanup run even when the block raises.",
+]
+
+
+def fresh_tiny(dtype: str = "fp32") -> nn.Module:
+    return load_model(compose_config(["model=tiny_random", f"model.dtype={dtype}"]).model).model
+
+
+def linears(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if type(module) is nn.Linear]
+
+
+# ---- the rewrite -------------------------------------------------------------------------
+def test_fast_engine_swaps_every_linear_and_fuses_shared_inputs():
+    model = fresh_tiny()
+    assert linears(model)
+    OneDNNEngine().apply(model)
+    assert linears(model) == []
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.q_proj.packed is attention.k_proj.packed is attention.v_proj.packed
+    assert mlp.gate_proj.packed is mlp.up_proj.packed
+    assert attention.o_proj.packed is not attention.q_proj.packed and isinstance(model.lm_head, OneDNNLinear)
+    assert model.specpipe_engine == "fast"
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+def test_onednn_linear_matches_nn_linear(dtype, atol, rows):
+    generator = torch.Generator().manual_seed(rows)
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = (nn.Linear(40, out, bias=bias).to(dtype)
+                                                   for out, bias in ((40, True), (24, False), (24, True)))
+    parent.o_proj = nn.Linear(40, 40, bias=False).to(dtype)
+    for parameter in parent.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator).to(dtype)
+    x = torch.randn(2, rows, 40, generator=generator).to(dtype)  # [batch, rows, in]
+    expected = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    OneDNNEngine()._swap_children(parent)
+    assert parent.q_proj.packed is parent.v_proj.packed  # fused although only some have a bias
+    for name in ("v_proj", "q_proj", "k_proj", "o_proj"):  # any call order
+        out = getattr(parent, name)(x)
+        assert out.shape == expected[name].shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected[name].float(), atol=atol * 40 ** 0.5, rtol=atol)
+
+
+def test_fused_member_with_another_input_computes_its_own_product():
+    """The shared product is reused only for the very tensor that produced it."""
+    parent = nn.Module()
+    parent.gate_proj, parent.up_proj = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False)
+    x, y = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    expected_gate, expected_up = parent.gate_proj(x), parent.up_proj(y)
+    OneDNNEngine()._swap_children(parent)
+    torch.testing.assert_close(parent.gate_proj(x), expected_gate, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(parent.up_proj(y), expected_up, atol=1e-5, rtol=1e-5)
+    y.add_(0)  # the same tensor again (in place, same object) is still y's product
+    torch.testing.assert_close(parent.up_proj(y), expected_up, atol=1e-5, rtol=1e-5)
+
+
+def test_engines_refuse_a_model_another_engine_rewrote_and_reapplying_is_a_no_op():
+    model = fresh_tiny()
+    OneDNNEngine().apply(model)
+    packed = model.lm_head.packed
+    OneDNNEngine().apply(model)  # pipelines sharing one model: nothing happens twice
+    assert model.lm_head.packed is packed
+    with pytest.raises(ConfigError, match="already rewritten for engine=fast.*load a fresh instance"):
+        HFEngine().apply(model)
+    HFEngine().apply(fresh_tiny())  # a stock model is fine
+
+
+def test_fast_engine_falls_back_with_a_warning(monkeypatch, caplog):
+    fp16 = fresh_tiny(dtype="fp16")
+    with caplog.at_level(logging.WARNING):
+        OneDNNEngine().apply(fp16)
+    assert linears(fp16) and "no prepacked oneDNN path" in caplog.text
+    monkeypatch.setattr(onednn, "onednn_available", lambda: False)
+    model = fresh_tiny()
+    with caplog.at_level(logging.WARNING):
+        OneDNNEngine().apply(model)
+    assert linears(model) and "has no oneDNN linear" in caplog.text
+    assert getattr(model, "specpipe_engine", "hf") == "hf"  # still free for any engine
+
+
+@pytest.mark.parametrize("engine", ["hf", "fast"])
+def test_every_engine_option_builds_and_decodes_like_greedy(engine, tiny_mixed):
+    cfg = compose_config([*tiny_mixed.overrides, "pipeline=lookahead_trie", "cost_curve=flat", f"engine={engine}"])
+    model = copy.deepcopy(tiny_mixed.reference)  # a stock instance with tiny_mixed's weights
+    pipe = build_pipeline(cfg, loaded=LoadedModel(model, tiny_mixed.tokenizer, "tiny_mixed"))
+    assert pipe.target.engine == engine
+    assert bool(linears(model)) == (engine == "hf")
+    prompt = [400, 401, 402, 403, 404] * 4
+    assert pipe.generate(prompt, max_new_tokens=16).token_ids == tiny_mixed.greedy_hf(prompt, 16)
+
+
+# ---- exactness ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pipeline", DRAFTING_PIPELINES)
+def test_greedy_pipelines_equal_our_vanilla_tiny(tiny_mixed, pipeline):
+    vanilla, pipe = tiny_mixed.pipeline("vanilla"), tiny_mixed.pipeline(pipeline)
+    assert pipe.target.engine == vanilla.target.engine == "fast"
+    drafted = 0
+    for i, prompt in enumerate(random_prompts(24, seed=5)):
+        expected, _ = run_steps(vanilla, prompt, 32)
+        tokens, steps = run_steps(pipe, prompt, 32)
+        assert tokens == expected, f"{pipeline}, prompt {i}"
+        drafted += sum(step.drafted for step in steps)
+    assert drafted > 20  # not vacuous: the pipelines really verified drafts
+
+
+@pytest.mark.embedded
+def test_greedy_pipelines_equal_our_vanilla_embedded(embedded):
+    vanilla = embedded.pipeline("vanilla")
+    assert vanilla.target.engine == "fast"
+    for text in EMBEDDED_PROMPTS[-2:]:
+        prompt_ids = vanilla.encode(text)
+        expected, _ = run_steps(vanilla, prompt_ids, 40)
+        for name in DRAFTING_PIPELINES:
+            tokens, _ = run_steps(embedded.pipeline(name), prompt_ids, 40)
+            assert tokens == expected, f"{name} on {text[:30]!r}"
+
+
+@pytest.mark.parametrize("model_name", ["tiny_mixed", "tiny_chaotic"])
+def test_fast_vanilla_differs_from_transformers_only_at_near_ties_tiny(request, model_name):
+    model = request.getfixturevalue(model_name)
+    vanilla = model.pipeline("vanilla")
+    for i, prompt in enumerate(random_prompts(30, seed=9)):
+        tokens, _ = run_steps(vanilla, prompt, 24)
+        divergence = near_tie_divergence(model, prompt, tokens, model.greedy_hf(prompt, 24))
+        assert divergence is None or divergence[1] < NEAR_TIE, f"prompt {i}: diverged at {divergence}"
+
+
+@pytest.mark.embedded
+def test_fast_vanilla_differs_from_transformers_only_at_near_ties_embedded(embedded):
+    """The real model over several kinds of prompts, 48 tokens each."""
+    vanilla = embedded.pipeline("vanilla")
+    diverged = []
+    for text in EMBEDDED_PROMPTS:
+        prompt_ids = vanilla.encode(text)
+        tokens, _ = run_steps(vanilla, prompt_ids, 48)
+        divergence = near_tie_divergence(embedded, prompt_ids, tokens, embedded.greedy_hf(prompt_ids, 48))
+        if divergence is not None:
+            diverged.append((text[:30], *divergence))
+    assert all(gap < NEAR_TIE for _, _, gap in diverged), diverged
+
+
+def test_near_tie_check_fails_on_a_real_divergence(tiny_mixed):
+    """The check is not vacuous: a decoder that takes the second-best token at a clear gap fails it."""
+    prompt = random_prompts(1, seed=9)[0]
+    expected = tiny_mixed.greedy_hf(prompt, 8)
+    gaps = [float(-tiny_mixed.causal_logits(prompt + expected[:i])[-1].topk(2).values.diff()) for i in range(8)]
+    position = max(range(8), key=gaps.__getitem__)
+    assert gaps[position] > 10 * NEAR_TIE
+    logits = tiny_mixed.causal_logits(prompt + expected[:position])[-1]
+    second = int(logits.topk(2).indices[1])
+    ours = expected[:position] + [second]
+    divergence = near_tie_divergence(tiny_mixed, prompt, ours, expected[: position + 1])
+    assert divergence == (position, pytest.approx(gaps[position]))
