@@ -57,30 +57,38 @@ class CostCurve:
 
 def measure_cost_curve(target, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_length: int = 256,
                        rounds: int = 7, seed: int = 0) -> CostCurve:
-    """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache.
+    """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache."""
+    return measure_cost_curves([target], queries, kv_length, rounds, seed)[0]
 
-    Sizes are measured in interleaved rounds (every q once per round, after a warm-up round),
-    so a slow spell of the machine spreads over all sizes instead of bending one of them.
-    """
+
+def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_length: int = 256,
+                        rounds: int = 7, seed: int = 0) -> list[CostCurve]:
+    """One curve per target, measured in interleaved rounds: every (target, q) once per round,
+    after a warm-up round, so a slow spell of the machine spreads over all targets and sizes
+    instead of bending one of them. Targets are anything with `new_cache`, `prefill` and
+    `forward_tree` (TargetModel, or a stock forward for comparison)."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = target.vocab_size
+    vocab = min(target.vocab_size for target in targets)
     context = torch.randint(0, vocab, (kv_length + 1,), generator=generator).tolist()
-    cache = target.new_cache()
-    target.prefill(context[:-1], cache)
+    caches = []
+    for target in targets:
+        caches.append(target.new_cache())
+        target.prefill(context[:-1], caches[-1])
     trees = {q: DraftTree.from_parents(torch.randint(0, vocab, (q - 1,), generator=generator),
                                        torch.arange(-1, q - 2)) for q in queries}
-    samples: dict[int, list[float]] = {q: [] for q in queries}
+    samples = [{q: [] for q in queries} for _ in targets]
     for round_index in range(rounds + 1):
-        for q in queries:
-            start = time.perf_counter()
-            target.forward_tree(context[-1], trees[q], cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            cache.crop(kv_length)
-            if round_index > 0:  # round 0 warms up
-                samples[q].append(elapsed * 1000.0)
-    return CostCurve(tuple(queries), tuple(statistics.median(samples[q]) for q in queries))
+        for target, cache, target_samples in zip(targets, caches, samples):
+            for q in queries:
+                start = time.perf_counter()
+                target.forward_tree(context[-1], trees[q], cache)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                cache.crop(kv_length)
+                if round_index > 0:  # round 0 warms up
+                    target_samples[q].append(elapsed * 1000.0)
+    return [CostCurve(tuple(queries), tuple(statistics.median(s[q]) for q in queries)) for s in samples]
 
 
 def _machine_key(target, kv_length: int) -> str:

@@ -115,3 +115,37 @@ def test_draft_tree_mask_and_depth():
     assert tree.children()[-1] == [0, 3] and tree.children()[0] == [1, 2]
     with pytest.raises(ValueError):
         DraftTree.from_parents(torch.arange(2), torch.tensor([1, -1]))
+
+
+class _Attention:  # what transformers' SDPA attention reads from the attention module
+    is_causal = True
+    training = False
+
+    def __init__(self, groups: int) -> None:
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("q,masked", [(1, False), (1, True), (6, True), (7, False)])
+def test_folded_gqa_attention_equals_transformers_sdpa(dtype, atol, heads, kv_heads, q, masked):
+    """specpipe's SDPA attention (query heads folded per KV head) returns what transformers' does,
+    for decode steps, masked trees and the causal prefill it hands back to transformers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from specpipe.target import tree_attention_forward
+
+    generator = torch.Generator().manual_seed(heads * 100 + q)
+    kv = q + 11 if masked or q == 1 else q  # a mask-free q > 1 call is a prefill: no cache before it
+    query = torch.randn(2, heads, q, 16, generator=generator).to(dtype)  # [batch, heads, q, head_dim]
+    key, value = (torch.randn(2, kv_heads, kv, 16, generator=generator).to(dtype) for _ in range(2))
+    mask = None
+    if masked:  # [batch, 1, q, kv]: the cache visible, a random ancestor pattern over the tree
+        mask = torch.ones(2, 1, q, kv, dtype=torch.bool)
+        mask[..., kv - q:] = torch.rand(2, 1, q, q, generator=generator) < 0.5
+        mask[..., kv - q:] |= torch.eye(q, dtype=torch.bool)
+    module = _Attention(heads // kv_heads)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    out, weights = tree_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert weights is None and out.shape == expected.shape == (2, q, heads, 16) and out.is_contiguous()
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)

@@ -7,7 +7,8 @@ For each dtype it loads the model once per engine and measures, in one process:
 - `specpipe-ENGINE` for each configured engine: specpipe's verify forward (tree mask through the
   attention plug-in point, position-indexed cache) on the model that engine rewrote.
 
-Each point is the median of interleaved rounds after a warm-up round (`measure_cost_curve`).
+Each point is the median of rounds after a warm-up round; a round runs every engine and every q
+once (`measure_cost_curves`), so drift of the machine hits all engines alike.
 Writes cost.json, cost.md (tables and the issue's ratios) and cost.png (ms vs q, a line per
 engine and dtype, a panel per KV length), and stores the specpipe curves at the drafting
 policy's KV length in the cost cache, so pipelines draft by what was just measured.
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specpipe.cost import measure_cost_curve, store_cost_curve
+from specpipe.cost import measure_cost_curves, store_cost_curve
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
 from specpipe.pipelines.bench import output_dir
@@ -119,35 +120,40 @@ def build_engine_by_name(name: str):
     return instantiate(OmegaConf.load(engine_config_path(name)))
 
 
-def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]):
-    """(label, runner) per engine for one dtype: each on its own freshly loaded instance."""
+def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
+    """label -> runner for one dtype, each on its own freshly loaded instance of the model."""
     model_cfg = OmegaConf.merge(cfg.model, {"dtype": dtype})
     loaded = load_model(model_cfg)
-    yield STOCK, TransformersForward(loaded.model, loaded.name)
+    result = {STOCK: TransformersForward(loaded.model, loaded.name)}
     for name in engines:
         loaded = load_model(model_cfg)
         engine = build_engine_by_name(name)
         engine.apply(loaded.model)
-        yield f"specpipe-{engine.name}", TargetModel(loaded.model, name=loaded.name, attention="sdpa",
-                                                    engine=engine.name)
+        result[f"specpipe-{engine.name}"] = TargetModel(loaded.model, name=loaded.name, attention="sdpa",
+                                                        engine=engine.name)
+    return result
 
 
 def measure(cfg: DictConfig, settings: CostSettings) -> list[dict]:
+    """Every engine of a dtype is loaded at once and measured in the same interleaved rounds, so
+    the ratios between engines do not depend on when each was measured."""
     rows = []
-    jobs = len(settings.dtypes) * (1 + len(settings.engines)) * len(settings.kv_lengths)
+    jobs = len(settings.dtypes) * len(settings.kv_lengths)
     with tqdm(total=jobs, desc="bench_cost", file=sys.stderr) as progress:
         for dtype in settings.dtypes:
-            for label, runner in runners(cfg, dtype, settings.engines):
-                for kv_length in settings.kv_lengths:
-                    progress.set_postfix_str(f"{dtype} {label} kv={kv_length}")
-                    curve = measure_cost_curve(runner, settings.queries, kv_length=kv_length, rounds=settings.rounds)
+            by_label = runners(cfg, dtype, settings.engines)
+            for kv_length in settings.kv_lengths:
+                progress.set_postfix_str(f"{dtype} kv={kv_length}")
+                curves = measure_cost_curves(list(by_label.values()), settings.queries, kv_length=kv_length,
+                                             rounds=settings.rounds)
+                for (label, runner), curve in zip(by_label.items(), curves):
                     rows += [{"engine": label, "dtype": dtype, "kv_length": kv_length, "queries": q, "ms": ms}
                              for q, ms in zip(curve.queries, curve.milliseconds)]
                     if isinstance(runner, TargetModel) and kv_length == POLICY_KV_LENGTH:
                         store_cost_curve(runner, curve, kv_length)
-                    progress.update()
-                del runner
-                gc.collect()
+                progress.update()
+            del by_label
+            gc.collect()
     return rows
 
 
