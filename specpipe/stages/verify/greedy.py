@@ -20,16 +20,23 @@ class GreedyVerifier:
 
     def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None,
                sampling: SamplingConfig | None = None) -> VerifyResult:
-        # logits: [n + 1, vocab]; row 0 follows the root, row i + 1 follows node i
-        best = logits.argmax(dim=-1).tolist()  # [n + 1]
-        tokens = tree.tokens.tolist()
-        children = tree.children()
-        accepted: list[int] = []
-        node = -1
-        while True:
-            wanted = best[node + 1]
-            match = next((c for c in children.get(node, ()) if tokens[c] == wanted), None)
-            if match is None:
-                return VerifyResult(accepted=accepted, bonus=wanted, logits=logits)
-            accepted.append(match)
-            node = match
+        return greedy_accept(tree, logits)
+
+
+def greedy_accept(tree: DraftTree, logits: Tensor) -> VerifyResult:
+    """The greedy rule itself; the sampling verifiers fall back to it at temperature 0.
+
+    logits: [n + 1, vocab]; row 0 follows the root, row i + 1 follows node i.
+    """
+    best = logits.argmax(dim=-1).tolist()  # [n + 1]
+    tokens = tree.tokens.tolist()
+    children = tree.children()
+    accepted: list[int] = []
+    node = -1
+    while True:
+        wanted = best[node + 1]
+        match = next((c for c in children.get(node, ()) if tokens[c] == wanted), None)
+        if match is None:
+            return VerifyResult(accepted=accepted, bonus=wanted, logits=logits)
+        accepted.append(match)
+        node = match

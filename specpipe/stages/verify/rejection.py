@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from specpipe.sampling import sample, target_probs, uniform
-from specpipe.stages.verify.greedy import GreedyVerifier
+from specpipe.stages.verify.greedy import greedy_accept
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
@@ -24,13 +24,10 @@ class RejectionSamplingVerifier:
     lossless = True
     supports_sampling = True
 
-    def __init__(self) -> None:
-        self._greedy = GreedyVerifier()
-
     def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None,
                sampling: SamplingConfig | None = None) -> VerifyResult:
         if sampling is None or sampling.greedy:
-            return self._greedy.accept(tree, logits, rng, sampling)
+            return greedy_accept(tree, logits)
         probs = target_probs(logits, sampling)  # [n + 1, vocab]
         tokens = tree.tokens.tolist()
         children = tree.children()

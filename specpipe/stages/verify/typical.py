@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from specpipe.sampling import sample, target_probs
-from specpipe.stages.verify.greedy import GreedyVerifier
+from specpipe.stages.verify.greedy import greedy_accept
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
@@ -29,12 +29,11 @@ class TypicalAcceptanceVerifier:
             raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {epsilon}, {delta}")
         self.epsilon = epsilon
         self.delta = delta
-        self._greedy = GreedyVerifier()
 
     def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None = None,
                sampling: SamplingConfig | None = None) -> VerifyResult:
         if sampling is None or sampling.greedy:
-            return self._greedy.accept(tree, logits, rng, sampling)
+            return greedy_accept(tree, logits)
         probs = target_probs(logits, sampling)  # [n + 1, vocab]
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)  # [n + 1]
         threshold = [min(self.epsilon, self.delta * math.exp(-float(h))) for h in entropy]
