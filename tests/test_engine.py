@@ -12,14 +12,18 @@ import logging
 import pytest
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from conftest import DRAFTING_PIPELINES, near_tie_divergence, random_prompts, run_steps
 from specpipe.engine import onednn
+from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
 from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
+from specpipe.target import TargetModel
+from specpipe.types import DraftTree
 
 NEAR_TIE = 1e-3
 EMBEDDED_PROMPTS = [
@@ -45,13 +49,67 @@ def linears(model: nn.Module) -> list[str]:
 def test_fast_engine_swaps_every_linear_and_fuses_shared_inputs():
     model = fresh_tiny()
     assert linears(model)
-    OneDNNEngine().apply(model)
+    OneDNNEngine(lean_blocks=False).apply(model)
     assert linears(model) == []
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attention.q_proj.packed is attention.k_proj.packed is attention.v_proj.packed
     assert mlp.gate_proj.packed is mlp.up_proj.packed
     assert attention.o_proj.packed is not attention.q_proj.packed and isinstance(model.lm_head, OneDNNLinear)
     assert model.specpipe_engine == "fast"
+
+
+def test_fast_engine_swaps_llama_blocks_for_lean_ones_over_the_fused_products():
+    model = fresh_tiny()
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    OneDNNEngine().apply(model)
+    assert linears(model) == []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attention, FusedQKVAttention) and isinstance(mlp, FusedGatedMLP)
+        assert attention.qkv.splits == [config.num_attention_heads * head_dim,
+                                        config.num_key_value_heads * head_dim, config.num_key_value_heads * head_dim]
+        assert mlp.gate_up.splits == [config.intermediate_size] * 2
+        assert isinstance(attention.o_proj, OneDNNLinear) and isinstance(mlp.down_proj, OneDNNLinear)
+
+
+def test_blocks_whose_forward_is_not_llamas_keep_transformers_forward():
+    """A subclass that overrides forward (or an MLP with another activation) must not be replaced."""
+    class OtherAttention(LlamaAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = fresh_tiny()
+    first = model.model.layers[0]
+    first.self_attn.__class__ = OtherAttention
+    first.mlp.act_fn = nn.GELU()
+    OneDNNEngine().apply(model)
+    assert type(first.self_attn) is OtherAttention and type(first.mlp) is LlamaMLP
+    assert first.self_attn.q_proj.packed is first.self_attn.v_proj.packed  # linears still prepacked and fused
+    assert isinstance(model.model.layers[1].self_attn, FusedQKVAttention)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
+    """The same fused products through the lean and the stock blocks: bitwise equal outputs and cache."""
+    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine(lean_blocks=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    target_stock, target_lean = TargetModel(stock, engine="fast"), TargetModel(lean, engine="fast")
+    prompt = random_prompts(1, seed=rows)[0]
+    tree = DraftTree.from_parents(torch.arange(300, 300 + rows), torch.tensor([-1, 0, 0, 1, 2][:rows]))
+    outputs, caches = [], []
+    for target in (target_stock, target_lean):
+        cache = target.new_cache()
+        prefill = target.prefill(prompt, cache)
+        out = target.forward_tree(prompt[-1], tree, cache)
+        outputs.append((prefill.logits, out.logits, out.hidden))
+        caches.append(cache)
+    for expected, got in zip(*outputs):
+        assert torch.equal(expected, got)
+    for expected, got in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

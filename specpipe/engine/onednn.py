@@ -102,6 +102,7 @@ class OneDNNEngine:
     """
 
     fuse: bool = True
+    lean_blocks: bool = True  # swap Llama attention/MLP blocks for lean ones over the fused products
     name: str = "fast"
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -113,6 +114,10 @@ class OneDNNEngine:
             return model  # already rewritten (a model shared by several pipelines)
         for module in list(model.modules()):
             self._swap_children(module)
+        if self.fuse and self.lean_blocks:
+            from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
+
+            swap_lean_blocks(model)
         return model
 
     def _unsupported(self, model: nn.Module) -> str | None:
