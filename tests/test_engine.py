@@ -112,6 +112,21 @@ def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
         assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_lean_blocks_serve_transformers_own_attention_implementations(implementation):
+    """Outside TargetModel (plain model call, transformers' cache and attention): still the stock result."""
+    stock, lean = fresh_tiny(), fresh_tiny()
+    OneDNNEngine(lean_blocks=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    input_ids = torch.tensor(random_prompts(2, seed=3)[:1])  # [1, L]
+    logits = []
+    for model in (stock, lean):
+        model.set_attn_implementation(implementation)
+        with torch.inference_mode():
+            logits.append(model(input_ids=input_ids).logits)
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 16, 33])
 def test_onednn_linear_matches_nn_linear(dtype, atol, rows):

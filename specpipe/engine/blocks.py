@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, rotate_half
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, eager_attention_forward,
+                                                      rotate_half)
 
 from specpipe.engine.onednn import OneDNNLinear, PackedWeight
 
@@ -68,7 +69,7 @@ class FusedQKVAttention(nn.Module):
         value = qkv[:, :, rotated_heads:].transpose(1, 2)  # [batch, kv_heads, q, head_dim]
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(batch, q, -1)), None  # out [batch, q, heads, head_dim]
 

@@ -33,6 +33,7 @@ from specpipe.models import parse_dtype
 from specpipe.pipelines.bench import output_dir
 from specpipe.pipelines.bench_report import machine_info, write_atomically, write_text
 from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.pipelines.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel
 from specpipe.types import DraftTree
 
@@ -84,6 +85,7 @@ class CostSettings:
     dtypes: tuple[str, ...]
     engines: tuple[str, ...]
     rounds: int
+    profile_queries: tuple[int, ...]  # q values profiled op by op at the policy KV length (empty: none)
     out: Path
 
 
@@ -102,8 +104,11 @@ def read_settings(cfg: DictConfig) -> CostSettings:
     engines = tuple(str(name) for name in bench.engines)
     for name in engines:
         engine_config_path(name)
+    profile_queries = tuple(int(q) for q in bench.get("profile_queries") or ())
+    if profile_queries and min(profile_queries) < 1:
+        raise InvalidRequest(f"bench_cost.profile_queries must be positive counts, got {list(profile_queries)}")
     return CostSettings(queries, kv_lengths, tuple(str(d) for d in bench.dtypes), engines, int(bench.rounds),
-                        output_dir(bench.get("out"), "bench_cost.out"))
+                        profile_queries, output_dir(bench.get("out"), "bench_cost.out"))
 
 
 def engine_config_path(name: str) -> Path:
@@ -134,11 +139,12 @@ def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
     return result
 
 
-def measure(cfg: DictConfig, settings: CostSettings) -> list[dict]:
+def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[dict]]:
     """Every engine of a dtype is loaded at once and measured in the same interleaved rounds, so
-    the ratios between engines do not depend on when each was measured."""
-    rows = []
-    jobs = len(settings.dtypes) * len(settings.kv_lengths)
+    the ratios between engines do not depend on when each was measured. Returns the curve rows
+    and the op profiles ({engine, dtype, queries, ops: {op: ms per forward}})."""
+    rows, profiles = [], []
+    jobs = len(settings.dtypes) * (len(settings.kv_lengths) + bool(settings.profile_queries))
     with tqdm(total=jobs, desc="bench_cost", file=sys.stderr) as progress:
         for dtype in settings.dtypes:
             by_label = runners(cfg, dtype, settings.engines)
@@ -152,9 +158,15 @@ def measure(cfg: DictConfig, settings: CostSettings) -> list[dict]:
                     if isinstance(runner, TargetModel) and kv_length == POLICY_KV_LENGTH:
                         store_cost_curve(runner, curve, kv_length)
                 progress.update()
+            if settings.profile_queries:
+                progress.set_postfix_str(f"{dtype} profile")
+                profiles += [{"engine": label, "dtype": dtype, "queries": q,
+                              "ops": profile_forward(runner, q, kv_length=POLICY_KV_LENGTH)}
+                             for label, runner in by_label.items() for q in settings.profile_queries]
+                progress.update()
             del by_label
             gc.collect()
-    return rows
+    return rows, profiles
 
 
 def lookup(rows: Sequence[dict], engine: str, dtype: str, kv_length: int, queries: int) -> float | None:
@@ -204,6 +216,21 @@ def markdown(rows: Sequence[dict], settings: CostSettings, checks: Sequence[dict
     return "\n".join(lines) + "\n"
 
 
+def profile_markdown(profiles: Sequence[dict]) -> str:
+    """Per dtype: op self time per forward (torch profiler), a column per engine and q."""
+    lines = []
+    for dtype in dict.fromkeys(p["dtype"] for p in profiles):
+        columns = [p for p in profiles if p["dtype"] == dtype]
+        shown = top_ops([p["ops"] for p in columns])
+        lines += [f"### Where the time goes: {dtype}, KV length {POLICY_KV_LENGTH} (ms per forward)", "",
+                  "| op | " + " | ".join(f"{p['engine']} q={p['queries']}" for p in columns) + " |",
+                  "|---|" + "---:|" * len(columns)]
+        lines += [f"| {name} | " + " | ".join(f"{row_value(p['ops'], name, shown):.2f}" for p in columns) + " |"
+                  for name in shown]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[dict], settings: CostSettings, path: Path, title: str) -> None:
     import matplotlib
 
@@ -236,14 +263,14 @@ def run_bench_cost(cfg: DictConfig) -> dict:
     settings = read_settings(cfg)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    rows = measure(cfg, settings)
+    rows, profiles = measure(cfg, settings)
     checks = bar_checks(rows)
     machine = machine_info()
     report = {"model": str(cfg.model.name), "machine": machine, "threads": torch.get_num_threads(),
-              "rounds": settings.rounds, "rows": rows, "bars": checks}
+              "rounds": settings.rounds, "rows": rows, "bars": checks, "profiles": profiles}
     settings.out.mkdir(parents=True, exist_ok=True)
     write_text(settings.out / "cost.json", json.dumps(report, indent=1))
-    table = markdown(rows, settings, checks)
+    table = markdown(rows, settings, checks) + ("\n" + profile_markdown(profiles) if profiles else "")
     write_text(settings.out / "cost.md", f"# Forward cost: {cfg.model.name}\n\n{table}")
     plot(rows, settings, settings.out / "cost.png", f"{cfg.model.name}: ms per target forward")
     print(table)

@@ -1,0 +1,71 @@
+"""Where a target forward's time goes: torch profiler op self time per forward, for `task=bench_cost`.
+
+The profiler sees ATen/oneDNN ops only; the time between them (Python in the model's modules,
+dispatch, allocation) is the forward's unprofiled wall time minus the op total, so one table
+answers both "which ops dominate" and "how much is not in any op".
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specpipe.types import DraftTree
+
+BETWEEN_OPS = "(between ops: Python, dispatch)"
+OTHER_OPS = "(other ops)"
+TOTAL = "(wall time, unprofiled)"
+
+
+def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8, seed: int = 0) -> dict[str, float]:
+    """op name -> milliseconds of self time per forward of `target.forward_tree` with q = `queries`
+    (a chain of q - 1 draft nodes) over a `kv_length` cache, plus BETWEEN_OPS and TOTAL rows."""
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, target.vocab_size, (kv_length + 1,), generator=generator).tolist()
+    tree = DraftTree.from_parents(torch.randint(0, target.vocab_size, (queries - 1,), generator=generator),
+                                  torch.arange(-1, queries - 2))
+    cache = target.new_cache()
+    target.prefill(context[:-1], cache)
+
+    def forward() -> None:
+        target.forward_tree(context[-1], tree, cache)
+        cache.crop(kv_length)
+
+    wall = []
+    for index in range(repeats + 1):
+        start = time.perf_counter()
+        forward()
+        if index:  # the first call warms up
+            wall.append((time.perf_counter() - start) * 1000.0)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(repeats):
+            forward()
+    per_op: dict[str, float] = defaultdict(float)
+    for event in profiler.key_averages():
+        if event.self_cpu_time_total > 0:
+            per_op[event.key] += event.self_cpu_time_total / 1000.0 / repeats  # µs total -> ms per forward
+    total = statistics.median(wall)
+    per_op = dict(per_op)
+    per_op[BETWEEN_OPS] = max(0.0, total - sum(per_op.values()))
+    per_op[TOTAL] = total
+    return per_op
+
+
+def top_ops(profiles: Sequence[dict[str, float]], count: int = 8) -> list[str]:
+    """The `count` ops with the most time summed over `profiles`, then OTHER_OPS, BETWEEN_OPS, TOTAL."""
+    summed: dict[str, float] = defaultdict(float)
+    for per_op in profiles:
+        for name, ms in per_op.items():
+            if name not in (BETWEEN_OPS, TOTAL):
+                summed[name] += ms
+    return sorted(summed, key=summed.__getitem__, reverse=True)[:count] + [OTHER_OPS, BETWEEN_OPS, TOTAL]
+
+
+def row_value(per_op: dict[str, float], name: str, shown: Sequence[str]) -> float:
+    if name == OTHER_OPS:
+        return sum(ms for op, ms in per_op.items() if op not in shown)
+    return per_op.get(name, 0.0)

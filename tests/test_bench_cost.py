@@ -1,0 +1,66 @@
+"""`task=bench_cost` end to end on the tiny random model: curves, op profile, cached curves, bad settings."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpipe.errors import ConfigError, InvalidRequest
+from specpipe.pipelines.bench_cost import read_settings, run_bench_cost
+from specpipe.pipelines.builder import compose_config
+from specpipe.pipelines.forward_profile import BETWEEN_OPS, OTHER_OPS, TOTAL, row_value, top_ops
+
+ENGINES = ("transformers", "specpipe-hf", "specpipe-fast")
+
+
+def cost_config(out, *extra: str):
+    return compose_config(["task=bench_cost", "model=tiny_random", "bench_cost.queries=[1,2,4]",
+                           "bench_cost.kv_lengths=[16]", "bench_cost.dtypes=[fp32]", "bench_cost.rounds=1",
+                           "bench_cost.profile_queries=[1,4]", f"bench_cost.out={out}", *extra])
+
+
+def test_bench_cost_measures_every_engine_profiles_them_and_writes_the_report(tmp_path):
+    """KV length 16 is not the drafting policy's (256), so nothing is written to the curve cache."""
+    out = tmp_path / "out"
+    report = run_bench_cost(cost_config(out))
+
+    rows = report["rows"]
+    assert {(row["engine"], row["queries"]) for row in rows} == {(e, q) for e in ENGINES for q in (1, 2, 4)}
+    assert all(row["ms"] > 0 and row["kv_length"] == 16 and row["dtype"] == "fp32" for row in rows)
+    for name in ("cost.json", "cost.md", "cost.png"):
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "cost.json").read_text())["rows"] == rows
+
+    profiles = report["profiles"]
+    assert {(p["engine"], p["queries"]) for p in profiles} == {(e, q) for e in ENGINES for q in (1, 4)}
+    for profile in profiles:
+        ops = profile["ops"]
+        assert ops[TOTAL] > 0 and ops[BETWEEN_OPS] >= 0
+        linear = "mkldnn::_linear_pointwise" if profile["engine"] == "specpipe-fast" else "aten::mm"
+        assert ops.get(linear, 0) > 0, (profile["engine"], sorted(ops))  # the linears are where we look
+    markdown = (out / "cost.md").read_text()
+    assert "Where the time goes: fp32" in markdown and "specpipe-fast q=4" in markdown
+
+
+def test_profile_table_rows_keep_the_top_ops_and_sum_the_rest():
+    profiles = [{"a": 5.0, "b": 1.0, "c": 0.5, BETWEEN_OPS: 2.0, TOTAL: 8.5}, {"a": 4.0, "c": 3.0, TOTAL: 7.0}]
+    shown = top_ops(profiles, count=2)
+    assert shown == ["a", "c", OTHER_OPS, BETWEEN_OPS, TOTAL]
+    assert row_value(profiles[0], OTHER_OPS, shown) == 1.0  # "b" only
+    assert row_value(profiles[1], "b", shown) == 0.0
+
+
+@pytest.mark.parametrize("override,message", [
+    ("bench_cost.queries=[4,2]", "increasing positive counts"),
+    ("bench_cost.kv_lengths=[0]", "must be positive"),
+    ("bench_cost.rounds=0", "rounds must be >= 1"),
+    ("bench_cost.profile_queries=[0]", "profile_queries must be positive"),
+])
+def test_bench_cost_refuses_bad_settings(tmp_path, override, message):
+    with pytest.raises(InvalidRequest, match=message):
+        read_settings(cost_config(tmp_path, override))
+
+
+def test_bench_cost_refuses_an_unknown_engine(tmp_path):
+    with pytest.raises(ConfigError, match="unknown engine 'turbo'.*choose from"):
+        read_settings(cost_config(tmp_path, "bench_cost.engines=[turbo]"))
