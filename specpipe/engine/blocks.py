@@ -47,7 +47,6 @@ class FusedQKVAttention(nn.Module):
         self.head_dim = attention.head_dim
         self.num_key_value_groups = attention.num_key_value_groups
         self.scaling = attention.scaling
-        self.attention_dropout = attention.attention_dropout
         self.is_causal = attention.is_causal
         self.qkv = qkv
         self.o_proj = attention.o_proj

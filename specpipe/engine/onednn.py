@@ -95,7 +95,9 @@ class OneDNNLinear(nn.Module):
 
 @dataclass
 class OneDNNEngine:
-    """Swaps a CPU model's linear layers for prepacked oneDNN ones (in place) before decoding.
+    """Swaps a CPU model's linear layers for prepacked oneDNN ones (in place) before decoding, and
+    with `lean_blocks` the Llama attention/MLP blocks for lean ones over the fused products
+    (specpipe.engine.blocks).
 
     Falls back to the model as it is, with a warning, where oneDNN is missing, the model is not
     on the CPU or its dtype has no oneDNN path, so a config that asks for it never fails a run.
