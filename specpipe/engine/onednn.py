@@ -119,7 +119,8 @@ class OneDNNEngine:
         if self.fuse and self.lean_blocks:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
-            swap_lean_blocks(model)
+            swapped = swap_lean_blocks(model)
+            log.info("engine=%s: %d attention/MLP blocks run as lean modules", self.name, swapped)
         return model
 
     def _unsupported(self, model: nn.Module) -> str | None:
