@@ -55,6 +55,12 @@ class CostCurve:
         return {"queries": list(self.queries), "milliseconds": list(self.milliseconds)}
 
 
+def random_chain(queries: int, vocab: int, generator: torch.Generator) -> DraftTree:
+    """A chain of `queries` - 1 random draft tokens: with the root, a forward over `queries` tokens."""
+    return DraftTree.from_parents(torch.randint(0, vocab, (queries - 1,), generator=generator),
+                                  torch.arange(-1, queries - 2))
+
+
 def measure_cost_curve(target, queries: tuple[int, ...] = DEFAULT_QUERIES, kv_length: int = 256,
                        rounds: int = 7, seed: int = 0) -> CostCurve:
     """Median wall time of `target.forward_tree` with a chain of q - 1 nodes over a kv_length cache."""
@@ -74,8 +80,7 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
     for target in targets:
         caches.append(target.new_cache())
         target.prefill(context[:-1], caches[-1])
-    trees = {q: DraftTree.from_parents(torch.randint(0, vocab, (q - 1,), generator=generator),
-                                       torch.arange(-1, q - 2)) for q in queries}
+    trees = {q: random_chain(q, vocab, generator) for q in queries}
     samples = [{q: [] for q in queries} for _ in targets]
     for round_index in range(rounds + 1):
         for target, cache, target_samples in zip(targets, caches, samples):

@@ -1,4 +1,4 @@
-"""`task=bench_cost` end to end on the tiny random model: curves, op profile, cached curves, bad settings."""
+"""`task=bench_cost` end to end on the tiny random model: curves, op profile, report files, bad settings."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,6 @@ def cost_config(out, *extra: str):
 
 
 def test_bench_cost_measures_every_engine_profiles_them_and_writes_the_report(tmp_path):
-    """KV length 16 is not the drafting policy's (256), so nothing is written to the curve cache."""
     out = tmp_path / "out"
     report = run_bench_cost(cost_config(out))
 

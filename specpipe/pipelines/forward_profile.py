@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specpipe.types import DraftTree
+from specpipe.cost import random_chain
 
 BETWEEN_OPS = "(between ops: Python, dispatch)"
 OTHER_OPS = "(other ops)"
@@ -26,8 +26,7 @@ def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8
     (a chain of q - 1 draft nodes) over a `kv_length` cache, plus BETWEEN_OPS and TOTAL rows."""
     generator = torch.Generator().manual_seed(seed)
     context = torch.randint(0, target.vocab_size, (kv_length + 1,), generator=generator).tolist()
-    tree = DraftTree.from_parents(torch.randint(0, target.vocab_size, (queries - 1,), generator=generator),
-                                  torch.arange(-1, queries - 2))
+    tree = random_chain(queries, target.vocab_size, generator)
     cache = target.new_cache()
     target.prefill(context[:-1], cache)
 
