@@ -11,7 +11,7 @@ from specpipe.errors import SpecpipeError
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from specpipe.pipelines.tasks import run_task
+    from specpipe.tasks import run_task
 
     try:
         run_task(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -17,8 +18,11 @@ from pathlib import Path
 
 import torch
 
+from specpipe.engine.cpu import cpu_description
 from specpipe.models import cache_root
 from specpipe.types import DraftTree
+
+log = logging.getLogger(__name__)
 
 DEFAULT_QUERIES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -102,6 +106,9 @@ def _machine_key(target, kv_length: int) -> str:
              str(torch.get_num_threads()), torch.__version__, str(kv_length), str(os.cpu_count())]
     if target.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(target.device))
+    else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
+        description = cpu_description()
+        parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"])]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -124,8 +131,51 @@ def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = Non
     """The curve for this machine/model/engine/dtype: measured once (a few seconds), then read from disk."""
     path = cost_curve_path(target, kv_length, cache_dir)
     if path.is_file():
-        data = json.loads(path.read_text())
-        return CostCurve(tuple(data["queries"]), tuple(data["milliseconds"]))
+        try:
+            data = json.loads(path.read_text())
+            return CostCurve(tuple(int(q) for q in data["queries"]), tuple(float(ms) for ms in data["milliseconds"]))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            log.warning("the cached cost curve %s cannot be read (%s: %s); measuring it again", path,
+                        type(error).__name__, error)
     curve = measure_cost_curve(target, kv_length=kv_length)
     store_cost_curve(target, curve, kv_length, cache_dir)
     return curve
+
+
+def measure_read_bandwidth(megabytes: int = 256, rounds: int = 7) -> float:
+    """GB/s reading a `megabytes` fp32 tensor with torch's threads (median over rounds, after one warm-up).
+
+    A one-token decoding step on a CPU streams every weight from memory once, so the weight bytes
+    over this bandwidth are the physical floor of a step: no engine can beat it.
+    """
+    data = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)  # [elements]
+    data.sum()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        data.sum()
+        samples.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(samples) / 1e9
+
+
+def streamed_weight_bytes(model: torch.nn.Module, rows: int = 1) -> int:
+    """Bytes of weights a forward of `rows` query tokens reads: every parameter or prepacked weight
+    once, embedding tables not at all (a lookup reads a row; a tied output layer reads the table as
+    its own weight)."""
+    from specpipe.engine.onednn import PackedWeight
+
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        if isinstance(module, PackedWeight):
+            if id(module) not in seen:
+                seen.add(id(module))
+                total += module.weight_bytes(rows)
+            continue
+        for tensor in module.parameters(recurse=False):
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from specpipe.errors import ConfigError, InvalidRequest
-from specpipe.pipelines.bench import (Question, TurnOutput, read_questions, run_bench, run_question,
+from specpipe.tasks.bench import (Question, TurnOutput, read_questions, run_bench, run_question,
                                       select_questions)
 from specpipe.pipelines.builder import compose_config
 
@@ -212,7 +212,7 @@ def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path
 
 def test_hf_methods_run_transformers_forward_when_the_engine_rewrites_the_model(prompts_file, tiny_mixed, tmp_path):
     """hf_generate is the reference only if it runs the stock model, not the one engine=fast rewrote."""
-    from specpipe.pipelines.bench import make_methods
+    from specpipe.tasks.bench import make_methods
     from specpipe.pipelines.builder import build_pipeline
 
     cfg = compose_config(tiny_overrides(prompts_file, "engine=fast", f"bench.out={tmp_path}"))

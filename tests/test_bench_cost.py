@@ -6,9 +6,9 @@ import json
 import pytest
 
 from specpipe.errors import ConfigError, InvalidRequest
-from specpipe.pipelines.bench_cost import read_settings, run_bench_cost
+from specpipe.tasks.bench_cost import read_settings, run_bench_cost
 from specpipe.pipelines.builder import compose_config
-from specpipe.pipelines.forward_profile import BETWEEN_OPS, OTHER_OPS, TOTAL, row_value, top_ops
+from specpipe.tasks.forward_profile import BETWEEN_OPS, OTHER_OPS, TOTAL, row_value, top_ops
 
 ENGINES = ("transformers", "specpipe-hf", "specpipe-fast")
 
@@ -39,6 +39,35 @@ def test_bench_cost_measures_every_engine_profiles_them_and_writes_the_report(tm
         assert ops.get(linear, 0) > 0, (profile["engine"], sorted(ops))  # the linears are where we look
     markdown = (out / "cost.md").read_text()
     assert "Where the time goes: fp32" in markdown and "specpipe-fast q=4" in markdown
+
+    # the physical floor: weight bytes per step over the measured read bandwidth, beside each engine
+    bandwidth = report["read_bandwidth_gbs"]
+    assert 0.5 < bandwidth < 2000
+    floors = {f["engine"]: f for f in report["floors"]}
+    assert set(floors) == set(ENGINES)
+    for floor in floors.values():
+        assert floor["floor_ms"] == pytest.approx(floor["weight_bytes"] / (bandwidth * 1e9) * 1000)
+        assert floor["step_ms"] == next(r["ms"] for r in rows if r["engine"] == floor["engine"] and r["queries"] == 1)
+        assert floor["x_floor"] == pytest.approx(floor["step_ms"] / floor["floor_ms"])
+    assert floors["transformers"]["weight_bytes"] == floors["specpipe-fast"]["weight_bytes"]  # fp32 both
+    assert "Memory floor" in markdown and "step / floor" in markdown
+    assert "fp32: our 1-token step / memory floor" in {bar["what"] for bar in report["bars"]}
+    assert report["machine"]["cpu_capability"] in markdown  # the CPU class is on the report's machine line
+
+
+def test_streamed_weight_bytes_count_each_weight_once_and_no_embedding_table():
+    from specpipe.cost import streamed_weight_bytes
+    from specpipe.engine.onednn import OneDNNEngine
+    from specpipe.pipelines.builder import load_model
+
+    model = load_model(compose_config(["model=tiny_random"]).model).model
+    config = model.config
+    embedding = config.vocab_size * config.hidden_size * 4
+    parameters = sum(p.numel() * 4 for p in model.parameters())  # tied output layer counted once
+    expected = parameters if config.tie_word_embeddings else parameters - embedding
+    assert streamed_weight_bytes(model) == expected
+    OneDNNEngine().apply(model)
+    assert streamed_weight_bytes(model) == expected  # prepacked fp32 weights: the same bytes
 
 
 def test_profile_table_rows_keep_the_top_ops_and_sum_the_rest():

@@ -15,7 +15,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from conftest import DRAFTING_PIPELINES, near_tie_divergence, random_prompts, run_steps
-from specpipe.engine import onednn
+from specpipe.engine import cpu, onednn
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
 from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
@@ -139,7 +139,7 @@ def test_onednn_linear_matches_nn_linear(dtype, atol, rows):
         parameter.data = torch.randn(parameter.shape, generator=generator).to(dtype)
     x = torch.randn(2, rows, 40, generator=generator).to(dtype)  # [batch, rows, in]
     expected = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    OneDNNEngine()._swap_children(parent)
+    OneDNNEngine().apply(parent)
     assert parent.q_proj.packed is parent.v_proj.packed  # fused although only some have a bias
     for name in ("v_proj", "q_proj", "k_proj", "o_proj"):  # any call order
         out = getattr(parent, name)(x)
@@ -153,7 +153,7 @@ def test_fused_member_with_another_input_computes_its_own_product():
     parent.gate_proj, parent.up_proj = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False)
     x, y = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
     expected_gate, expected_up = parent.gate_proj(x), parent.up_proj(y)
-    OneDNNEngine()._swap_children(parent)
+    OneDNNEngine().apply(parent)
     torch.testing.assert_close(parent.gate_proj(x), expected_gate, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(parent.up_proj(y), expected_up, atol=1e-5, rtol=1e-5)
     y.add_(0)  # the same tensor again (in place, same object) is still y's product
@@ -176,7 +176,7 @@ def test_fast_engine_falls_back_with_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         OneDNNEngine().apply(fp16)
     assert linears(fp16) and "no prepacked oneDNN path" in caplog.text
-    monkeypatch.setattr(onednn, "onednn_available", lambda: False)
+    monkeypatch.setattr(cpu, "onednn_available", lambda: False)
     model = fresh_tiny()
     with caplog.at_level(logging.WARNING):
         OneDNNEngine().apply(model)
@@ -257,3 +257,122 @@ def test_near_tie_check_fails_on_a_real_divergence(tiny_mixed):
     ours = expected[:position] + [second]
     divergence = near_tie_divergence(tiny_mixed, prompt, ours, expected[: position + 1])
     assert divergence == (position, pytest.approx(gaps[position]))
+
+
+# ---- what this CPU can run -----------------------------------------------------------------
+AVX2_BF16_ERROR = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+                   "avx512vl and avx512dq")
+
+
+def without_native_bf16(monkeypatch) -> None:
+    """Simulates a CPU whose oneDNN has no bf16 kernel (an AVX2 CPU), whatever this one has."""
+    real_probe = cpu._run_probe
+
+    def probe(dtype: torch.dtype) -> str:
+        if dtype == torch.bfloat16:
+            raise RuntimeError(AVX2_BF16_ERROR)
+        return real_probe(dtype)
+
+    monkeypatch.setattr(cpu, "_run_probe", probe)
+
+
+def test_the_probe_names_the_onednn_kernel_each_dtype_gets_here():
+    fp32 = cpu.probe_linear_path(torch.float32)
+    bf16 = cpu.probe_linear_path(torch.bfloat16)
+    assert isinstance(fp32, cpu.LinearPath) and fp32.compute_dtype == torch.float32
+    assert fp32.kernel != "unknown" and not fp32.kernel.startswith("ref")  # read from oneDNN's own verbose log
+    assert isinstance(bf16, cpu.LinearPath) and not bf16.kernel.startswith("ref")
+    # native bf16 only where the CPU has the instructions oneDNN's bf16 kernels need
+    flags = cpu.cpu_description()["isa_flags"]
+    if bf16.compute_dtype == torch.bfloat16:
+        assert "avx512bw" in flags or "avx_ne_convert" in flags
+    assert cpu.probe_linear_path(torch.bfloat16, prefer_fp32_compute=True).compute_dtype == torch.float32
+    assert "no prepacked oneDNN path" in cpu.probe_linear_path(torch.float16)
+
+
+def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch, caplog):
+    without_native_bf16(monkeypatch)
+    model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(bf16_small_rows=2).apply(model)
+    assert linears(model) == [] and model.specpipe_engine == "fast"
+    packed = model.lm_head.packed
+    assert packed.compute_dtype == torch.float32 and packed.packed.dtype == torch.float32
+    line = [record.message for record in caplog.records if "bf16 linears" in record.message]
+    assert len(line) == 1 and "avx512bw" in line[0]
+    assert "bf16 F.linear for up to 2 rows, prepacked fp32 oneDNN (inputs upcast from bf16) above" in line[0]
+    # up to small_rows rows: transformers' own bf16 product on the untouched weight, bitwise
+    hidden = model.config.hidden_size
+    for rows in (1, 2):
+        x = torch.randn(1, rows, hidden).bfloat16()  # [batch, rows, hidden]
+        assert torch.equal(model.lm_head(x), stock.lm_head(x))
+    # more rows: the fp32 product of the bf16 values rounded to bf16, as a bf16 GEMM's (which
+    # accumulates in fp32): only the order of the sums may differ, i.e. at most one bf16 rounding step
+    x = torch.randn(3, hidden).bfloat16()  # [rows, hidden]
+    out = model.lm_head(x)
+    expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    # a one-token step streams the bf16 weights, a verify the fp32 packing
+    from specpipe.cost import streamed_weight_bytes
+
+    stock_bytes = streamed_weight_bytes(stock)
+    assert streamed_weight_bytes(model, rows=1) == stock_bytes
+    assert streamed_weight_bytes(model, rows=3) > 1.9 * stock_bytes
+
+
+def test_bf16_fallback_decodes_as_transformers_bf16_does(monkeypatch):
+    """Greedy tokens of the fallback path against the stock bf16 model, recomputed from scratch each
+    step: they may part only at a near-tie of the stock logits (bf16 keeps 8 bits of mantissa)."""
+    without_native_bf16(monkeypatch)
+    model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
+    cfg = compose_config(["model=tiny_random", "model.dtype=bf16", "pipeline=lookahead_trie", "cost_curve=flat"])
+    pipe = build_pipeline(cfg, loaded=LoadedModel(model, load_model(cfg.model).tokenizer, "tiny_bf16"))
+    assert pipe.target.engine == "fast" and model.lm_head.packed.compute_dtype == torch.float32
+    agreed = 0
+    for prompt in random_prompts(8, seed=11):
+        tokens = pipe.generate(prompt, max_new_tokens=16).token_ids
+        for i, token in enumerate(tokens):
+            with torch.inference_mode():
+                logits = stock(input_ids=torch.tensor([prompt + tokens[:i]])).logits[0, -1].float()
+            top = logits.topk(2)
+            if token != int(top.indices[0]):
+                assert token == int(top.indices[1]) and float(top.values[0] - top.values[1]) <= 2 ** -6 * float(
+                    top.values[0].abs()), f"token {i} differs at a clear gap"
+                break
+            agreed += 1
+    assert agreed >= 8 * 16 * 3 // 4  # mostly identical, not a vacuous pass
+
+
+def test_no_prepacked_path_leaves_the_model_untouched(monkeypatch, caplog):
+    def no_kernel(dtype):
+        raise RuntimeError("simulated: no oneDNN kernel for this CPU")
+
+    monkeypatch.setattr(cpu, "_run_probe", no_kernel)
+    for dtype in ("fp32", "bf16"):
+        model = fresh_tiny(dtype)
+        before = linears(model)
+        with caplog.at_level(logging.WARNING):
+            OneDNNEngine().apply(model)
+        assert linears(model) == before and getattr(model, "specpipe_engine", "hf") == "hf"
+        assert "simulated: no oneDNN kernel" in caplog.text and "transformers' own forward" in caplog.text
+
+
+def test_a_packing_failure_part_way_leaves_the_model_untouched(monkeypatch, caplog):
+    """Replacements are all built before any is swapped in: no half-rewritten model."""
+    real_pack, calls = cpu.pack_weight, []
+
+    def pack_then_fail(weight):
+        calls.append(weight.shape)
+        if len(calls) > 3:
+            raise RuntimeError("simulated packing failure")
+        return real_pack(weight)
+
+    monkeypatch.setattr(onednn, "pack_weight", pack_then_fail)
+    model = fresh_tiny()
+    before = linears(model)
+    with caplog.at_level(logging.WARNING):
+        OneDNNEngine().apply(model)
+    assert len(calls) == 4 and linears(model) == before and getattr(model, "specpipe_engine", "hf") == "hf"
+    assert "simulated packing failure" in caplog.text
+    HFEngine().apply(model)  # still free for any engine

@@ -319,3 +319,21 @@ def test_token_id_prompts_skip_the_template(tiny_mixed):
     assert out.prompt_ids == GOOD_PROMPT
     assert out.token_ids == tiny_mixed.greedy_hf(GOOD_PROMPT, 8)
     assert torch.tensor(out.token_ids).max() < tiny_mixed.loaded.model.config.vocab_size
+
+
+@pytest.mark.parametrize("content", [b"{\"queries\": [1, 2], \"millis", b"\xff\xfe not json", b"{\"queries\": [1]}",
+                                     b"{\"queries\": [4, 2], \"milliseconds\": [1.0, 2.0]}"])
+def test_an_unreadable_cost_curve_cache_is_measured_again_with_a_warning(tiny, tmp_path, content, caplog):
+    import logging
+
+    from specpipe.cost import CostCurve, cached_cost_curve, cost_curve_path
+
+    target = tiny.pipeline("vanilla").target
+    path = cost_curve_path(target, kv_length=8, cache_dir=tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING):
+        curve = cached_cost_curve(target, kv_length=8, cache_dir=tmp_path)
+    assert isinstance(curve, CostCurve) and len(curve.queries) > 1 and min(curve.milliseconds) > 0
+    assert "cannot be read" in caplog.text and "measuring it again" in caplog.text
+    assert cached_cost_curve(target, kv_length=8, cache_dir=tmp_path) == curve  # the fresh curve replaced it

@@ -15,51 +15,64 @@ projections differently is still correct, only not faster.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.engine.base import claim_model
+from specpipe.engine.base import ENGINE_ATTRIBUTE, claim_model
+from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path
 
 log = logging.getLogger(__name__)
 
 # Children of one module that always read the same input in transformers' model families.
 DEFAULT_FUSE_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-PACKING_ROWS_HINT = 16
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+BF16_COMPUTE_CHOICES = ("auto", "fp32")
 
 
 class PackedWeight(nn.Module):
     """`out_features` rows of one or more linear layers, concatenated and prepacked for oneDNN."""
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
+                 small_rows: int = 0) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
+        self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
+        # Products of at most `small_rows` rows run F.linear on the weight in its own dtype (see
+        # LinearPath): kept only when the packing is in another dtype.
+        self.small_rows = small_rows if self.compute_dtype != weight.dtype else 0
+        self.small_weight = weight if self.small_rows else None  # [sum out, in]
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
-        # The row-count hint only picks the blocked layout; the packed weight serves any number of
-        # rows. Packed for a verify-sized batch it measured as fast as a 1-row packing for 1 row
-        # and up to 2x faster for 4-16 rows.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS_HINT)
+        self.packed = pack_weight(weight.to(self.compute_dtype))
         biases = [linear.bias.detach() if linear.bias is not None else None for linear in linears]
         if all(bias is None for bias in biases):
             self.bias = None
         else:
             self.bias = torch.cat([bias if bias is not None else weight.new_zeros(linear.out_features)
-                                   for bias, linear in zip(biases, linears)])  # [sum out]
-        self._last_input: weakref.ref | None = None
-        self._last_parts: tuple[Tensor, ...] = ()
+                                   for bias, linear in zip(biases, linears)]).to(self.compute_dtype)  # [sum out]
+        self.small_bias = self.bias.to(weight.dtype) if self.small_rows and self.bias is not None else None
+        # The last input's shared product, per thread: requests decoded in parallel threads each
+        # run their own forwards through the same modules.
+        self._last = threading.local()
 
     def product(self, x: Tensor) -> Tensor:
-        # x [..., in] -> [..., sum out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # x [..., in] -> [..., sum out], in x's dtype
+        if x.dtype == self.compute_dtype:
+            return packed_linear(x, self.packed, self.bias)
+        if x.numel() <= self.small_rows * self.in_features:
+            return F.linear(x, self.small_weight, self.small_bias)
+        return packed_linear(x.to(self.compute_dtype), self.packed, self.bias).to(x.dtype)
+
+    def weight_bytes(self, rows: int) -> int:
+        """Bytes of weight a product of `rows` rows streams."""
+        weight = self.small_weight if rows <= self.small_rows else self.packed
+        bias = self.small_bias if rows <= self.small_rows else self.bias
+        return sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
 
     def part(self, x: Tensor, index: int) -> Tensor:
         """Member `index`'s output for input x: [..., in] -> [..., out_index].
@@ -67,11 +80,12 @@ class PackedWeight(nn.Module):
         The first member called with a new input computes the whole product; the others reuse it.
         The input is held weakly, so a later tensor reusing its memory is never mistaken for it.
         """
-        last = self._last_input() if self._last_input is not None else None
-        if last is not x:
-            self._last_parts = self.product(x).split(self.splits, dim=-1)
-            self._last_input = weakref.ref(x)
-        return self._last_parts[index]
+        last = self._last
+        previous = last.input() if getattr(last, "input", None) is not None else None
+        if previous is not x:
+            last.parts = self.product(x).split(self.splits, dim=-1)
+            last.input = weakref.ref(x)
+        return last.parts[index]
 
 
 class OneDNNLinear(nn.Module):
@@ -99,44 +113,66 @@ class OneDNNEngine:
     with `lean_blocks` the Llama attention/MLP blocks for lean ones over the fused products
     (specpipe.engine.blocks).
 
-    Falls back to the model as it is, with a warning, where oneDNN is missing, the model is not
-    on the CPU or its dtype has no oneDNN path, so a config that asks for it never fails a run.
+    Which prepacked path the model's dtype gets is probed on this CPU once per apply
+    (`specpipe.engine.cpu.probe_linear_path`) and logged in one line. Where there is none (no
+    oneDNN, not on the CPU, fp16) the model is left exactly as it is, with a warning, so a config
+    that asks for this engine never fails a run. Every replacement module is built before the
+    first one is swapped in, so a failure part-way also leaves the model untouched.
     """
 
     fuse: bool = True
     lean_blocks: bool = True  # swap Llama attention/MLP blocks for lean ones over the fused products
+    # bf16 models: "auto" = oneDNN's native bf16 kernels where the CPU has them, else weights packed
+    # in fp32 (inputs upcast); "fp32" = always the latter.
+    bf16_compute: str = "auto"
+    # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
+    # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
+    bf16_small_rows: int = 3
     name: str = "fast"
 
+    def __post_init__(self) -> None:
+        if self.bf16_compute not in BF16_COMPUTE_CHOICES:
+            from specpipe.errors import ConfigError
+
+            raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
+
     def apply(self, model: nn.Module) -> nn.Module:
-        reason = self._unsupported(model)
-        if reason:
-            log.warning("engine=%s: %s; running transformers' own forward", self.name, reason)
+        path = self._linear_path(model)
+        if isinstance(path, str):
+            log.warning("engine=%s: %s; running transformers' own forward", self.name, path)
             return model
-        if not claim_model(model, self.name):
+        if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
-        for module in list(model.modules()):
-            self._swap_children(module)
+        try:
+            swaps = [(module, name, replacement) for module in model.modules()
+                     for name, replacement in self._replacements(module, path)]
+        except RuntimeError as error:  # the probe passed but a real weight cannot be packed
+            log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
+                        self.name, str(error).splitlines()[0])
+            return model
+        claim_model(model, self.name)
+        for module, name, replacement in swaps:
+            setattr(module, name, replacement)
+        lean = 0
         if self.fuse and self.lean_blocks:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
-            swapped = swap_lean_blocks(model)
-            log.info("engine=%s: %d attention/MLP blocks run as lean modules", self.name, swapped)
+            lean = swap_lean_blocks(model)
+        log.info("engine=%s: %s; %d attention/MLP blocks lean", self.name, path.describe(), lean)
         return model
 
-    def _unsupported(self, model: nn.Module) -> str | None:
-        if not onednn_available():
-            return "this torch build has no oneDNN linear"
+    def _linear_path(self, model: nn.Module) -> LinearPath | str:
         parameter = next(model.parameters())
         if parameter.device.type != "cpu":
             return f"the model is on {parameter.device.type}, oneDNN prepacking is for the CPU"
-        if parameter.dtype not in SUPPORTED_DTYPES:
-            return f"dtype {parameter.dtype} has no prepacked oneDNN path here"
-        return None
+        return probe_linear_path(parameter.dtype, prefer_fp32_compute=self.bf16_compute == "fp32",
+                                 small_rows=self.bf16_small_rows)
 
-    def _swap_children(self, module: nn.Module) -> None:
+    def _replacements(self, module: nn.Module, path: LinearPath) -> list[tuple[str, nn.Module]]:
+        """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
-            return
+            return []
         groups: list[tuple[str, ...]] = []
         if self.fuse:
             for group in DEFAULT_FUSE_GROUPS:
@@ -145,8 +181,8 @@ class OneDNNEngine:
                     groups.append(group)
         fused = {name for group in groups for name in group}
         groups += [(name,) for name in linears if name not in fused]
+        replacements = []
         for group in groups:
-            packed = PackedWeight([linears[name] for name in group])
-            for index, name in enumerate(group):
-                setattr(module, name, OneDNNLinear(packed, index))
-
+            packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows)
+            replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
+        return replacements

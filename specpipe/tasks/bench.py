@@ -20,7 +20,7 @@ Every method sees the same prompt token ids (`Pipeline.encode` of the chat messa
 multi-turn questions each method carries its own previous answer into the next turn.
 `bench.dtype` sets the model's dtype: `conf/task/bench.yaml` interpolates
 `model.dtype: ${bench.dtype}`. Results go to `bench.out` (default: the Hydra run dir);
-see `specpipe.pipelines.bench_report` for the files written.
+see `specpipe.tasks.bench_report` for the files written.
 """
 from __future__ import annotations
 
@@ -390,7 +390,7 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
     stock instance with the same weights for the HF methods (tests); by default the HF methods
     get a fresh instance of `cfg.model` whenever the engine rewrites the pipeline's.
     """
-    from specpipe.pipelines import bench_report
+    from specpipe.tasks import bench_report
 
     settings = read_settings(cfg)
     questions = select_questions(read_questions(settings.prompts), settings.per_category, settings.categories)

@@ -1,4 +1,4 @@
-"""The tasks `run.py` dispatches to (`task=generate`, `task=bench`, `task=bench_cost`)."""
+"""`task=generate`: stream one answer to the terminal, marking text that came from accepted drafts."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,6 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.pipelines.pipeline import GenerationStats, IncrementalText
 
@@ -14,23 +13,7 @@ DRAFTED_STYLE = "\033[32;4m"  # green, underlined
 RESET = "\033[0m"
 
 
-def run_task(cfg: DictConfig) -> None:
-    name = cfg.task.name
-    if name == "generate":
-        generate(cfg)
-    elif name == "bench":
-        from specpipe.pipelines.bench import run_bench
-
-        run_bench(cfg)
-    elif name == "bench_cost":
-        from specpipe.pipelines.bench_cost import run_bench_cost
-
-        run_bench_cost(cfg)
-    else:
-        raise ConfigError(f"unknown task {name!r}; choose task=generate, task=bench or task=bench_cost")
-
-
-def generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
+def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
     """Streams one answer; tokens that came from accepted drafts are marked."""
     pipeline = build_pipeline(cfg)
     prompt = OmegaConf.to_container(cfg.messages, resolve=True) if cfg.get("messages") else cfg.prompt

@@ -9,7 +9,7 @@ Each job writes its own `summary.json` into its job dir; at the end of the sweep
 Jobs share the `hf_generate` / `hf_pld` methods, so merged rows are keyed `JOB / METHOD`,
 where JOB names the overrides that differ between jobs (e.g. `pipeline=prompt_lookup`):
 every job keeps its own reference rows, measured in its own process run.
-`python -m specpipe.pipelines.sweep SWEEP_DIR` re-runs the merge by hand.
+`python -m specpipe.tasks.sweep SWEEP_DIR` re-runs the merge by hand.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from specpipe.pipelines.bench_report import ROW_SEPARATOR, TABLE_LEGEND, markdown_table, plot_speedup, write_text
+from specpipe.tasks.bench_report import (ROW_SEPARATOR, TABLE_LEGEND, machine_line, markdown_table, plot_speedup,
+                                         write_text)
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"
@@ -122,15 +123,13 @@ def sweep_markdown(merged: dict) -> str:
                      f"`{' '.join(job.get('overrides') or [])}` | {job.get('dir', '')} |")
     machine = merged["jobs"][0].get("machine") or {}
     if machine:
-        lines += ["", f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, torch threads "
-                      f"{machine.get('torch_threads')}, torch {machine.get('torch')}, transformers "
-                      f"{machine.get('transformers')}"]
+        lines += ["", f"- machine: {machine_line(machine)}"]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m specpipe.pipelines.sweep SWEEP_DIR")
+        sys.exit("usage: python -m specpipe.tasks.sweep SWEEP_DIR")
     if merge_sweep(Path(sys.argv[1])) is None:
         sys.exit(f"no bench summaries found under {sys.argv[1]}")
     print(Path(sys.argv[1]) / "summary.md")

@@ -12,7 +12,7 @@ Metrics, per method, over all prompts (`overall`) and within each category:
 - `speedup_vs_vanilla`: the same ratio of means over specpipe's `vanilla` (our loop and
   engine, no drafting; null when it was not run).
 
-The sweep merge (`specpipe.pipelines.sweep`) renders its table and plot with the same
+The sweep merge (`specpipe.tasks.sweep`) renders its table and plot with the same
 functions, from summaries whose row names are `JOB / METHOD`.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specpipe.pipelines.bench import QuestionRun
+    from specpipe.tasks.bench import QuestionRun
 
 REFERENCE = "hf_generate"
 VANILLA = "vanilla"  # specpipe's own loop without drafting: the second baseline
@@ -137,8 +137,15 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
+    from specpipe.engine.cpu import cpu_description
+
+    description = cpu_description()
     return {
         "cpu": cpu,
+        "cpu_capability": description["aten_capability"],  # ATen's vector ISA (AVX2, AVX512, ...)
+        "isa_flags": " ".join(description["isa_flags"]),
+        "onednn_max_cpu_isa": description["onednn_max_cpu_isa"] or "unset",
+        "onednn_linear": ", ".join(f"{dtype} {path}" for dtype, path in description["onednn_linear"].items()),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -146,6 +153,14 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def machine_line(machine: dict) -> str:
+    """The CPU with the ISA its kernels ran (reports from CPUs of different classes do not compare)."""
+    isa = (f" (ATen {machine['cpu_capability']}, oneDNN cap {machine.get('onednn_max_cpu_isa', 'unset')}, "
+           f"prepacked linears: {machine.get('onednn_linear', '?')})" if machine.get("cpu_capability") else "")
+    return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}, "
+            f"torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
 
 def _decoding(sampling: dict | None) -> str:
@@ -170,9 +185,8 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         f"- methods: {', '.join(f'`{m}`' for m in meta['methods'])} (`hf_pld` = HF `generate("
         f"prompt_lookup_num_tokens={meta['pld_tokens']})`); engine `{meta.get('engine', 'hf')}` for specpipe's "
         f"methods, transformers' stock forward for the HF ones",
-        f"- machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
-        f"torch {machine['torch']}, transformers {machine['transformers']}, python {machine['python']}; "
-        f"1-min load average {machine.get('load_avg_before', float('nan')):.2f} before the runs, "
+        f"- machine: {machine_line(machine)}, python {machine['python']}; 1-min load average "
+        f"{machine.get('load_avg_before', float('nan')):.2f} before the runs, "
         f"{machine.get('load_avg_after', float('nan')):.2f} after (the run itself adds about its thread count; "
         f"more means other processes shared the CPU and the timings are noisy)",
         f"- dtype: {meta['dtype']}",

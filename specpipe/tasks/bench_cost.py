@@ -27,13 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specpipe.cost import measure_cost_curves, store_cost_curve
+from specpipe.cost import measure_cost_curves, measure_read_bandwidth, store_cost_curve, streamed_weight_bytes
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
-from specpipe.pipelines.bench import output_dir
-from specpipe.pipelines.bench_report import machine_info, write_atomically, write_text
+from specpipe.tasks.bench import output_dir
+from specpipe.tasks.bench_report import machine_info, machine_line, write_atomically, write_text
 from specpipe.pipelines.builder import CONFIG_DIR, load_model
-from specpipe.pipelines.forward_profile import profile_forward, row_value, top_ops
+from specpipe.tasks.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel
 from specpipe.types import DraftTree
 
@@ -139,15 +139,18 @@ def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
     return result
 
 
-def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[dict]]:
+def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[dict], list[dict]]:
     """Every engine of a dtype is loaded at once and measured in the same interleaved rounds, so
-    the ratios between engines do not depend on when each was measured. Returns the curve rows
-    and the op profiles ({engine, dtype, queries, ops: {op: ms per forward}})."""
-    rows, profiles = [], []
+    the ratios between engines do not depend on when each was measured. Returns the curve rows,
+    the op profiles ({engine, dtype, queries, ops: {op: ms per forward}}) and the weight bytes each
+    runner streams per step ({engine, dtype, weight_bytes})."""
+    rows, profiles, weights = [], [], []
     jobs = len(settings.dtypes) * (len(settings.kv_lengths) + bool(settings.profile_queries))
     with tqdm(total=jobs, desc="bench_cost", file=sys.stderr) as progress:
         for dtype in settings.dtypes:
             by_label = runners(cfg, dtype, settings.engines)
+            weights += [{"engine": label, "dtype": dtype, "weight_bytes": streamed_weight_bytes(runner.model)}
+                        for label, runner in by_label.items()]
             for kv_length in settings.kv_lengths:
                 progress.set_postfix_str(f"{dtype} kv={kv_length}")
                 curves = measure_cost_curves(list(by_label.values()), settings.queries, kv_length=kv_length,
@@ -166,7 +169,33 @@ def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[d
                 progress.update()
             del by_label
             gc.collect()
-    return rows, profiles
+    return rows, profiles, weights
+
+
+def memory_floors(rows: Sequence[dict], weights: Sequence[dict], bandwidth_gbs: float,
+                  kv_length: int) -> list[dict]:
+    """Each runner's one-token step beside its physical floor: the weight bytes it streams per step
+    over the measured read bandwidth. A bf16 model whose linears run prepacked in fp32 streams
+    fp32 bytes, so its floor is fp32's."""
+    floors = []
+    for entry in weights:
+        step = lookup(rows, entry["engine"], entry["dtype"], kv_length, 1)
+        floor_ms = entry["weight_bytes"] / (bandwidth_gbs * 1e9) * 1000.0
+        floors.append({**entry, "floor_ms": floor_ms, "step_ms": step,
+                       "x_floor": step / floor_ms if step is not None else None})
+    return floors
+
+
+def floors_markdown(floors: Sequence[dict], bandwidth_gbs: float, kv_length: int) -> str:
+    lines = [f"### Memory floor (read bandwidth {bandwidth_gbs:.1f} GB/s, one-token step, KV {kv_length})", "",
+             "| engine | dtype | weights streamed (MB) | floor (ms) | step (ms) | step / floor |",
+             "|---|---|---:|---:|---:|---:|"]
+    for f in floors:
+        step = f"{f['step_ms']:.1f}" if f["step_ms"] is not None else "-"
+        ratio = f"{f['x_floor']:.2f}x" if f["x_floor"] is not None else "-"
+        lines.append(f"| {f['engine']} | {f['dtype']} | {f['weight_bytes'] / 1e6:.0f} | {f['floor_ms']:.1f} | "
+                     f"{step} | {ratio} |")
+    return "\n".join(lines) + "\n"
 
 
 def lookup(rows: Sequence[dict], engine: str, dtype: str, kv_length: int, queries: int) -> float | None:
@@ -176,7 +205,8 @@ def lookup(rows: Sequence[dict], engine: str, dtype: str, kv_length: int, querie
     return None
 
 
-def bar_checks(rows: Sequence[dict], fast: str = "specpipe-fast", kv_length: int = POLICY_KV_LENGTH) -> list[dict]:
+def bar_checks(rows: Sequence[dict], floors: Sequence[dict] = (), fast: str = "specpipe-fast",
+               kv_length: int = POLICY_KV_LENGTH) -> list[dict]:
     """The issue's bars, where the rows hold what they need: (what, ratio, limit, met)."""
     checks = []
 
@@ -191,6 +221,9 @@ def bar_checks(rows: Sequence[dict], fast: str = "specpipe-fast", kv_length: int
         lookup(rows, fast, "fp32", kv_length, 16), lookup(rows, STOCK, "fp32", kv_length, 1), 1.0)
     add("bf16: our 16-token verify / our 1-token step",
         lookup(rows, fast, "bf16", kv_length, 16), lookup(rows, fast, "bf16", kv_length, 1), 1.2)
+    for floor in floors:
+        if (floor["engine"], floor["dtype"]) == (fast, "fp32"):
+            add("fp32: our 1-token step / memory floor", floor["step_ms"], floor["floor_ms"], 1.6)
     return checks
 
 
@@ -263,14 +296,19 @@ def run_bench_cost(cfg: DictConfig) -> dict:
     settings = read_settings(cfg)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    rows, profiles = measure(cfg, settings)
-    checks = bar_checks(rows)
+    bandwidth = measure_read_bandwidth()
+    rows, profiles, weights = measure(cfg, settings)
+    floor_kv = POLICY_KV_LENGTH if POLICY_KV_LENGTH in settings.kv_lengths else settings.kv_lengths[0]
+    floors = memory_floors(rows, weights, bandwidth, floor_kv)
+    checks = bar_checks(rows, floors)
     machine = machine_info()
     report = {"model": str(cfg.model.name), "machine": machine, "threads": torch.get_num_threads(),
-              "rounds": settings.rounds, "rows": rows, "bars": checks, "profiles": profiles}
+              "rounds": settings.rounds, "read_bandwidth_gbs": bandwidth, "rows": rows, "floors": floors,
+              "bars": checks, "profiles": profiles}
     settings.out.mkdir(parents=True, exist_ok=True)
     write_text(settings.out / "cost.json", json.dumps(report, indent=1))
-    table = markdown(rows, settings, checks) + ("\n" + profile_markdown(profiles) if profiles else "")
+    table = (f"machine: {machine_line(machine)}\n\n" + markdown(rows, settings, checks) + "\n"
+             + floors_markdown(floors, bandwidth, floor_kv) + ("\n" + profile_markdown(profiles) if profiles else ""))
     write_text(settings.out / "cost.md", f"# Forward cost: {cfg.model.name}\n\n{table}")
     plot(rows, settings, settings.out / "cost.png", f"{cfg.model.name}: ms per target forward")
     print(table)

@@ -1,0 +1,168 @@
+"""What this CPU runs: ATen's vector ISA, the oneDNN kernel a prepacked linear gets, and so which
+prepacked path each model dtype can take.
+
+Why a probe and not a feature table: oneDNN's bf16 inner product needs avx512bw/vl/dq or
+avx_ne_convert, and its prepacking raises on CPUs without them (most laptops and many cloud
+CPUs have AVX2 only). `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY` can also hold a newer CPU
+back. Packing and running a tiny weight asks the library itself, whatever the reason.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Rows the weight layout is prepacked for. The packed weight serves any number of rows; packed
+# for a verify-sized batch it measured as fast as a 1-row packing for 1 row and up to 2x faster
+# for 4-16 rows.
+PACKING_ROWS_HINT = 16
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def aten_capability() -> str:
+    """ATen's vector ISA for its own CPU kernels (AVX2, AVX512, ...; `ATEN_CPU_CAPABILITY` caps it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> oneDNN's blocked layout for `_linear_pointwise` (raises where the CPU has no path)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] -> [..., out] through a weight from `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    """How linears of a model in `dtype` run under engine=fast.
+
+    `compute_dtype` is the dtype the weight is packed in and the product is computed in; when
+    it differs from `dtype`, inputs are upcast and outputs cast back (a bf16 GEMM accumulates in
+    fp32 and rounds its output to bf16 too, so only the order of the sums differs). Products of
+    at most `small_rows` rows then run as transformers' own `F.linear` on the weights in `dtype`
+    instead: a one-token step streams half the bytes that way.
+    """
+
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    kernel: str  # the oneDNN implementation that ran the probe, e.g. "brg_matmul:avx2"
+    reason: str  # why this path, for the log line
+    small_rows: int = 0
+
+    def describe(self) -> str:
+        name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
+        how = f"prepacked {compute} oneDNN" + (f" (inputs upcast from {name})" if compute != name else "")
+        if self.small_rows:
+            how = f"{name} F.linear for up to {self.small_rows} rows, {how} above"
+        return f"{name} linears: {how}, kernel {self.kernel}; {self.reason}"
+
+
+def _run_probe(dtype: torch.dtype) -> str:
+    """Packs and runs a tiny linear in `dtype`, checks it against F.linear, and returns the oneDNN
+    kernel that ran it. Raises RuntimeError when this CPU (or the ISA cap) has no such path."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=generator).to(dtype)  # [out, in]
+    x = torch.randn(2, 64, generator=generator).to(dtype)  # [rows, in]
+    with _captured_stdout() as captured, torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        out = packed_linear(x, pack_weight(weight), None)
+    expected = F.linear(x.float(), weight.float())
+    if not torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2):
+        raise RuntimeError(f"prepacked {dtype} linear disagrees with F.linear (max diff "
+                           f"{(out.float() - expected).abs().max():.3g})")
+    kernels = re.findall(r",(?:inner_product|matmul),([^,]+),", captured.text)
+    return kernels[-1] if kernels else "unknown"
+
+
+def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, small_rows: int = 0) -> LinearPath | str:
+    """The fastest prepacked path for linears in `dtype` on this CPU, or the reason there is none.
+
+    bf16 prefers oneDNN's own bf16 kernels (half the weight bytes); where the CPU has none, the
+    weights are packed in fp32 and inputs upcast, and products of up to `small_rows` rows keep
+    bf16 `F.linear`. Measured on an AVX2 CPU (SmolLM2-135M, KV 256): the fp32 packing costs what
+    fp32 costs (~65-80 ms for 1-4 tokens, ~130 for 16) while bf16 `F.linear` takes ~40-45 ms for 1
+    token (half the bytes to stream) but ~290 ms for 16 (no bf16 arithmetic on AVX2).
+    """
+    if not onednn_available():
+        return "this torch build has no oneDNN linear"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} has no prepacked oneDNN path here"
+    if dtype == torch.bfloat16 and not prefer_fp32_compute:
+        try:
+            kernel = _run_probe(torch.bfloat16)
+            if not kernel.startswith("ref"):
+                return LinearPath(dtype, dtype, kernel, "oneDNN runs bf16 natively on this CPU")
+            # oneDNN's reference kernels are correct but orders of magnitude slower (e.g. a CPU
+            # with AVX-512 held to AVX2 by ONEDNN_MAX_CPU_ISA)
+            native_failure = f"its bf16 kernel is the reference implementation {kernel}"
+        except RuntimeError as error:
+            native_failure = _first_line(error)
+    try:
+        kernel = _run_probe(torch.float32)
+    except RuntimeError as error:
+        return f"oneDNN cannot run a prepacked fp32 linear here ({_first_line(error)})"
+    if dtype == torch.float32:
+        return LinearPath(dtype, dtype, kernel, f"ATen capability {aten_capability()}")
+    if prefer_fp32_compute:
+        return LinearPath(dtype, torch.float32, kernel, "fp32 compute was asked for (engine.bf16_compute=fp32)",
+                          small_rows)
+    return LinearPath(dtype, torch.float32, kernel,
+                      f"this CPU has no oneDNN bf16 kernel ({native_failure}); weights prepacked in fp32", small_rows)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+class _captured_stdout:
+    """Captures what C code writes to file descriptor 1 (oneDNN's verbose lines) while open."""
+
+    def __enter__(self) -> "_captured_stdout":
+        sys.stdout.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(1)
+        os.dup2(self._file.fileno(), 1)
+        self.text = ""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.dup2(self._saved, 1)
+        os.close(self._saved)
+        self._file.seek(0)
+        self.text = self._file.read().decode(errors="replace")
+        self._file.close()
+
+
+def cpu_description() -> dict:
+    """CPU facts every benchmark report's machine line and the cost-curve cache key carry."""
+    flags = set()
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    isa_flags = [flag for flag in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16")
+                 if flag in flags]
+    paths = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        path = probe_linear_path(dtype)
+        paths[DTYPE_NAMES[dtype]] = (f"{DTYPE_NAMES[path.compute_dtype]}:{path.kernel}"
+                                     if isinstance(path, LinearPath) else "none")
+    return {"cpu_model": model, "aten_capability": aten_capability(), "isa_flags": isa_flags,
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "onednn_linear": paths}
