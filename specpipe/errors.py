@@ -15,3 +15,7 @@ class InvalidRequest(SpecpipeError):
 
 class ConfigError(SpecpipeError):
     """A configuration that composes but cannot be built (mismatched tokenizers, bad stage)."""
+
+
+class StoreError(SpecpipeError):
+    """A datastore that is missing, corrupt, or built for another tokenizer or embedding model."""

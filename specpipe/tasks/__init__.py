@@ -16,6 +16,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "generate": ("specpipe.tasks.generate", "run_generate"),
     "bench": ("specpipe.tasks.bench", "run_bench"),
     "bench_cost": ("specpipe.tasks.bench_cost", "run_bench_cost"),
+    "build_store": ("specpipe.tasks.build_store", "run_build_store"),
 }
 
 

@@ -1,0 +1,146 @@
+"""The manifest every on-disk store carries, and the atomic folder write all stores share.
+
+A store is a folder: data files (npy, Parquet, a FAISS index) plus `manifest.json` naming its
+kind, format version, the fingerprint of what it was built for (tokenizer or embedding model),
+statistics, sources and a SHA-256 per file. A build writes a sibling temporary folder and swaps
+it in by rename, so an interrupted build leaves the previous store intact and usable. Loading
+checks the manifest before any data file is opened; nothing on a load path unpickles.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specpipe.errors import StoreError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class StoreManifest:
+    kind: str  # "token_datastore" | "document_store" | "past_outputs"
+    format_version: int
+    fingerprint: dict  # what the store was built for: tokenizer or embedder identity, compared on load
+    files: dict[str, dict]  # file name -> {"sha256": hex, "bytes": int}
+    stats: dict = field(default_factory=dict)  # token_count, chunks, build_seconds, ...
+    sources: list[str] = field(default_factory=list)
+    created: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Identity of a tokenizer by content: the id of every token string, hashed (names can lie)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256("\n".join(f"{token}\t{index}" for token, index in vocab).encode()).hexdigest()
+    return {"tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+            "vocab_size": len(tokenizer), "vocab_sha256": digest[:32]}
+
+
+def write_store(directory: Path, kind: str, format_version: int, fingerprint: dict,
+                write_files: Callable[[Path], dict], sources: list[str] | None = None) -> StoreManifest:
+    """Builds a store atomically: `write_files(staging)` writes the data files into a fresh
+    staging folder and returns the stats; the manifest is added and the folder renamed into place.
+
+    The previous store at `directory` stays in place until the new one is complete; on any
+    failure (or an interrupt) the staging folder is removed and the old store is untouched.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        stats = write_files(staging) or {}
+        files = {path.name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+                 for path in sorted(staging.iterdir()) if path.is_file()}
+        if not files:
+            raise StoreError(f"building {kind} at {directory}: nothing was written")
+        manifest = StoreManifest(kind, format_version, fingerprint, files, stats, list(sources or []),
+                                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        (staging / MANIFEST).write_text(manifest.to_json())
+        _swap_in(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _swap_in(staging: Path, directory: Path) -> None:
+    """Replaces `directory` by `staging`: two renames, so a reader sees the old or the new store."""
+    if not directory.exists():
+        staging.rename(directory)
+        return
+    if not (directory / MANIFEST).is_file() and any(directory.iterdir()):
+        raise StoreError(f"{directory} exists and is not a specpipe store (no {MANIFEST}); refusing to replace "
+                         f"it. Choose another output folder or remove it yourself")
+    retired = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    directory.rename(retired)
+    try:
+        staging.rename(directory)
+    except BaseException:
+        retired.rename(directory)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def read_manifest(directory: Path, kind: str, format_version: int) -> StoreManifest:
+    """The manifest of the store at `directory`, with clear errors for every way it can be wrong."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise StoreError(f"no {kind} at {directory}: the folder does not exist. Build it with "
+                         f"`python run.py task=build_store ...` or point the path option at an existing store")
+    if not path.is_file():
+        raise StoreError(f"{directory} is not a specpipe {kind}: it has no {MANIFEST} (an interrupted or "
+                         f"foreign build?). Rebuild it with `python run.py task=build_store ...`")
+    try:
+        data = json.loads(path.read_text())
+        manifest = StoreManifest(**data)
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as error:
+        raise StoreError(f"{path} is corrupt ({type(error).__name__}: {error}); rebuild the store") from None
+    if manifest.kind != kind:
+        raise StoreError(f"{directory} holds a {manifest.kind}, not a {kind}")
+    if manifest.format_version != format_version:
+        raise StoreError(f"{directory} was written in {kind} format {manifest.format_version}; this specpipe "
+                         f"reads format {format_version}. Rebuild the store")
+    return manifest
+
+
+def verify_files(directory: Path, manifest: StoreManifest, checksums: bool = True) -> None:
+    """Every file the manifest lists exists with its size (and, by default, its SHA-256)."""
+    for name, entry in manifest.files.items():
+        path = Path(directory) / name
+        if not path.is_file():
+            raise StoreError(f"{manifest.kind} at {directory} is missing {name}; rebuild the store")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise StoreError(f"{manifest.kind} at {directory}: {name} has {size} bytes, the manifest says "
+                             f"{entry['bytes']} (truncated or replaced); rebuild the store")
+        if checksums and sha256_file(path) != entry["sha256"]:
+            raise StoreError(f"{manifest.kind} at {directory}: {name} does not match its checksum (corrupt); "
+                             f"rebuild the store")
+
+
+def check_fingerprint(directory: Path, manifest: StoreManifest, expected: dict, what: str) -> None:
+    """Refuses a store built for another tokenizer / embedding model, naming the fields that differ."""
+    differing = [f"{key}: store has {manifest.fingerprint.get(key)!r}, {what} has {value!r}"
+                 for key, value in expected.items() if manifest.fingerprint.get(key) != value]
+    if differing:
+        raise StoreError(f"the {manifest.kind} at {directory} was built for another {what}; its ids would mean "
+                         f"other text. Rebuild it for this one. ({'; '.join(differing)})")

@@ -1,0 +1,521 @@
+"""The REST token datastore: a suffix array over the token ids of a corpus.
+
+On disk (a store folder, written atomically by `specpipe.stores.manifest.write_store`):
+
+- `tokens.npy` int32 [n]: every document's token ids, each document followed by SEPARATOR
+  (-1). No real token is negative, so no pattern matches across a separator, and a
+  continuation read after a match stops at one. The array always ends with a separator.
+- `suffix_array.npy` int32 (int64 past 2**31 tokens) [m]: the start of every suffix that
+  begins with a real token, in lexicographic order (-1 sorts below every token; suffixes
+  starting at a separator come first in the full array and are dropped).
+- `prefix_keys.npy` uint64 [m]: the first `tokens_per_key` tokens of each suffix packed
+  into one integer (token + 1 per `key_bits`-bit field, zero from the first separator on),
+  nondecreasing along the suffix array: `np.searchsorted` finds the range of a short
+  pattern in C, and a longer pattern's range is narrowed inside it.
+
+16 bytes per token on disk (4 + 4 + 8). Loading memory-maps the three arrays
+(`allow_pickle=False`) after the manifest and the file sizes check out. Full SHA-256
+checksums are opt-in (`verify_checksums=True`): they read every byte, ~0.25 s for a
+10M-token store (160 MB) on this machine against ~2 ms for sizes + mapping, and grow with
+the store, which would defeat memory-mapping a store opened by every process.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from specpipe.errors import ConfigError, StoreError
+from specpipe.models import cache_root
+from specpipe.stores.manifest import (StoreManifest, check_fingerprint, read_manifest, tokenizer_fingerprint,
+                                      verify_files, write_store)
+
+KIND = "token_datastore"
+FORMAT_VERSION = 1
+SEPARATOR = -1
+TOKENS_FILE = "tokens.npy"
+SUFFIX_ARRAY_FILE = "suffix_array.npy"
+PREFIX_KEYS_FILE = "prefix_keys.npy"
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+PARQUET_SUFFIXES = (".parquet",)
+CORPUS_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+# Below this many suffixes a range is narrowed by one vectorised gather; above it by binary search.
+GATHER_NARROW_LIMIT = 256
+
+
+def default_store_path(name: str) -> Path:
+    """Where a named store lives unless a path is given: `<cache>/stores/NAME`."""
+    return cache_root() / "stores" / name
+
+
+def _content_fingerprint(tokenizer) -> dict:
+    """The tokenizer's identity by content only (its path or repo name may differ between machines)."""
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    return {"vocab_size": fingerprint["vocab_size"], "vocab_sha256": fingerprint["vocab_sha256"]}
+
+
+@dataclass(frozen=True)
+class DatastoreMatch:
+    """What the corpus says follows the context: the longest suffix of the context found, and
+    the distinct continuations read after a sample of its occurrences."""
+
+    match_length: int  # tokens of the context's suffix found in the corpus (0 = none)
+    occurrences: int  # how often that suffix occurs in the corpus
+    sampled: int  # occurrences whose continuations were read (evenly spread over all of them)
+    continuations: list[list[int]]  # distinct non-empty continuations, each cut at its document's end
+    # prefix_counts[i][d]: sampled occurrences whose continuation starts with continuations[i][:d + 1]
+    prefix_counts: list[list[int]]
+
+    @staticmethod
+    def none() -> "DatastoreMatch":
+        return DatastoreMatch(0, 0, 0, [], [])
+
+
+class TokenDatastore:
+    """Immutable, shareable between threads and requests: lookups only read the arrays."""
+
+    def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray, prefix_keys: np.ndarray, key_bits: int,
+                 path: Path | None = None) -> None:
+        # tokens [n] int32, suffix_array [m] int32|int64, prefix_keys [m] uint64
+        self.tokens = tokens
+        self.suffix_array = suffix_array
+        self.prefix_keys = prefix_keys
+        self.key_bits = key_bits
+        self.tokens_per_key = 64 // key_bits
+        self.path = path
+        # Pattern tokens that cannot be packed cannot occur in the corpus either.
+        self._token_limit = (1 << key_bits) - 1
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[Sequence[int]]) -> "TokenDatastore":
+        """An in-memory datastore (nothing written), e.g. for a small corpus known at run time."""
+        tokens, _ = _concatenate(documents, vocab_size=None)
+        suffix_array, prefix_keys, key_bits = _index(tokens)
+        return cls(tokens, suffix_array, prefix_keys, key_bits)
+
+    @classmethod
+    def load(cls, path: str | Path, tokenizer=None, verify_checksums: bool = False) -> "TokenDatastore":
+        """Memory-maps a built store; refuses one built for a tokenizer other than `tokenizer`."""
+        path = Path(path).expanduser()
+        manifest = read_manifest(path, KIND, FORMAT_VERSION)
+        missing = {TOKENS_FILE, SUFFIX_ARRAY_FILE, PREFIX_KEYS_FILE} - set(manifest.files)
+        if missing:
+            raise StoreError(f"{KIND} at {path}: the manifest lists no {sorted(missing)}; rebuild the store")
+        verify_files(path, manifest, checksums=verify_checksums)
+        if tokenizer is not None:
+            check_fingerprint(path, manifest, _content_fingerprint(tokenizer), "tokenizer")
+        tokens = _load_array(path, TOKENS_FILE, (np.int32,))
+        suffix_array = _load_array(path, SUFFIX_ARRAY_FILE, (np.int32, np.int64))
+        prefix_keys = _load_array(path, PREFIX_KEYS_FILE, (np.uint64,))
+        key_bits = manifest.stats.get("key_bits")
+        if not isinstance(key_bits, int) or not 1 <= key_bits <= 64:
+            raise StoreError(f"{KIND} at {path}: the manifest's key_bits={key_bits!r} is invalid; rebuild the store")
+        if len(suffix_array) != len(prefix_keys) or len(suffix_array) != manifest.stats.get("token_count") \
+                or len(tokens) == 0 or tokens[-1] != SEPARATOR:
+            raise StoreError(f"{KIND} at {path}: its arrays disagree with each other or with the manifest "
+                             f"(tokens {len(tokens)}, suffixes {len(suffix_array)}, keys {len(prefix_keys)}, "
+                             f"manifest token_count {manifest.stats.get('token_count')}); rebuild the store")
+        return cls(tokens, suffix_array, prefix_keys, key_bits, path)
+
+    def __len__(self) -> int:
+        """Real tokens in the corpus (separators excluded)."""
+        return int(self.suffix_array.shape[0])
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def find(self, pattern: Sequence[int]) -> tuple[int, int]:
+        """The suffix-array range [lo, hi) of the suffixes starting with `pattern`."""
+        pattern = list(pattern)
+        if not pattern:
+            return 0, len(self)
+        if min(pattern) < 0 or max(pattern) >= self._token_limit:
+            return 0, 0
+        return self._find(pattern)
+
+    def count(self, pattern: Sequence[int]) -> int:
+        lo, hi = self.find(pattern)
+        return hi - lo
+
+    def longest_suffix_match(self, context: Sequence[int], max_span: int = 16,
+                             min_span: int = 2) -> tuple[int, int, int]:
+        """(length, lo, hi): the longest suffix of `context` of min_span..max_span tokens that
+        occurs in the corpus and its suffix-array range; (0, 0, 0) when none does."""
+        min_span = max(1, min_span)
+        context = list(context[-max_span:])
+        # A token that cannot be packed (so is not in the corpus) ends every match before it.
+        unusable = [i for i, token in enumerate(context) if token < 0 or token >= self._token_limit]
+        if unusable:
+            context = context[unusable[-1] + 1:]
+        # A suffix of an occurring span occurs too, so the spans that occur are min_span..best:
+        # binary search for best (about four range searches for 16 spans).
+        best, best_range = 0, (0, 0)
+        low, high = min_span, len(context)
+        while low <= high:
+            span = (low + high) // 2
+            lo, hi = self._find(context[len(context) - span:])
+            if lo < hi:
+                best, best_range = span, (lo, hi)
+                low = span + 1
+            else:
+                high = span - 1
+        return best, best_range[0], best_range[1]
+
+    def lookup(self, context: Sequence[int], max_span: int = 16, min_span: int = 2, max_length: int = 16,
+               max_candidates: int = 8, max_occurrences: int = 256) -> DatastoreMatch:
+        """REST's retrieval: the longest suffix of the context found in the corpus, then the most
+        frequent continuations after it.
+
+        Past `max_occurrences` occurrences, an evenly spaced sample of them is read: the range
+        is sorted by what follows the match, so even spacing keeps every continuation's share.
+        Continuations are ranked by the sum of their prefix counts (the accepted length they
+        promise if drafted alone); the best `max_candidates` are returned in suffix-array
+        (lexicographic) order.
+        """
+        if max_length < 1 or max_candidates < 1 or max_occurrences < 1:
+            raise ValueError(f"lookup needs max_length, max_candidates and max_occurrences >= 1, got "
+                             f"{max_length}, {max_candidates}, {max_occurrences}")
+        length, lo, hi = self.longest_suffix_match(context, max_span, min_span)
+        if length == 0:
+            return DatastoreMatch.none()
+        occurrences = hi - lo
+        if occurrences > max_occurrences:
+            rows = lo + (np.arange(max_occurrences, dtype=np.int64) * occurrences) // max_occurrences
+        else:
+            rows = np.arange(lo, hi, dtype=np.int64)
+        starts = self.suffix_array[rows].astype(np.int64) + length  # [s]
+        followers = self._read_after(starts, max_length)  # [s, max_length], SEPARATOR past a document's end
+        continuations, prefix_counts = _distinct_continuations(followers, max_candidates)
+        return DatastoreMatch(length, occurrences, int(rows.shape[0]), continuations, prefix_counts)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _find(self, pattern: list[int]) -> tuple[int, int]:
+        """find() for a non-empty pattern of packable tokens: the packed head's range by
+        binary search in C, then narrowed by the rest of the pattern."""
+        per_key, bits = self.tokens_per_key, self.key_bits
+        head = pattern[:per_key]
+        key = 0
+        for token in head:
+            key = (key << bits) | (token + 1)
+        free_bits = bits * (per_key - len(head))
+        low = key << free_bits  # the head followed by separators (zero fields): its smallest key
+        high = low | ((1 << free_bits) - 1)  # ... followed by all-ones fields: above any real key
+        lo = int(self.prefix_keys.searchsorted(np.uint64(low), side="left"))
+        hi = int(self.prefix_keys.searchsorted(np.uint64(high), side="right"))
+        return self._narrow(lo, hi, pattern, per_key)
+
+    def _narrow(self, lo: int, hi: int, pattern: list[int], offset: int) -> tuple[int, int]:
+        """Within [lo, hi) (suffixes that share pattern[:offset]), the sub-range that also
+        matches pattern[offset:]: it is contiguous, the range being sorted by what comes next."""
+        rest = pattern[offset:]
+        if not rest or lo >= hi:
+            return lo, hi
+        tokens, width = self.tokens, len(rest)
+        if hi - lo <= GATHER_NARROW_LIMIT:
+            starts = self.suffix_array[lo:hi].astype(np.int64) + offset  # [r]
+            window = tokens[np.minimum(starts[:, None] + np.arange(width), len(tokens) - 1)]  # [r, width]
+            matching = np.flatnonzero((window == np.asarray(rest, dtype=np.int32)).all(axis=1))
+            if matching.size == 0:
+                return lo, lo
+            return lo + int(matching[0]), lo + int(matching[-1]) + 1
+
+        def following(start) -> list[int]:
+            # a separator (-1) sorts below every token, as in the suffix array
+            start = int(start) + offset
+            return tokens[start:start + width].tolist()
+
+        lo = bisect.bisect_left(self.suffix_array, rest, lo, hi, key=following)
+        hi = bisect.bisect_right(self.suffix_array, rest, lo, hi, key=following)
+        return lo, hi
+
+    def _read_after(self, starts: np.ndarray, max_length: int) -> np.ndarray:
+        """starts [s] -> [s, max_length] the tokens from each start, SEPARATOR from a document's end on."""
+        last = len(self.tokens) - 1  # always a separator, so reads past the end see one
+        window = self.tokens[np.minimum(starts[:, None] + np.arange(max_length), last)]
+        inside = np.logical_and.accumulate(window != SEPARATOR, axis=1)
+        return np.where(inside, window, SEPARATOR)
+
+
+def _distinct_continuations(followers: np.ndarray, max_candidates: int) -> tuple[list[list[int]], list[list[int]]]:
+    """followers [s, L] sorted rows (a suffix-array range is sorted by what follows) -> the
+    best `max_candidates` distinct non-empty rows, cut at their first SEPARATOR, with their
+    prefix counts (how many rows share each prefix)."""
+    sampled, width = followers.shape
+    if sampled == 0 or width == 0:
+        return [], []
+    # new_prefix[i, d]: row i starts a new run of rows sharing followers[:, :d + 1]
+    new_prefix = np.ones((sampled, width), dtype=bool)
+    new_prefix[1:] = np.logical_or.accumulate(followers[1:] != followers[:-1], axis=1)
+    run_of = np.cumsum(new_prefix, axis=0) - 1  # [s, L] run index per depth
+    flat_runs = (run_of + np.arange(width) * sampled).ravel()  # distinct ids across depths
+    run_sizes = np.bincount(flat_runs, minlength=sampled * width)
+    prefix_counts = run_sizes[flat_runs].reshape(sampled, width)
+    valid = followers != SEPARATOR
+    prefix_counts = np.where(valid, prefix_counts, 0)
+    distinct = np.flatnonzero(new_prefix[:, -1] & valid[:, 0])  # first row of each distinct continuation
+    if distinct.size == 0:
+        return [], []
+    value = prefix_counts[distinct].sum(axis=1)
+    best = distinct[np.sort(np.argsort(-value, kind="stable")[:max_candidates])]
+    lengths = valid[best].sum(axis=1).tolist()
+    rows, counts = followers[best].tolist(), prefix_counts[best].tolist()
+    return ([row[:n] for row, n in zip(rows, lengths)], [count[:n] for count, n in zip(counts, lengths)])
+
+
+def _load_array(directory: Path, name: str, dtypes: tuple) -> np.ndarray:
+    try:
+        array = np.load(directory / name, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as error:
+        raise StoreError(f"{KIND} at {directory}: cannot read {name} ({error}); rebuild the store") from None
+    if array.ndim != 1 or array.dtype not in [np.dtype(d) for d in dtypes]:
+        raise StoreError(f"{KIND} at {directory}: {name} holds {array.dtype} {array.shape}, expected a 1-D "
+                         f"{' or '.join(np.dtype(d).name for d in dtypes)} array; rebuild the store")
+    return array.view(np.ndarray)  # same mapped memory; plain ndarray slicing is cheaper than memmap's
+
+
+# ---- building --------------------------------------------------------------------------------
+
+
+def _concatenate(documents: Iterable[Sequence[int]], vocab_size: int | None) -> tuple[np.ndarray, int]:
+    """Documents -> (tokens [n] int32 with a SEPARATOR after each document, document count)."""
+    parts: list[np.ndarray] = []
+    count = 0
+    for document in documents:
+        ids = np.asarray(document, dtype=np.int64)
+        if ids.ndim != 1:
+            raise StoreError(f"document {count} is not a flat sequence of token ids (shape {ids.shape})")
+        if ids.size == 0:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size) or high >= np.iinfo(np.int32).max:
+            raise StoreError(f"document {count} has token id {low if low < 0 else high}, outside the tokenizer's "
+                             f"0..{(vocab_size or np.iinfo(np.int32).max) - 1}: ids from another tokenizer?")
+        parts.append(ids.astype(np.int32))
+        parts.append(np.array([SEPARATOR], dtype=np.int32))
+        count += 1
+    if not parts:
+        raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
+    return np.concatenate(parts), count
+
+
+def _index(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """tokens [n] int32 -> (suffix array [m] of the suffixes starting with a real token,
+    their packed prefix keys [m] uint64, bits per key field)."""
+    from pydivsufsort import divsufsort  # imported here: only builds need it
+
+    full = divsufsort(tokens)  # [n] suffix starts, separator-led suffixes first (-1 sorts lowest)
+    separators = int(np.count_nonzero(tokens == SEPARATOR))
+    suffix_array = np.ascontiguousarray(full[separators:])
+    suffix_array = suffix_array.astype(np.int32 if len(tokens) < np.iinfo(np.int32).max else np.int64)
+    key_bits = max(1, int(tokens.max()) + 1).bit_length()  # a field holds token + 1; 0 = separator
+    per_key = 64 // key_bits
+    last = len(tokens) - 1
+    keys = np.zeros(len(suffix_array), dtype=np.uint64)
+    alive = np.ones(len(suffix_array), dtype=bool)  # no separator met yet in this suffix's head
+    for position in range(per_key):
+        field = tokens[np.minimum(suffix_array.astype(np.int64) + position, last)]
+        alive &= field != SEPARATOR
+        value = np.where(alive, field.astype(np.int64) + 1, 0).astype(np.uint64)
+        keys |= value << np.uint64(key_bits * (per_key - 1 - position))
+    return suffix_array, keys, key_bits
+
+
+def build_token_datastore(out: str | Path, documents: Iterable[Sequence[int]], fingerprint: dict,
+                          sources: Sequence[str] = (), progress: bool = True) -> StoreManifest:
+    """Builds a token datastore from token-id documents (e.g. a corpus shipped as ids).
+
+    `fingerprint` is the tokenizer's (`tokenizer_fingerprint`); ids at or above its vocab_size
+    are refused. Nothing at `out` changes unless the whole build succeeds.
+    """
+    started = time.perf_counter()
+    tokens, document_count = _concatenate(documents, fingerprint.get("vocab_size"))
+    return _write(Path(out), tokens, document_count, fingerprint, list(sources), started, progress)
+
+
+def _write(out: Path, tokens: np.ndarray, document_count: int, fingerprint: dict, sources: list[str],
+           started: float, progress: bool) -> StoreManifest:
+    def write_files(staging: Path) -> dict:
+        if progress:
+            print(f"token_datastore: sorting the suffixes of {len(tokens) - document_count:,} tokens",
+                  file=sys.stderr)
+        suffix_array, prefix_keys, key_bits = _index(tokens)
+        for name, array in ((TOKENS_FILE, tokens), (SUFFIX_ARRAY_FILE, suffix_array), (PREFIX_KEYS_FILE, prefix_keys)):
+            np.save(staging / name, array, allow_pickle=False)
+        return {"token_count": int(len(suffix_array)), "documents": document_count, "key_bits": key_bits,
+                "build_seconds": round(time.perf_counter() - started, 3),
+                "bytes": sum(path.stat().st_size for path in staging.iterdir())}
+
+    return write_store(out, KIND, FORMAT_VERSION, fingerprint, write_files, sources)
+
+
+class TokenDatastoreBuilder:
+    """`task=build_store store=tokens_from_files`: a token datastore over the user's files.
+
+    Sources are files or folders (searched recursively for .jsonl, .parquet, .txt, .md).
+    A JSONL record or Parquet row gives token ids (`ids_field`, taken as they are), text
+    (`text_field`), or a chat: `turns` (strings) or `messages` ({role, content}), one
+    document per turn. A text or markdown file is one document.
+    """
+
+    def __init__(self, tokenizer, sources: Sequence[str] | str | None = None, out: str | None = None,
+                 name: str = "tokens_from_files", text_field: str = "text", ids_field: str = "input_ids",
+                 batch_size: int = 64, progress: bool = True) -> None:
+        if isinstance(sources, str):
+            sources = [sources]
+        self.sources = [str(source) for source in sources or ()]
+        if not self.sources:  # `sources: ???` left unset in the config arrives here as None
+            raise ConfigError("a token datastore needs sources: add store.sources=[FILE_OR_FOLDER,...] "
+                              "(.jsonl, .parquet, .txt, .md files, or folders of them)")
+        if batch_size < 1:
+            raise ConfigError(f"store.batch_size must be >= 1, got {batch_size}")
+        self.tokenizer = tokenizer
+        self.out = Path(out).expanduser() if out else default_store_path(name)
+        self.text_field = text_field
+        self.ids_field = ids_field
+        self.batch_size = batch_size
+        self.progress = progress
+
+    def build(self) -> StoreManifest:
+        started = time.perf_counter()
+        files = corpus_files(self.sources)  # every path checked before anything is read or written
+        bar = tqdm(desc="token_datastore: tokenizing", unit=" doc", file=sys.stderr, disable=not self.progress)
+        try:
+            tokens, document_count = _concatenate(self._tokenized(files, bar), len(self.tokenizer))
+        finally:
+            bar.close()
+        return _write(self.out, tokens, document_count, tokenizer_fingerprint(self.tokenizer),
+                      [str(path) for path in files], started, self.progress)
+
+    def _tokenized(self, files: list[Path], bar) -> Iterator[Sequence[int]]:
+        """Token ids per document, in file order, counted on the progress bar."""
+        token_total = 0
+        for batch in self._batches(files):
+            token_total += sum(len(ids) for ids in batch)
+            bar.update(len(batch))
+            bar.set_postfix(tokens=f"{token_total:,}", refresh=False)
+            yield from batch
+
+    def _batches(self, files: list[Path]) -> Iterator[list[Sequence[int]]]:
+        """Texts are tokenized `batch_size` at a time; documents given as ids pass through."""
+        texts: list[str] = []
+        for path in files:
+            for document in read_documents(path, self.text_field, self.ids_field):
+                if isinstance(document, str):
+                    texts.append(document)
+                    if len(texts) == self.batch_size:
+                        yield self._encode(texts)
+                        texts = []
+                    continue
+                if texts:  # keep file order: the texts read before these ids go first
+                    yield self._encode(texts)
+                    texts = []
+                yield [document]
+        if texts:
+            yield self._encode(texts)
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # verbose=False: long documents are fine here (no model sees them whole); no length warning
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+# ---- reading corpora ------------------------------------------------------------------------
+
+
+def corpus_files(sources: Sequence[str]) -> list[Path]:
+    """The corpus files named by `sources` (files, or folders searched recursively), in order."""
+    files: list[Path] = []
+    for source in sources:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ConfigError(f"corpus source {source} does not exist")
+        if path.is_dir():
+            found = sorted(candidate for candidate in path.rglob("*")
+                           if candidate.is_file() and candidate.suffix.lower() in CORPUS_SUFFIXES
+                           and not any(part.startswith(".") for part in candidate.relative_to(path).parts))
+            if not found:
+                raise ConfigError(f"corpus folder {source} holds no {', '.join(CORPUS_SUFFIXES)} files")
+            files.extend(found)
+        elif path.suffix.lower() in CORPUS_SUFFIXES:
+            files.append(path)
+        else:
+            raise ConfigError(f"corpus source {source}: unsupported file type {path.suffix!r}; "
+                              f"use {', '.join(CORPUS_SUFFIXES)} files or a folder of them")
+    return files
+
+
+def read_documents(path: Path, text_field: str = "text", ids_field: str = "input_ids") -> Iterator[str | list[int]]:
+    """The documents of one corpus file: text, or token ids when the file carries them."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in TEXT_SUFFIXES:
+            yield path.read_text(encoding="utf-8")
+        elif suffix in JSONL_SUFFIXES:
+            yield from _jsonl_documents(path, text_field, ids_field)
+        else:
+            yield from _parquet_documents(path, text_field, ids_field)
+    except StoreError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as error:  # pyarrow's errors are OSError/ValueError kinds
+        raise StoreError(f"cannot read corpus file {path}: {type(error).__name__}: {error}") from None
+
+
+def _jsonl_documents(path: Path, text_field: str, ids_field: str) -> Iterator[str | list[int]]:
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise StoreError(f"cannot read corpus file {path}: line {line_number} is not JSON ({error})") from None
+            yield from _record_documents(record, text_field, ids_field, f"{path} line {line_number}")
+
+
+def _record_documents(record, text_field: str, ids_field: str, where: str) -> Iterator[str | list[int]]:
+    if isinstance(record, str):
+        yield record
+        return
+    if not isinstance(record, dict):
+        raise StoreError(f"{where}: expected a JSON object or string, got {type(record).__name__}")
+    if record.get(ids_field) is not None:
+        ids = record[ids_field]
+        if not isinstance(ids, list) or not all(isinstance(token, int) for token in ids):
+            raise StoreError(f"{where}: {ids_field!r} must be a list of token ids")
+        yield ids
+    elif isinstance(record.get(text_field), str):
+        yield record[text_field]
+    elif isinstance(record.get("turns"), list):
+        yield from (turn for turn in record["turns"] if isinstance(turn, str))
+    elif isinstance(record.get("messages"), list):
+        for message in record["messages"]:
+            content = message.get("content") if isinstance(message, dict) else message
+            if isinstance(content, str):
+                yield content
+    else:
+        raise StoreError(f"{where}: no {text_field!r} text, {ids_field!r} ids, 'turns' or 'messages' "
+                         f"(fields: {sorted(record)}); set store.text_field=NAME")
+
+
+def _parquet_documents(path: Path, text_field: str, ids_field: str) -> Iterator[str | list[int]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    column = ids_field if ids_field in names else text_field if text_field in names else None
+    if column is None:
+        raise StoreError(f"cannot read corpus file {path}: no {text_field!r} (text) or {ids_field!r} (token ids) "
+                         f"column (columns: {names}); set store.text_field=NAME")
+    for batch in parquet.iter_batches(columns=[column], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
