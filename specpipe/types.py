@@ -146,6 +146,8 @@ class StepStats:
     accepted: int  # tokens emitted by this step (accepted draft tokens + the bonus)
     tree_size: int  # draft nodes verified (0 = a plain decoding step)
     seconds: dict[str, float] = field(default_factory=dict)  # stage name -> wall time
+    # emitted draft tokens per proposer (the node's first proposer where several proposed it)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,6 +165,11 @@ class DecodeState:
     # the token before it, whose logits chose the root (heads and EAGLE drafters read them).
     hidden: Tensor | None = None  # [hidden] target's last hidden state at tokens[-2]
     logits: Tensor | None = None  # [vocab] target logits at tokens[-2]
+    # Each stage's per-sequence state (n-gram index, last trie, calibration), keyed by the stage
+    # object: stages are shared by concurrent requests and keep nothing per request themselves.
+    stage_state: dict = field(default_factory=dict)
+    # Token ids of the documents retrieved for this request (RAG), for stages that draft from them.
+    documents: tuple[tuple[int, ...], ...] = ()
 
     @property
     def generated(self) -> list[int]:

@@ -13,6 +13,7 @@ from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.tasks.bench import (Question, TurnOutput, read_questions, run_bench, run_question,
                                       select_questions)
 from specpipe.pipelines.builder import compose_config
+from specpipe.pipelines.pipeline import PreparedPrompt
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = {"hf_generate", "hf_pld", "vanilla", "prompt_lookup"}
@@ -121,16 +122,16 @@ def test_each_turn_carries_the_methods_own_previous_answer():
         def __init__(self):
             self.seen = []
 
-        def encode(self, messages):
+        def prepare(self, messages):
             self.seen.append([dict(m) for m in messages])
-            return [5, 6, 7]
+            return PreparedPrompt([5, 6, 7])
 
         def decode_text(self, tokens):
             return "answer " + " ".join(map(str, tokens))
 
     pipeline = StubPipeline()
     question = Question(9, "chat", ("first?", "second?"))
-    run = run_question(pipeline, "m", lambda ids, n: TurnOutput([1, 2], 0.5, 2, [1, 1]), question, 8)
+    run = run_question(pipeline, "m", lambda prompt, n: TurnOutput([1, 2], 0.5, 2, [1, 1]), question, 8)
     assert pipeline.seen[1] == [{"role": "user", "content": "first?"},
                                 {"role": "assistant", "content": "answer 1 2"},
                                 {"role": "user", "content": "second?"}]
@@ -224,3 +225,178 @@ def test_hf_methods_run_transformers_forward_when_the_engine_rewrites_the_model(
     assert methods["vanilla"].pipeline.target is pipeline.target and not methods["vanilla"].pipeline.decoder.proposers
     with pytest.raises(ValueError, match="needs hf_model="):
         run_bench(cfg, loaded=tiny_mixed.loaded)
+
+
+# ---- mt_bench grouping ------------------------------------------------------------------------
+MT_QUESTIONS = [
+    {"question_id": 11, "category": "writing", "turns": ["Write a short poem about rain."]},
+    {"question_id": 12, "category": "writing", "turns": ["Write a limerick about a cat."]},
+    {"question_id": 13, "category": "writing", "turns": ["Write a toast for a wedding."]},
+    {"question_id": 21, "category": "roleplay", "turns": ["Pretend you are a pirate. Greet me."]},
+    {"question_id": 22, "category": "roleplay", "turns": ["Act as a tour guide in Rome."]},
+    {"question_id": 31, "category": "qa", "turns": ["What is the capital of Spain?"]},
+    {"question_id": 32, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+    {"question_id": 33, "category": "qa", "turns": ["How many legs has a spider?"]},
+]
+
+
+@pytest.fixture(scope="module")
+def grouped_run(tmp_path_factory, tiny_mixed) -> tuple[Path, dict]:
+    folder = tmp_path_factory.mktemp("grouped")
+    prompts = folder / "questions.jsonl"
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in MT_QUESTIONS))
+    cfg = compose_config(tiny_overrides(prompts, "pipeline=prompt_lookup", "bench.per_category=2",
+                                        "bench.methods=[hf_generate,vanilla,pipeline]", "bench.max_new_tokens=4",
+                                        "bench.warmup=0", f"bench.out={folder / 'out'}"))
+    return folder / "out", run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
+
+
+def test_mt_bench_categories_are_reported_as_one_and_selected_per_original_category(grouped_run):
+    out, summary = grouped_run
+    assert list(summary["categories"]) == ["mt_bench", "qa"]
+    for method in ("hf_generate", "vanilla", "prompt_lookup"):
+        # per_category=2 counts writing and roleplay separately: 2 + 2 in mt_bench, 2 in qa
+        assert summary["categories"]["mt_bench"][method]["prompts"] == 4
+        assert summary["categories"]["qa"][method]["prompts"] == 2
+        assert summary["overall"][method]["prompts"] == 6
+    assert summary["meta"]["group_categories"]["humanities"] == "mt_bench"
+    frame = pd.read_parquet(out / "results.parquet")
+    assert sorted(set(frame["question_id"])) == [11, 12, 21, 22, 31, 32]
+    by_question = frame.drop_duplicates("question_id").set_index("question_id")
+    assert by_question.loc[11, "category"] == "writing" and by_question.loc[21, "category"] == "roleplay"
+    assert set(by_question["group"]) == {"mt_bench", "qa"} and by_question.loc[31, "group"] == "qa"
+    text = (out / "summary.md").read_text()
+    assert "| method | mt_bench | qa | overall |" in text and "`mt_bench` reports the categories writing" in text
+
+
+def test_group_categories_setting_is_checked():
+    from specpipe.tasks.bench import DEFAULT_GROUPS, read_groups
+
+    assert set(DEFAULT_GROUPS) == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                   "humanities"} and set(DEFAULT_GROUPS.values()) == {"mt_bench"}
+    assert compose_config(["task=bench", "model=tiny_random"]).bench.group_categories == DEFAULT_GROUPS
+    assert read_groups(None) == {}
+    with pytest.raises(InvalidRequest, match="group_categories must map"):
+        read_groups(["writing"])
+
+
+# ---- tokens by source -------------------------------------------------------------------------
+def check_source_shares(summary: dict, method: str, sources: set[str]) -> None:
+    """Every group: the method's per-source shares plus its bonus share make 1; vanilla's tokens
+    are all its own; the HF methods cannot tell (null)."""
+    for group in [summary["overall"], *summary["categories"].values()]:
+        shares = group[method]["drafted_by_source"]
+        assert set(shares) == sources
+        assert sum(shares.values()) + group[method]["bonus_share"] == pytest.approx(1.0, abs=1e-9)
+        assert 0.0 < group[method]["bonus_share"] <= 1.0
+        assert group["vanilla"]["drafted_by_source"] == {} and group["vanilla"]["bonus_share"] == 1.0
+        assert group["hf_generate"]["drafted_by_source"] is None and group["hf_generate"]["bonus_share"] is None
+
+
+def check_drafted_counts(frame: pd.DataFrame, method: str) -> None:
+    """Per prompt, the per-source counts sum to the steps' drafted tokens, and the rest (bonus tokens)
+    is one per target forward but for a final step cut by the stop condition in each turn."""
+    for row in frame[frame["method"] == method].itertuples():
+        assert sum(count for _, count in row.drafted_by_source) == row.drafted
+        assert row.forwards - row.turns <= row.new_tokens - row.drafted <= row.forwards
+
+
+def test_prompt_lookup_reports_the_share_of_tokens_from_its_proposer(bench_run):
+    out, summary = bench_run
+    check_source_shares(summary, "prompt_lookup", {"prompt_ngram"})
+    assert summary["overall"]["prompt_lookup"]["drafted_by_source"]["prompt_ngram"] > 0  # drafts were accepted
+    check_drafted_counts(pd.read_parquet(out / "results.parquet"), "prompt_lookup")
+    text = (out / "summary.md").read_text()
+    assert "## Tokens by source" in text and "| prompt_lookup | prompt_ngram 0." in text
+
+
+def test_warm_up_answers_do_not_enter_the_store_of_past_outputs(tiny_mixed, prompts_file):
+    from specpipe.tasks.bench import make_methods, run_methods
+
+    pipeline = tiny_mixed.pipeline("lookahead_trie", "+retriever@pipeline.proposers.past=past_outputs", fresh=True)
+    (past,) = [p for p in pipeline.decoder.proposers if p.name == "past_outputs"]
+    questions = read_questions(prompts_file)
+    run_methods(pipeline, make_methods(["pipeline"], pipeline, 10), questions, 4, warmup=2, progress=False)
+    assert len(past.store) == sum(len(q.turns) for q in questions)  # the counted answers, not the warm-up's
+    assert past.learn is True
+
+
+# ---- RAG: every method on the same augmented prompt --------------------------------------------
+RAG_TEXT = """The with statement wraps the execution of a block with methods defined by a context manager. \
+The context manager's __enter__() method is invoked before the block and its __exit__() method after it, \
+even when the block raises an exception.
+
+A list is a mutable sequence; a tuple is an immutable sequence. Lists are written with square brackets \
+and tuples with parentheses.
+
+The yield statement turns a function into a generator function: calling it returns a generator iterator \
+whose __next__() method runs the body until the next yield.
+
+Dictionaries map hashable keys to values. The get() method returns a default instead of raising KeyError \
+when the key is missing.
+"""
+RAG_QUESTIONS = [
+    {"question_id": 1, "category": "rag", "turns": ["What does the with statement call?", "And what does yield do?"]},
+    {"question_id": 2, "category": "rag", "turns": ["How do I get a default value from a dict?"]},
+    {"question_id": 3, "category": "rag", "turns": ["What does the with statement call?"]},  # asked again
+]
+
+
+@pytest.fixture(scope="module")
+def rag_run(tmp_path_factory, tiny_mixed):
+    """rag_lookahead over a small document store. Its n-gram proposer drafts one token only, so the
+    deeper nodes come from the store of past outputs (question 3 repeats question 1): both sources
+    get accepted tokens."""
+    from specpipe.pipelines.builder import build_pipeline
+    from specpipe.stores.document_store import DocumentStoreBuilder
+
+    folder = tmp_path_factory.mktemp("rag_bench")
+    (folder / "python.txt").write_text(RAG_TEXT)
+    DocumentStoreBuilder(sources=[str(folder / "python.txt")], out=str(folder / "store"), unit="chars",
+                         chunk_size=300, overlap=0, progress=False).build()
+    prompts = folder / "questions.jsonl"
+    prompts.write_text("".join(json.dumps(q) + "\n" for q in RAG_QUESTIONS))
+    cfg = compose_config(tiny_overrides(prompts, "pipeline=rag_lookahead", f"pipeline.augment.path={folder / 'store'}",
+                                        "pipeline.proposers.ngram.max_length=1", "bench.max_new_tokens=16",
+                                        f"bench.out={folder / 'out'}"))
+    summary = run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
+    return folder / "out", summary, build_pipeline(cfg, loaded=tiny_mixed.loaded)
+
+
+def test_rag_methods_all_run_on_the_same_augmented_prompt(rag_run):
+    out, summary, pipeline = rag_run
+    frame = pd.read_parquet(out / "results.parquet")
+    assert set(frame["method"]) == {"hf_generate", "hf_pld", "vanilla", "rag_lookahead"}
+    for question in RAG_QUESTIONS:
+        rows = frame[frame["question_id"] == question["question_id"]]
+        first_turns = {tuple(row.prompt_ids[0]) for row in rows.itertuples()}
+        assert len(first_turns) == 1  # hf_generate, hf_pld, vanilla and the pipeline saw the same ids
+        (prompt,) = first_turns
+        plain = pipeline.encode([{"role": "user", "content": question["turns"][0]}])
+        assert len(prompt) > len(plain) + 20  # the chunks went into it
+        text = pipeline.tokenizer.decode(list(prompt))
+        assert f"Question: {question['turns'][0]}" in text and "documentation excerpts" in text
+        assert pipeline.retrieve(question["turns"][0])[0].text.strip()[:40] in text  # the best chunk
+        for row in rows.itertuples():
+            assert list(row.prompt_tokens_per_turn) == [len(ids) for ids in row.prompt_ids]
+            assert len(row.retrieved) == len(question["turns"])
+            for turn, chunks in zip(question["turns"], row.retrieved):  # each turn retrieves with its question
+                expected = pipeline.retrieve(turn)
+                assert [c["chunk_id"] for c in chunks] == [c.chunk_id for c in expected]
+                assert [c["score"] for c in chunks] == pytest.approx([c.score for c in expected])
+                assert all(c["title"] == "python" for c in chunks)
+    # hf_generate answered the augmented prompt too, or the lossless pipeline would not match it
+    assert all(metrics["exact_rate"] == 1.0 for metrics in summary["overall"].values())
+    assert summary["meta"]["augmented"] is True
+    answers = [json.loads(line) for line in (out / "answers" / "hf_generate.jsonl").read_text().splitlines()]
+    assert [len(a["retrieved"]) for a in answers] == [2, 1, 1] and answers[0]["retrieved"][0][0]["title"] == "python"
+    assert "RAG: every method ran on the same augmented prompt" in (out / "summary.md").read_text()
+
+
+def test_a_pipeline_with_two_proposers_reports_both_sources(rag_run):
+    out, summary, _ = rag_run
+    check_source_shares(summary, "rag_lookahead", {"ngram_trie", "past_outputs"})
+    shares = summary["overall"]["rag_lookahead"]["drafted_by_source"]
+    assert shares["ngram_trie"] > 0 and shares["past_outputs"] > 0
+    check_drafted_counts(pd.read_parquet(out / "results.parquet"), "rag_lookahead")
+    assert "ngram_trie 0." in (out / "summary.md").read_text()

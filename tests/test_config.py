@@ -17,14 +17,14 @@ from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
 from specpipe.models import EmbeddedGGUFModel, LocalModel, TinyRandomLlama
 from specpipe.pipelines.builder import build_pipeline, compose_config
-from specpipe.stages.base import Proposer, TreeBuilder, Verifier
+from specpipe.stages.base import Augmenter, Proposer, TreeBuilder, Verifier
 from specpipe.target import TREE_ATTENTION, TargetModel
 
 DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; others need `+group=option`
     next(iter(entry)) for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
     if isinstance(entry, dict)
 }
-STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task")]
+STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task", "store")]
 ALL_OPTIONS = [(group, option) for group in config_groups() for option in config_options(group)]
 MODELS_WITHOUT_WEIGHTS = {"llama70b", "llama3_8b", "vicuna7b", "local"}
 
@@ -109,11 +109,24 @@ def complete_partial(stage, model):
     return stage(**{k: v for k, v in available.items() if k in parameters and k not in stage.keywords})
 
 
+@pytest.mark.parametrize("option", config_options("store"))
+def test_store_options_instantiate_a_builder(option, tiny, tmp_path):
+    """conf/store/ names store builders for `task=build_store`: each composes through the task and
+    instantiates, given what the task hands it, into something with `build()` and an `out` folder."""
+    source = tmp_path / "notes.txt"
+    source.write_text("Some text to build a store from.")
+    cfg = compose_config(["model=tiny_random", "task=build_store", f"store={option}", f"store.out={tmp_path / 'out'}",
+                          *([f"store.sources=[{source}]"] if OmegaConf.is_missing(
+                              compose_config([f"store={option}"]).store, "sources") else [])])
+    builder = complete_partial(instantiate(cfg.store), tiny)
+    assert callable(getattr(builder, "build", None)) and str(builder.out) == str(tmp_path / "out")
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in STAGE_GROUPS for o in config_options(g)])
 def test_stage_options_instantiate(group, option, tiny):
     cfg = compose_config(["model=tiny_random", override(group, option)])
     stage = complete_partial(instantiate(cfg[group]), tiny)
-    protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine}.get(group, Proposer)
+    protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter}.get(group, Proposer)
     assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
     if group == "tree":
         assert stage.cost_curve == CostCurve.flat()

@@ -46,7 +46,7 @@ def test_lossless_tiny(any_tiny, pipeline):
             repetitive_steps += len(steps)
     if pipeline == "vanilla":
         assert tree_nodes == 0
-    else:
+    elif pipeline in DRAFTING_PIPELINES:
         # Not vacuous: drafts were made and accepted, several tokens per step on repetitive prompts.
         assert tree_nodes > 0
         assert drafted_steps > 0
@@ -113,7 +113,7 @@ def test_lossless_embedded(embedded, pipeline):
         tokens, steps = run_steps(pipe, prompt_ids, 48)
         assert tokens == expected, (
             f"{pipeline}, prompt {i}:\n{embedded.tokenizer.decode(tokens)!r}\n!=\n{embedded.tokenizer.decode(expected)!r}")
-        if pipeline != "vanilla" and i == len(EMBEDDED_PROMPTS) - 1:
+        if pipeline in DRAFTING_PIPELINES and i == len(EMBEDDED_PROMPTS) - 1:
             accepted = sum(step.drafted for step in steps)
             assert accepted >= 5, f"{pipeline}: only {accepted} drafted tokens accepted on the summarization prompt"
 

@@ -124,12 +124,12 @@ def test_trie_merges_shared_prefixes_with_counts():
     assert len(tokens_) == 5  # 3, 4 and three children; the two [3, ...] continuations share node 3
     assert len(set(zip(tokens_, parents))) == len(tokens_)  # no duplicate siblings
     # Fresh calibration: every factor is the prior, so scores are prior * frequency ratio.
-    prior = ngram.calibration.factor(2, 0)
+    prior = state.stage_state[ngram].calibration.factor(2, 0)
     assert scores[roots[3]] == pytest.approx(prior * 2 / 3)
     assert scores[roots[4]] == pytest.approx(prior * 1 / 3)
     for i, p in enumerate(parents):
         if p == roots[3]:
-            assert scores[i] == pytest.approx(scores[roots[3]] * ngram.calibration.factor(2, 1) * 1 / 2)
+            assert scores[i] == pytest.approx(scores[roots[3]] * state.stage_state[ngram].calibration.factor(2, 1) * 1 / 2)
     assert_scores_valid(proposal)
 
 
@@ -181,11 +181,15 @@ def test_calibration_learns_down_when_drafts_are_wrong():
     assert last < first - 0.1, (first, last)
 
 
-def test_reset_forgets_the_previous_text():
+def test_each_sequence_keeps_its_own_state():
+    """One stage serves concurrent requests: a second sequence neither sees nor disturbs the first."""
     ngram, state = proposer([1, 2, 3, 1, 2], max_matches=1, max_length=4)
     assert ngram.propose(state).tokens.tolist() == [3, 1, 2, 3]
-    ngram.reset(state_of([9, 8, 9]))
-    assert ngram.propose(state_of([9, 8, 9])).tokens.tolist() == [8, 9, 8, 9]
+    other = state_of([9, 8, 9])
+    ngram.reset(other)
+    assert ngram.propose(other).tokens.tolist() == [8, 9, 8, 9]
+    assert ngram.propose(state).tokens.tolist() == [3, 1, 2, 3]
+    assert state.stage_state[ngram] is not other.stage_state[ngram]
 
 
 # ---- TrieTreeBuilder ---------------------------------------------------------------------------

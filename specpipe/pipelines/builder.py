@@ -89,9 +89,11 @@ def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeli
         raise ConfigError(
             f"sampling.temperature={sampling.temperature} needs a sampling verifier; the {type(verifier).__name__} "
             f"only decodes greedily. Use sampling.temperature=0")
+    augmenter = _instantiate_stage(pipeline_cfg.augment, "pipeline.augment") \
+        if pipeline_cfg.get("augment") is not None else None
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
-                    system_prompt=cfg.get("system_prompt"), sampling=sampling)
+                    system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter)
 
 
 def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve:

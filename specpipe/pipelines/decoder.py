@@ -40,8 +40,8 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
 
-    def decode(self, prompt: list[int], stop: StopCondition,
-               sampling: SamplingConfig = SamplingConfig()) -> Iterator[StepOutput]:
+    def decode(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
+               documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
         rng = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         cache = self.target.new_cache()
         clock = time.perf_counter
@@ -50,7 +50,7 @@ class SpeculativeDecoder:
         result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
-                            hidden=first.hidden[-1], logits=first.logits[-1])
+                            hidden=first.hidden[-1], logits=first.logits[-1], documents=documents)
         yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
         for proposer in self.proposers:
             proposer.reset(state)
@@ -83,4 +83,11 @@ class SpeculativeDecoder:
             seconds["commit"] = clock() - mark
 
             drafted = min(len(result.accepted), len(emitted))
-            yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds), finished)
+            by_source: dict[str, int] = {}
+            for node in result.accepted[:drafted]:
+                source = tree.sources[node] if tree.sources else "draft"
+                by_source[source] = by_source.get(source, 0) + 1
+            if finished:
+                for proposer in self.proposers:
+                    proposer.on_finish(state)
+            yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds, by_source), finished)

@@ -10,10 +10,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.errors import InvalidRequest
 from specpipe.pipelines.decoder import SpeculativeDecoder, StepOutput
 from specpipe.pipelines.stopping import StopCondition
+from specpipe.stages.base import Augmenter
 from specpipe.types import SamplingConfig
 
 Messages = Sequence[dict]
 PromptLike = str | Messages
+Documents = Sequence[str] | object | None  # a list of strings, or a DocumentStore
 
 
 @dataclass
@@ -23,6 +25,7 @@ class GenerationStats:
     seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over steps
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposer
 
     @property
     def mean_accepted(self) -> float:
@@ -38,13 +41,17 @@ class GenerationStats:
         self.accept_lengths.append(len(step.tokens))
         for stage, seconds in step.stats.seconds.items():
             self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
+        for source, count in step.stats.drafted_by_source.items():
+            self.drafted_by_source[source] = self.drafted_by_source.get(source, 0) + count
 
     def summary(self) -> str:
         per_step = " ".join(f"{stage} {1000 * s / self.steps:.1f}" for stage, s in self.stage_seconds.items()
                             if stage != "prefill")
         prefill = 1000 * self.stage_seconds.get("prefill", 0.0)
+        sources = ", ".join(f"{source} {count}" for source, count in sorted(self.drafted_by_source.items()))
         return (f"{self.new_tokens} tokens in {self.steps} steps | mean accepted {self.mean_accepted:.2f} | "
-                f"{self.tokens_per_second:.1f} tok/s | prefill {prefill:.0f} ms | per step (ms): {per_step}")
+                f"{self.tokens_per_second:.1f} tok/s | prefill {prefill:.0f} ms | per step (ms): {per_step}"
+                + (f" | drafted tokens by source: {sources}" if sources else ""))
 
 
 @dataclass
@@ -53,6 +60,16 @@ class Generation:
     token_ids: list[int]
     prompt_ids: list[int]
     stats: GenerationStats
+    retrieved: list = field(default_factory=list)  # RetrievedChunk: the documents the prompt was augmented with
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request's prompt as the target sees it: token ids after retrieval, template and chat template."""
+
+    token_ids: list[int]
+    retrieved: tuple = ()  # RetrievedChunk, best first (RAG pipelines)
+    document_ids: tuple[tuple[int, ...], ...] = ()  # [chunk][tokens] the retrieved chunks' token ids
 
 
 class Pipeline:
@@ -65,8 +82,9 @@ class Pipeline:
 
     def __init__(self, name: str, decoder: SpeculativeDecoder, tokenizer: PreTrainedTokenizerBase,
                  chat_template: bool = True, system_prompt: str | None = None,
-                 sampling: SamplingConfig = SamplingConfig()) -> None:
+                 sampling: SamplingConfig = SamplingConfig(), augmenter: Augmenter | None = None) -> None:
         self.name = name
+        self.augmenter = augmenter  # RAG: retrieves documents and writes them into the prompt
         self.decoder = decoder
         self.target = decoder.target
         self.tokenizer = tokenizer
@@ -81,7 +99,7 @@ class Pipeline:
         """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
         decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier)
         return Pipeline(name, decoder, self.tokenizer, chat_template=self.chat_template,
-                        system_prompt=self.system_prompt, sampling=self.sampling)
+                        system_prompt=self.system_prompt, sampling=self.sampling, augmenter=self.augmenter)
 
     @classmethod
     def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
@@ -120,11 +138,40 @@ class Pipeline:
                                                      return_dict=True)
         return list(encoded["input_ids"])
 
-    def _prompt_ids(self, prompt: PromptLike | list[int], chat_template: bool | None) -> list[int]:
-        """A list of ints is taken as ready token ids; anything else is encoded."""
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        return self.encode(prompt, chat_template)
+    # ---- retrieval (RAG) ------------------------------------------------------------------
+    def retrieve(self, question: str, documents: Documents = None, k: int | None = None) -> list:
+        """The chunks a RAG pipeline would put into the prompt for `question`, with their scores:
+        from `documents` (a list of strings, or a DocumentStore) or the configured store."""
+        if self.augmenter is None:
+            raise InvalidRequest(f"pipeline {self.name!r} does not retrieve documents: use a pipeline with an "
+                                 f"augment stage, e.g. pipeline=rag_lookahead")
+        return self.augmenter.retrieve(question, documents, k)
+
+    def prepare(self, prompt: PromptLike | list[int] | PreparedPrompt, documents: Documents = None,
+                chat_template: bool | None = None) -> PreparedPrompt:
+        """The token ids the target will see. A RAG pipeline first retrieves chunks for the question
+        (the prompt string, or the last user message) and renders them into it. A list of ints is
+        taken as ready token ids, a PreparedPrompt as it is."""
+        if isinstance(prompt, PreparedPrompt):
+            return prompt
+        is_token_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+        if self.augmenter is None or is_token_ids:
+            if documents is not None:
+                raise InvalidRequest("documents were given but " + (
+                    "the prompt is token ids, which cannot be augmented" if is_token_ids else
+                    f"pipeline {self.name!r} does not retrieve documents (use e.g. pipeline=rag_lookahead)"))
+            return PreparedPrompt(list(prompt) if is_token_ids else self.encode(prompt, chat_template))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        users = [i for i, message in enumerate(messages) if isinstance(message, dict) and message.get("role") == "user"]
+        if not users:
+            return PreparedPrompt(self.encode(prompt, chat_template))  # encode() explains what is wrong
+        question = str(messages[users[-1]]["content"])
+        chunks = self.augmenter.retrieve(question, documents)
+        messages[users[-1]]["content"] = self.augmenter.render(question, chunks)
+        augmented = messages[0]["content"] if isinstance(prompt, str) else messages
+        document_ids = tuple(tuple(self.tokenizer(chunk.text, add_special_tokens=False)["input_ids"])
+                             for chunk in chunks)
+        return PreparedPrompt(self.encode(augmented, chat_template), tuple(chunks), document_ids)
 
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -148,10 +195,12 @@ class Pipeline:
                 f"{context - len(prompt_ids)}")
 
     # ---- decoding ------------------------------------------------------------------
-    def steps(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
-              sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Iterator[StepOutput]:
+    def steps(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+              stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
+              documents: Documents = None) -> Iterator[StepOutput]:
         """Every decoding step's committed tokens. A list of ints is taken as ready token ids."""
-        prompt_ids = self._prompt_ids(prompt, chat_template)
+        prepared = self.prepare(prompt, documents, chat_template)
+        prompt_ids = prepared.token_ids
         self._check_lengths(prompt_ids, max_new_tokens)
         if isinstance(stop, str):
             stop = (stop,)
@@ -161,25 +210,29 @@ class Pipeline:
                 f"temperature={sampling.temperature} needs a sampling verifier; "
                 f"{type(self.decoder.verifier).__name__} only decodes greedily (use temperature 0)")
         condition = StopCondition(max_new_tokens, self.eos_token_ids, tuple(s for s in stop if s), self.tokenizer)
-        return self.decoder.decode(prompt_ids, condition, sampling)
+        return self.decoder.decode(prompt_ids, condition, sampling, prepared.document_ids)
 
-    def generate(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
-                 sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Generation:
-        prompt_ids = self._prompt_ids(prompt, chat_template)
+    def generate(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+                 stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
+                 documents: Documents = None) -> Generation:
+        """The answer with its stats; a RAG pipeline augments the prompt with retrieved chunks
+        (from `documents` when given: a list of strings or a DocumentStore) and returns them too."""
+        started = time.perf_counter()
+        prepared = self.prepare(prompt, documents, chat_template)
         stats = GenerationStats()
         tokens: list[int] = []
-        started = time.perf_counter()
-        for step in self.steps(prompt_ids, max_new_tokens, stop, sampling, chat_template):
+        for step in self.steps(prepared, max_new_tokens, stop, sampling, chat_template):
             tokens.extend(step.tokens)
             stats.add(step)
         stats.seconds = time.perf_counter() - started
-        return Generation(self.decode_text(tokens), tokens, list(prompt_ids), stats)
+        return Generation(self.decode_text(tokens), tokens, list(prepared.token_ids), stats, list(prepared.retrieved))
 
-    def stream(self, prompt: PromptLike | list[int], max_new_tokens: int = 128, stop: Sequence[str] = (),
-               sampling: SamplingConfig | None = None, chat_template: bool | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+               stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
+               documents: Documents = None) -> Iterator[str]:
         """Yields the answer's text in chunks as decoding commits tokens."""
         text = IncrementalText(self)
-        for step in self.steps(prompt, max_new_tokens, stop, sampling, chat_template):
+        for step in self.steps(prompt, max_new_tokens, stop, sampling, chat_template, documents):
             chunk = text.push(step.tokens)
             if chunk:
                 yield chunk

@@ -16,12 +16,16 @@ class Proposer(Protocol):
     name: str
 
     def reset(self, state: DecodeState) -> None:
-        """A new sequence starts (the prompt is in `state.tokens`)."""
+        """A new sequence starts (the prompt is in `state.tokens`). Per-sequence state goes into
+        `state.stage_state[self]`: one stage serves concurrent requests."""
 
     def propose(self, state: DecodeState) -> Proposal: ...
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
         """`state.tokens` now holds the newly committed tokens."""
+
+    def on_finish(self, state: DecodeState) -> None:
+        """The sequence is complete (`state.generated` is the whole answer)."""
 
 
 @runtime_checkable
@@ -30,6 +34,17 @@ class StepDrafter(Proposer, Protocol):
 
     def step(self, state: DecodeState, frontier: Tensor) -> tuple[Tensor, Tensor]:
         """frontier [m] node ids -> top-k next tokens [m, k] and their log-probs [m, k]."""
+
+
+@runtime_checkable
+class Augmenter(Protocol):
+    """Before decoding: finds documents for the question and writes them into the prompt (RAG)."""
+
+    def retrieve(self, question: str, documents=None, k: int | None = None) -> list:
+        """The best chunks for `question` (from `documents` when given: strings or a store)."""
+
+    def render(self, question: str, chunks: list) -> str:
+        """The augmented user message."""
 
 
 @runtime_checkable

@@ -16,8 +16,13 @@ every method of `bench.methods` over them:
 The HF methods run on a separate stock instance of the model when the pipeline's engine
 rewrites its own (`engine=fast`), so `hf_generate` stays transformers' forward.
 
-Every method sees the same prompt token ids (`Pipeline.encode` of the chat messages); in
-multi-turn questions each method carries its own previous answer into the next turn.
+Every method sees the same prompt token ids: `Pipeline.prepare` of the chat messages, which for a
+RAG pipeline (`pipeline.augmenter` set) retrieves chunks for the current turn's question and
+renders them into its message, so `hf_generate`, `hf_pld` and `vanilla` answer the very prompt the
+pipeline answers. Retrieval runs before the methods' clocks start. In multi-turn questions each
+method carries its own previous answer into the next turn.
+`bench.group_categories` reports several prompt categories as one (Spec-Bench's eight MT-bench
+categories as `mt_bench`); `bench.per_category` still counts questions per original category.
 `bench.dtype` sets the model's dtype: `conf/task/bench.yaml` interpolates
 `model.dtype: ${bench.dtype}`. Results go to `bench.out` (default: the Hydra run dir);
 see `specpipe.tasks.bench_report` for the files written.
@@ -28,7 +33,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +46,16 @@ from transformers.generation.streamers import BaseStreamer
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
 from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline, load_model
-from specpipe.pipelines.pipeline import GenerationStats, Pipeline
+from specpipe.pipelines.pipeline import GenerationStats, Pipeline, PreparedPrompt
 
 REFERENCE = "hf_generate"
 HF_PLD = "hf_pld"
 PIPELINE = "pipeline"  # in bench.methods: the configured pipeline, reported under its own name
 VANILLA = "vanilla"  # in bench.methods: specpipe's loop without drafting (same target and engine)
 REPO_ROOT = CONFIG_DIR.parent
+# Spec-Bench's evaluation reports its eight MT-bench categories as one task.
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+DEFAULT_GROUPS = {category: "mt_bench" for category in MT_BENCH_CATEGORIES}
 
 
 # ---- questions -----------------------------------------------------------------------
@@ -136,6 +145,10 @@ class TurnOutput:
     seconds: float
     forwards: int  # target forwards, the prefill included
     accept_lengths: list[int]  # new tokens committed per forward
+    # Of `tokens`, those that came from accepted draft nodes, in all and per proposer; None for
+    # methods that cannot tell (transformers' generate). The rest are the target's bonus tokens.
+    drafted: int | None = None
+    drafted_by_source: dict[str, int] | None = None
 
 
 @dataclass
@@ -146,6 +159,7 @@ class QuestionRun:
     method: str
     turns: list[TurnOutput] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    prompts: list[PreparedPrompt] = field(default_factory=list)  # per turn: the ids the method saw
 
     @property
     def new_tokens(self) -> int:
@@ -168,7 +182,7 @@ class QuestionRun:
         return [t.tokens for t in self.turns]
 
 
-Method = Callable[[list[int], int], TurnOutput]  # (prompt ids, max new tokens) -> output
+Method = Callable[[PreparedPrompt, int], TurnOutput]  # (prepared prompt, max new tokens) -> output
 
 
 class _StepRecorder(BaseStreamer):
@@ -204,7 +218,8 @@ class HFGenerate:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.sampling = pipeline.sampling
 
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> TurnOutput:
+    def __call__(self, prompt: PreparedPrompt, max_new_tokens: int) -> TurnOutput:
+        prompt_ids = prompt.token_ids
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, L]
         options = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens} if self.prompt_lookup_num_tokens else {}
@@ -241,15 +256,20 @@ class PipelineDecode:
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
-    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> TurnOutput:
+    def __call__(self, prompt: PreparedPrompt, max_new_tokens: int) -> TurnOutput:
         stats = GenerationStats()
         tokens: list[int] = []
+        drafted = 0
         started = time.perf_counter()
-        for step in self.pipeline.steps(list(prompt_ids), max_new_tokens):
+        # The PreparedPrompt itself, not its ids: the retrieved documents' ids go to the decoder too.
+        for step in self.pipeline.steps(prompt, max_new_tokens):
             tokens.extend(step.tokens)
+            drafted += step.drafted
             stats.add(step)
         seconds = time.perf_counter() - started
-        return TurnOutput(tokens, seconds, stats.steps, stats.accept_lengths)
+        # Every proposer is listed, at 0 when none of its drafts was accepted.
+        by_source = {proposer.name: 0 for proposer in self.pipeline.decoder.proposers} | stats.drafted_by_source
+        return TurnOutput(tokens, seconds, stats.steps, stats.accept_lengths, drafted, by_source)
 
 
 def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int,
@@ -279,36 +299,65 @@ def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int,
 
 
 # ---- running -------------------------------------------------------------------------
+def prepare_prompt(pipeline: Pipeline, messages: list[dict], prepared: dict[str, PreparedPrompt]) -> PreparedPrompt:
+    """`pipeline.prepare(messages)`, once per distinct conversation of a question: the methods' first
+    turns, and later turns where their earlier answers agree, get the very same ids and retrieval."""
+    key = json.dumps(messages, sort_keys=True)
+    if key not in prepared:
+        prepared[key] = pipeline.prepare(messages)
+    return prepared[key]
+
+
 def run_question(pipeline: Pipeline, method_name: str, method: Method, question: Question,
-                 max_new_tokens: int) -> QuestionRun:
-    """All turns of one question; the method's own answer goes into the next turn's messages."""
+                 max_new_tokens: int, prepared: dict[str, PreparedPrompt] | None = None) -> QuestionRun:
+    """All turns of one question; the method's own answer goes into the next turn's messages.
+    `prepared` memoizes the prompts across the methods run on this question."""
+    prepared = {} if prepared is None else prepared
     run = QuestionRun(question, method_name)
     messages: list[dict] = []
     for turn in question.turns:
         messages.append({"role": "user", "content": turn})
-        prompt_ids = pipeline.encode(messages)
-        output = method(prompt_ids, max_new_tokens)
+        prompt = prepare_prompt(pipeline, messages, prepared)
+        output = method(prompt, max_new_tokens)
         text = pipeline.decode_text(output.tokens)
         run.turns.append(output)
         run.texts.append(text)
+        run.prompts.append(prompt)
         messages.append({"role": "assistant", "content": text})
     return run
+
+
+@contextmanager
+def learning_paused(pipeline: Pipeline) -> Iterator[None]:
+    """Stages that learn from finished answers (the store of past outputs) learn nothing during the
+    warm-up: the counted run of the same question would otherwise draft from its own earlier answer."""
+    learners = [p for p in pipeline.decoder.proposers if getattr(p, "learn", False) is True]
+    for proposer in learners:
+        proposer.learn = False
+    try:
+        yield
+    finally:
+        for proposer in learners:
+            proposer.learn = True
 
 
 def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Sequence[Question],
                 max_new_tokens: int, warmup: int = 1, progress: bool = True) -> list[QuestionRun]:
     """Warms every method up on the first `warmup` questions (not counted), then runs each question
     through every method in turn (interleaved, so slow drift of the machine hits all methods alike)."""
-    for question in questions[:warmup]:
-        for name, method in methods.items():
-            run_question(pipeline, name, method, question, max_new_tokens)
+    with learning_paused(pipeline):
+        for question in questions[:warmup]:
+            prepared: dict[str, PreparedPrompt] = {}
+            for name, method in methods.items():
+                run_question(pipeline, name, method, question, max_new_tokens, prepared)
     runs: list[QuestionRun] = []
     with tqdm(total=len(questions) * len(methods), desc="bench", unit="run", disable=not progress,
               file=sys.stderr) as bar:
         for question in questions:
+            prepared = {}
             for name, method in methods.items():
                 bar.set_postfix_str(f"{question.category} #{question.question_id} {name}", refresh=False)
-                runs.append(run_question(pipeline, name, method, question, max_new_tokens))
+                runs.append(run_question(pipeline, name, method, question, max_new_tokens, prepared))
                 bar.update()
     return runs
 
@@ -323,6 +372,7 @@ class BenchSettings:
     warmup: int
     pld_tokens: int
     categories: tuple[str, ...] | None
+    group_categories: dict[str, str]  # category -> the category it is reported under
     out: Path
 
 
@@ -344,6 +394,7 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         categories = [categories]
     return BenchSettings(
         prompts=resolve_prompts_path(str(bench.prompts)),
+        group_categories=read_groups(bench.get("group_categories", DEFAULT_GROUPS)),
         per_category=bench.per_category,
         max_new_tokens=max_new_tokens,
         dtype=str(bench.dtype),
@@ -353,6 +404,19 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         categories=tuple(categories) if categories else None,
         out=output_dir(bench.get("out")),
     )
+
+
+def read_groups(groups: object) -> dict[str, str]:
+    """bench.group_categories: {category: reported category}; null reports every category alone."""
+    if groups is None:
+        return {}
+    if isinstance(groups, DictConfig):
+        groups = OmegaConf.to_container(groups, resolve=True)
+    if not isinstance(groups, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                  for k, v in groups.items()):
+        raise InvalidRequest(f"bench.group_categories must map categories to the category they are reported "
+                             f"under, e.g. {{writing: mt_bench}}; got {groups!r}")
+    return dict(groups)
 
 
 def output_dir(out: str | None, key: str = "bench.out") -> Path:
@@ -420,6 +484,9 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
         "reference": REFERENCE if REFERENCE in methods else None,
         "prompts": str(settings.prompts),
         "per_category": settings.per_category,
+        "group_categories": settings.group_categories,
+        # RAG: every method ran on the augmented prompt (chunks per question in results.parquet)
+        "augmented": pipeline.augmenter is not None,
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
         "pld_tokens": settings.pld_tokens,

@@ -1,6 +1,8 @@
 """The benchmark's report: summary.json, summary.md, results.parquet, answers/, speedup.png.
 
-Metrics, per method, over all prompts (`overall`) and within each category:
+Metrics, per method, over all prompts (`overall`) and within each category (after
+`bench.group_categories`: Spec-Bench's eight MT-bench categories are reported as `mt_bench`;
+results.parquet keeps each prompt's own `category` beside its reported `group`):
 
 - `tok_s`: mean over prompts of a prompt's new tokens (all turns) over its wall time;
 - `speedup`: that mean over the same mean for `hf_generate` (a ratio of means, as in
@@ -10,7 +12,10 @@ Metrics, per method, over all prompts (`overall`) and within each category:
 - `exact_rate`: the share of prompts whose output tokens, all turns, equal
   `hf_generate`'s (null when `hf_generate` was not run);
 - `speedup_vs_vanilla`: the same ratio of means over specpipe's `vanilla` (our loop and
-  engine, no drafting; null when it was not run).
+  engine, no drafting; null when it was not run);
+- `drafted_by_source`: for specpipe's methods, the share of all new tokens that came from
+  accepted drafts of each proposer ({} for `vanilla`; null for the HF methods, which cannot
+  tell); `bonus_share`: the share that were the target's own tokens. They sum to 1.
 
 The sweep merge (`specpipe.tasks.sweep`) renders its table and plot with the same
 functions, from summaries whose row names are `JOB / METHOD`.
@@ -35,8 +40,10 @@ ROW_SEPARATOR = " / "  # merged sweep rows are "JOB / METHOD"
 
 
 # ---- per-prompt records ----------------------------------------------------------------
-def run_records(runs: Sequence["QuestionRun"]) -> list[dict]:
-    """One flat record per question x method, with `exact` against hf_generate's output."""
+def run_records(runs: Sequence["QuestionRun"], groups: dict[str, str] | None = None) -> list[dict]:
+    """One flat record per question x method, with `exact` against hf_generate's output and the
+    `group` (reported category) of its category under `groups`."""
+    groups = groups or {}
     reference = {run.question.question_id: run.output_ids for run in runs if run.method == REFERENCE}
     records = []
     for run in runs:
@@ -45,6 +52,7 @@ def run_records(runs: Sequence["QuestionRun"]) -> list[dict]:
         records.append({
             "question_id": q.question_id,
             "category": q.category,
+            "group": groups.get(q.category, q.category),
             "method": run.method,
             "turns": len(run.turns),
             "new_tokens": run.new_tokens,
@@ -57,22 +65,67 @@ def run_records(runs: Sequence["QuestionRun"]) -> list[dict]:
             "seconds_per_turn": [t.seconds for t in run.turns],
             "forwards_per_turn": [t.forwards for t in run.turns],
             "accept_lengths": accept_lengths,
+            "drafted": _sum_or_none(t.drafted for t in run.turns),
+            "drafted_by_source": _merge_counts(t.drafted_by_source for t in run.turns),
+            "prompt_tokens_per_turn": [len(p.token_ids) for p in run.prompts],
+            "prompt_ids": [list(p.token_ids) for p in run.prompts],
+            "retrieved": retrieved_chunks(run),
             "output_ids": run.output_ids,
             "answers": list(run.texts),
         })
     return records
 
 
+def _sum_or_none(values) -> int | None:
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _merge_counts(counts) -> dict[str, int] | None:
+    """Per-source counts summed over turns; None when a turn's method could not tell."""
+    merged: dict[str, int] = {}
+    for turn_counts in counts:
+        if turn_counts is None:
+            return None
+        for source, count in turn_counts.items():
+            merged[source] = merged.get(source, 0) + count
+    return merged
+
+
+def retrieved_chunks(run: "QuestionRun") -> list[list[dict]]:
+    """Per turn, the chunks a RAG pipeline retrieved into the prompt, best first ([] without RAG)."""
+    return [[{"chunk_id": int(c.chunk_id), "title": str(c.title), "source": str(c.source), "score": float(c.score)}
+             for c in prompt.retrieved] for prompt in run.prompts]
+
+
+def source_shares(records: Sequence[dict]) -> tuple[dict[str, float] | None, float | None]:
+    """(share of all new tokens per draft source, share of the target's bonus tokens); (None, None)
+    when a record's method could not tell where its tokens came from (the HF methods)."""
+    if not records or any(r["drafted_by_source"] is None or r["drafted"] is None for r in records):
+        return None, None
+    new_tokens = sum(r["new_tokens"] for r in records)
+    if not new_tokens:
+        return None, None
+    counts = _merge_counts(r["drafted_by_source"] for r in records)
+    # The bonus share comes from the steps' own drafted counts, not from 1 - sum(shares): the two
+    # agree only when every accepted draft token is attributed to a source.
+    bonus = sum(r["new_tokens"] - r["drafted"] for r in records) / new_tokens
+    return {source: count / new_tokens for source, count in counts.items()}, bonus
+
+
 def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanilla_tok_s: float | None = None) -> dict:
     tok_s = sum(r["tok_s"] for r in records) / len(records)
     forwards = sum(r["forwards"] for r in records)
     exact = [r["exact"] for r in records if r["exact"] is not None]
+    shares, bonus_share = source_shares(records)
     return {
         "speedup": tok_s / reference_tok_s if reference_tok_s else None,
         "speedup_vs_vanilla": tok_s / vanilla_tok_s if vanilla_tok_s else None,
         "tok_s": tok_s,
         "mean_accepted": sum(r["new_tokens"] for r in records) / forwards if forwards else 0.0,
         "exact_rate": sum(exact) / len(exact) if exact else None,
+        "drafted_by_source": shares,
+        "bonus_share": bonus_share,
         "prompts": len(records),
         "new_tokens": sum(r["new_tokens"] for r in records),
         "seconds": sum(r["seconds"] for r in records),
@@ -80,7 +133,8 @@ def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanill
 
 
 def summarize(records: Sequence[dict], methods: Sequence[str]) -> dict:
-    """{"overall": {METHOD: metrics}, "categories": {CATEGORY: {METHOD: metrics}}}."""
+    """{"overall": {METHOD: metrics}, "categories": {GROUP: {METHOD: metrics}}}: categories are the
+    records' reported `group`s."""
     def mean_tok_s(group: list[dict], method: str) -> float | None:
         rows = [r for r in group if r["method"] == method]
         return sum(r["tok_s"] for r in rows) / len(rows) if rows else None
@@ -90,10 +144,10 @@ def summarize(records: Sequence[dict], methods: Sequence[str]) -> dict:
         return {m: group_metrics([r for r in group if r["method"] == m], reference_tok_s, vanilla_tok_s)
                 for m in methods if any(r["method"] == m for r in group)}
 
-    categories = list(dict.fromkeys(r["category"] for r in records))
+    groups = list(dict.fromkeys(r["group"] for r in records))
     return {
         "overall": metrics_by_method(list(records)),
-        "categories": {c: metrics_by_method([r for r in records if r["category"] == c]) for c in categories},
+        "categories": {g: metrics_by_method([r for r in records if r["group"] == g]) for g in groups},
     }
 
 
@@ -117,6 +171,40 @@ def markdown_table(summary: dict) -> str:
                  vs_vanilla, f"{overall['tok_s']:.1f}", exact]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _sources_cell(metrics: dict | None) -> str:
+    if not metrics or metrics.get("drafted_by_source") is None:
+        return "-"
+    shares = sorted(metrics["drafted_by_source"].items(), key=lambda item: -item[1])
+    return " · ".join([*(f"{source} {share:.2f}" for source, share in shares), f"bonus {metrics['bonus_share']:.2f}"])
+
+
+def sources_table(summary: dict) -> str:
+    """Rows = specpipe methods that draft, columns = categories + overall; cells: the share of new
+    tokens per draft source and of the target's bonus tokens. Empty when no method drafts."""
+    categories = list(summary["categories"])
+    rows = [row for row, overall in summary["overall"].items() if overall.get("drafted_by_source")]
+    if not rows:
+        return ""
+    header = ["method", *categories, "overall"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row, *(_sources_cell(summary["categories"][c].get(row)) for c in categories),
+                 _sources_cell(summary["overall"][row])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+SOURCES_LEGEND = ("Where the new tokens came from: the share of all new tokens that were accepted drafts of "
+                  "each proposer (a node proposed by several counts for the first), and `bonus`, the target's "
+                  "own token after each accepted path; per row they sum to 1.")
+
+
+def sources_section(summary: dict) -> list[str]:
+    """The markdown lines of the sources table with its legend ([] when no method drafts)."""
+    table = sources_table(summary)
+    return ["", "## Tokens by source", "", table, "", SOURCES_LEGEND] if table else []
 
 
 TABLE_LEGEND = ("Cells: wall-clock speedup over `hf_generate` (ratio of mean tok/s over prompts) / mean "
@@ -178,10 +266,15 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         markdown_table(summary),
         "",
         TABLE_LEGEND,
+        *sources_section(summary),
         "",
         f"- prompts: `{meta['prompts']}`, first {meta['per_category']} per category ({meta['questions']} "
         f"questions), max_new_tokens {meta['max_new_tokens']} per turn, warm-up {meta['warmup']} question(s), "
         f"{_decoding(meta.get('sampling'))}, batch 1",
+        *_grouping_lines(summary, meta),
+        *(["- RAG: every method ran on the same augmented prompt token ids (the pipeline's retrieval for each "
+           "turn's question); the chunks retrieved per question are in results.parquet (`retrieved`) and "
+           "answers/"] if meta.get("augmented") else []),
         f"- methods: {', '.join(f'`{m}`' for m in meta['methods'])} (`hf_pld` = HF `generate("
         f"prompt_lookup_num_tokens={meta['pld_tokens']})`); engine `{meta.get('engine', 'hf')}` for specpipe's "
         f"methods, transformers' stock forward for the HF ones",
@@ -193,6 +286,16 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         f"- command: `{meta['command']}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _grouping_lines(summary: dict, meta: dict) -> list[str]:
+    """Which reported categories merge several of the prompts file's (only those in this report)."""
+    groups: dict[str, list[str]] = {}
+    for category, group in (meta.get("group_categories") or {}).items():
+        if group in summary["categories"]:
+            groups.setdefault(group, []).append(category)
+    return [f"- `{group}` reports the categories {', '.join(categories)} together (bench.group_categories); "
+            f"per_category counts each of them" for group, categories in groups.items()]
 
 
 def plot_speedup(summary: dict, path: Path, title: str) -> None:
@@ -238,13 +341,32 @@ def write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
+def _parquet_types():
+    """Columns whose type cannot be inferred from every report: {} (vanilla's sources) would be a struct
+    with no fields, which Parquet refuses, [] (no retrieval) a list of nulls, and None (the HF
+    methods' drafted count) would turn the integers into floats."""
+    import pyarrow as pa
+
+    chunk = pa.struct([("chunk_id", pa.int64()), ("title", pa.string()), ("source", pa.string()),
+                       ("score", pa.float64())])
+    return {"drafted": pa.int64(), "drafted_by_source": pa.map_(pa.string(), pa.int64()),
+            "retrieved": pa.list_(pa.list_(chunk))}
+
+
 def write_parquet(records: Sequence[dict], path: Path) -> None:
     import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     frame = pd.DataFrame.from_records(list(records))
     if len({type(q) for q in frame["question_id"]}) > 1:
         frame["question_id"] = frame["question_id"].astype(str)  # parquet columns have one type
-    write_atomically(path, lambda p: frame.to_parquet(p, index=False))
+    typed = {name: kind for name, kind in _parquet_types().items() if name in frame}
+    table = pa.Table.from_pandas(frame.drop(columns=list(typed)), preserve_index=False)
+    for name, kind in typed.items():  # from the records: pandas has turned None among ints into NaN
+        table = table.append_column(name, pa.array([record[name] for record in records], type=kind))
+    table = table.select(list(frame.columns))
+    write_atomically(path, lambda p: pq.write_table(table, p))
 
 
 def write_answers(runs: Sequence["QuestionRun"], meta: dict, folder: Path) -> None:
@@ -260,6 +382,7 @@ def write_answers(runs: Sequence["QuestionRun"], meta: dict, folder: Path) -> No
                 "wall_time": [t.seconds for t in run.turns],
                 "decoding_steps": [t.forwards for t in run.turns],
                 "accept_lengths": [n for t in run.turns for n in t.accept_lengths],
+                "prompt_tokens": [len(p.token_ids) for p in run.prompts],
             }
             lines.append(json.dumps({
                 "question_id": run.question.question_id,
@@ -267,6 +390,7 @@ def write_answers(runs: Sequence["QuestionRun"], meta: dict, folder: Path) -> No
                 "answer_id": f"{run.question.question_id}-{method}",
                 "model_id": f"{meta['model']}-{method}-{meta['dtype']}",
                 "choices": [choice],
+                **({"retrieved": retrieved_chunks(run)} if meta.get("augmented") else {}),
                 "tstamp": time.time(),
             }, ensure_ascii=False))
         write_text(folder / f"{method}.jsonl", "".join(line + "\n" for line in lines))
@@ -275,7 +399,7 @@ def write_answers(runs: Sequence["QuestionRun"], meta: dict, folder: Path) -> No
 def write_report(runs: Sequence["QuestionRun"], meta: dict, out: Path) -> dict:
     """Writes every report file into `out`; returns the summary (summary.json's content)."""
     out.mkdir(parents=True, exist_ok=True)
-    records = run_records(runs)
+    records = run_records(runs, meta.get("group_categories"))
     summary = summarize(records, meta["methods"])
     write_parquet(records, out / "results.parquet")
     write_answers(runs, meta, out / "answers")

@@ -21,9 +21,16 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
     use_color = color == "always" or (color == "auto" and out.isatty())
     start_mark, end_mark = (DRAFTED_STYLE, RESET) if use_color else ("[", "]")
     started = time.perf_counter()
-    steps = pipeline.steps(prompt, int(cfg.max_new_tokens), list(cfg.stop or ()))  # validates the request
+    prepared = pipeline.prepare(prompt)  # RAG pipelines retrieve here
+    steps = pipeline.steps(prepared, int(cfg.max_new_tokens), list(cfg.stop or ()))  # validates the request
     out.write(f"# pipeline={pipeline.name} model={pipeline.target.name} dtype={cfg.model.dtype}; "
               f"{'marked' if use_color else '[bracketed]'} text came from accepted drafts\n")
+    if prepared.retrieved:
+        out.write(f"# question: {prompt if isinstance(prompt, str) else prompt[-1]['content']}\n")
+        for rank, chunk in enumerate(prepared.retrieved, start=1):
+            used = "in the prompt" if rank <= pipeline.augmenter.k else "drafting only"
+            out.write(f"# retrieved [{rank}] {chunk.title} (score {chunk.score:.3f}, {used})\n")
+        out.write("\n")
     text = IncrementalText(pipeline)
     stats = GenerationStats()
     for step in steps:

@@ -23,7 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from specpipe.tasks.bench_report import (ROW_SEPARATOR, TABLE_LEGEND, machine_line, markdown_table, plot_speedup,
-                                         write_text)
+                                         sources_section, write_text)
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"
@@ -116,7 +116,8 @@ def merge_sweep(sweep_dir: Path, since: float | None = None) -> dict | None:
 
 def sweep_markdown(merged: dict) -> str:
     lines = [f"# specpipe bench sweep: {len(merged['jobs'])} jobs", "", markdown_table(merged), "",
-             TABLE_LEGEND + " Rows are `JOB / METHOD`: each job measured its own `hf_generate` reference.", "",
+             TABLE_LEGEND + " Rows are `JOB / METHOD`: each job measured its own `hf_generate` reference.",
+             *sources_section(merged), "",
              "| job | pipeline | model | dtype | overrides | dir |", "|---|---|---|---|---|---|"]
     for job in merged["jobs"]:
         lines.append(f"| {job['label']} | {job['pipeline']} | {job['model']} | {job['dtype']} | "

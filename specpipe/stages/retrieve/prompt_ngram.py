@@ -4,21 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
+from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stages.retrieve.ngram_index import NgramIndex
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 
-@dataclass
-class _TrieNode:
-    token: int
-    parent: int
-    depth: int
-    count: int = 0
-    match_length: int = 0  # longest n-gram match among the continuations through this node
-    children: dict[int, int] = field(default_factory=dict)
+# What the n-gram index covers: the prompt and the output so far ("context"), or the documents
+# retrieved for the request and the output so far ("documents"; RAG chunks kept out of the prompt
+# or beyond it).
+TEXTS = ("context", "documents")
+SEPARATOR = -1  # between documents: no token id, so no n-gram matches across it
 
 
 class PromptNgram:
@@ -35,79 +31,50 @@ class PromptNgram:
 
     def __init__(self, name: str = "prompt_ngram", min_ngram: int = 1, max_ngram: int = 4,
                  max_matches: int = 1, max_length: int = 16, prior: float = 0.5,
-                 memory: float = float("inf")) -> None:
+                 memory: float = float("inf"), text: str = "context") -> None:
         if max_matches < 1 or max_length < 1:
             raise ValueError(f"{name}: max_matches and max_length must be >= 1")
+        if text not in TEXTS:
+            raise ValueError(f"{name}: text must be one of {TEXTS}, got {text!r}")
+        NgramIndex(min_ngram, max_ngram)  # checks the sizes now, not at the first request
+        AcceptanceCalibration(prior=prior, memory=memory)
         self.name = name
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_matches = max_matches
         self.max_length = max_length
-        self.index = NgramIndex(min_ngram, max_ngram)
-        self.calibration = AcceptanceCalibration(prior=prior, memory=memory)
-        self._trie: list[_TrieNode] = []
-        self._proposed_at = 0
+        self.prior, self.memory = prior, memory
+        self.text = text
 
     def reset(self, state: DecodeState) -> None:
-        self.index.reset(list(state.tokens))
-        self._trie = []
+        index = NgramIndex(self.min_ngram, self.max_ngram)
+        if self.text == "context":
+            index.reset(list(state.tokens))
+        else:  # the documents, then the context's last tokens: the suffix to look up, and the output after it
+            index.reset([t for document in state.documents for t in (*document, SEPARATOR)]
+                        + list(state.tokens[-self.max_ngram:]))
+        state.stage_state[self] = NgramSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory),
+                                                index=index)
 
     def propose(self, state: DecodeState) -> Proposal:
-        self._proposed_at = len(state.tokens)
-        trie = self._build_trie(self.index.continuations(self.max_matches, self.max_length))
-        self._trie = trie
-        if not trie:
-            return Proposal.empty(self.name)
-        scores: list[float] = []
-        for node, ratio in zip(trie, self._raw_ratios(trie)):
-            parent_score = scores[node.parent] if node.parent >= 0 else 1.0
-            conditional = self.calibration.factor(node.match_length, node.depth) * ratio
-            scores.append(parent_score * min(1.0, conditional))
-        return Proposal(
-            tokens=torch.tensor([node.token for node in trie], dtype=torch.long),
-            parents=torch.tensor([node.parent for node in trie], dtype=torch.long),
-            scores=torch.tensor(scores, dtype=torch.float32),
-            source=self.name,
-        )
+        sequence: NgramSequence = state.stage_state[self]
+        trie = ContinuationTrie()
+        for match_length, continuation in sequence.index.continuations(self.max_matches, self.max_length):
+            if SEPARATOR in continuation:  # a continuation ends with its document
+                continuation = continuation[:continuation.index(SEPARATOR)]
+            if continuation:
+                trie.add(continuation, match_length)
+        return sequence.propose(trie, len(state.tokens), self.name)
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
-        emitted = state.tokens[self._proposed_at:]
-        self._learn(emitted)
-        self.index.extend(emitted)
+        sequence: NgramSequence = state.stage_state[self]
+        sequence.index.extend(sequence.learn(state.tokens))
 
-    def _build_trie(self, continuations: list[tuple[int, list[int]]]) -> list[_TrieNode]:
-        trie: list[_TrieNode] = []
-        root_children: dict[int, int] = {}
-        for match_length, continuation in continuations:
-            children, parent = root_children, -1
-            for depth, token in enumerate(continuation):
-                index = children.get(token)
-                if index is None:
-                    index = len(trie)
-                    trie.append(_TrieNode(token, parent, depth))
-                    children[token] = index
-                node = trie[index]
-                node.count += 1
-                node.match_length = max(node.match_length, match_length)
-                children, parent = node.children, index
-        return trie
+    def on_finish(self, state: DecodeState) -> None:
+        pass
 
-    @staticmethod
-    def _raw_ratios(trie: list[_TrieNode]) -> list[float]:
-        """Per node, the fraction of the matches reaching its parent that continue with it."""
-        matches = sum(node.count for node in trie if node.parent < 0)
-        return [node.count / (trie[node.parent].count if node.parent >= 0 else matches) for node in trie]
 
-    def _learn(self, emitted: list[int]) -> None:
-        """Scores each proposed node whose parent lies on the committed path against the truth.
+@dataclass
+class NgramSequence(TrieSequence):
+    """PromptNgram's per-sequence state: the n-gram index over this sequence's tokens as well."""
 
-        Under greedy decoding a node was right exactly when its token is what got
-        committed at its depth, whether or not the tree builder kept it.
-        """
-        trie = self._trie
-        on_path = {-1}
-        for index, (node, ratio) in enumerate(zip(trie, self._raw_ratios(trie))):
-            if node.parent not in on_path or node.depth >= len(emitted):
-                continue
-            accepted = node.token == emitted[node.depth]
-            self.calibration.observe(node.match_length, node.depth, ratio, accepted)
-            if accepted:
-                on_path.add(index)
+    index: NgramIndex = field(default_factory=lambda: NgramIndex(1, 1))

@@ -1,0 +1,104 @@
+"""REST (retrieval-based speculative decoding): drafts what followed the context's longest
+suffix in a token datastore, the most frequent continuations merged into a trie."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specpipe.errors import StoreError
+from specpipe.stages.retrieve.calibration import AcceptanceCalibration
+from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
+from specpipe.stores.manifest import sha256_file
+from specpipe.stores.token_datastore import TokenDatastore, default_store_path
+from specpipe.types import DecodeState, Proposal, VerifyResult
+
+
+class RestRetriever:
+    """Looks the context up in a TokenDatastore and proposes its frequent continuations.
+
+    Node scores estimate acceptance: the frequency ratio of the branch among the sampled
+    occurrences of the match (occurrences followed by a document's end count as misses),
+    times an online calibration factor per match length and depth, multiplied along paths.
+    """
+
+    def __init__(self, tokenizer=None, path: str | None = None, store: str = "tokens_from_files",
+                 name: str = "token_datastore", max_span: int = 16, min_span: int = 2, max_candidates: int = 8,
+                 max_length: int = 16, max_occurrences: int = 256, prior: float = 0.5,
+                 memory: float = float("inf"), verify_checksums: bool = False,
+                 datastore: TokenDatastore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
+                 target=None) -> None:
+        # `target` is what the pipeline builder hands every partial stage; REST has no use for it.
+        if not 1 <= min_span <= max_span:
+            raise ValueError(f"{name}: spans need 1 <= min_span <= max_span, got {min_span}, {max_span}")
+        if max_candidates < 1 or max_length < 1 or max_occurrences < 1:
+            raise ValueError(f"{name}: max_candidates, max_length and max_occurrences must be >= 1")
+        self.name = name
+        folder = Path(path).expanduser() if path else default_store_path(store)
+        if datastore is None and corpus and not path:
+            source = corpus_file(corpus, folder)
+            # one store per corpus version: a corpus that grew (or changed) gets its own, built once
+            folder = default_store_path(f"{store}-{sha256_file(source)[:12]}")
+            if not folder.exists():
+                build_from_corpus(folder, source, ids_field, tokenizer)
+        self.datastore = datastore if datastore is not None else TokenDatastore.load(
+            folder, tokenizer, verify_checksums=verify_checksums)
+        self.max_span, self.min_span = max_span, min_span
+        self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
+        AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.prior, self.memory = prior, memory
+
+    def reset(self, state: DecodeState) -> None:
+        state.stage_state[self] = TrieSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory))
+
+    def propose(self, state: DecodeState) -> Proposal:
+        match = self.datastore.lookup(state.tokens[-self.max_span:], self.max_span, self.min_span,
+                                      self.max_length, self.max_candidates, self.max_occurrences)
+        trie = ContinuationTrie(total=match.sampled)
+        for continuation, prefix_counts in zip(match.continuations, match.prefix_counts):
+            trie.add(continuation, match.match_length, prefix_counts)
+        return state.stage_state[self].propose(trie, len(state.tokens), self.name)
+
+    def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
+        state.stage_state[self].learn(state.tokens)
+
+    def on_finish(self, state: DecodeState) -> None:
+        pass
+
+
+def corpus_file(corpus: str, folder: Path) -> Path:
+    """The corpus Parquet: as given, or relative to the repository (where the shipped one lives)."""
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    source = Path(corpus).expanduser()
+    if not source.is_absolute() and not source.exists():
+        source = CONFIG_DIR.parent / source
+    if not source.is_file():
+        raise StoreError(f"the token datastore's corpus {corpus} is missing: restore it from the repository, or "
+                         f"build a store with `python run.py task=build_store store=tokens_from_files "
+                         f"store.sources=[...]` and give its folder as pipeline.proposers.rest.path")
+    return source
+
+
+def build_from_corpus(folder: Path, source: Path, ids_field: str, tokenizer) -> None:
+    """Builds the datastore at `folder` from a corpus of token ids shipped as Parquet (the
+    self-distilled chat answers in data/self_distill/): seconds, once per machine. A corpus whose
+    metadata names another tokenizer is refused before anything is built."""
+    import json
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from specpipe.stores.manifest import tokenizer_fingerprint
+    from specpipe.stores.token_datastore import TokenDatastoreBuilder
+
+    if tokenizer is not None:
+        metadata = pq.read_schema(source).metadata or {}
+        recorded = next((json.loads(value).get("tokenizer") for key, value in metadata.items()
+                         if key == b"specpipe.self_distill"), None)
+        ours = tokenizer_fingerprint(tokenizer)
+        if isinstance(recorded, dict) and recorded.get("vocab_sha256") != ours["vocab_sha256"]:
+            raise StoreError(f"the corpus {source} holds token ids of another tokenizer ({recorded.get('tokenizer')}"
+                             f"), not this model's ({ours['tokenizer']}): build a datastore for this model with "
+                             f"`python run.py task=build_store store=tokens_from_files store.sources=[...]`")
+    print(f"specpipe: building the token datastore {folder} from {source} (once per corpus)", file=sys.stderr)
+    TokenDatastoreBuilder(tokenizer, sources=[str(source)], out=str(folder), ids_field=ids_field,
+                          progress=False).build()

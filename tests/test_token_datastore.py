@@ -1,0 +1,559 @@
+"""The REST token datastore (suffix array over token ids) and its Retrieve stage: lookups
+against brute force, document boundaries, atomic builds, refusals on load and build, corpus
+formats, the proposer's trie, and `task=build_store` end to end."""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import REPO, run_steps
+import specpipe.stores.token_datastore as token_datastore
+from specpipe.errors import ConfigError, StoreError
+from specpipe.pipelines.builder import build_pipeline, compose_config
+from specpipe.stages.base import Proposer
+from specpipe.stages.retrieve.rest import RestRetriever
+from specpipe.stores.manifest import MANIFEST, tokenizer_fingerprint
+from specpipe.stores.token_datastore import (TokenDatastore, TokenDatastoreBuilder, build_token_datastore,
+                                             corpus_files)
+from specpipe.tasks.build_store import run_build_store
+from specpipe.types import DecodeState, VerifyResult
+
+
+class WordTokenizer:
+    """Whitespace-separated words -> ids of a fixed vocabulary: small enough to reason about."""
+
+    def __init__(self, words: list[str], name: str = "words") -> None:
+        self.vocab = {word: index for index, word in enumerate(words)}
+        self.name_or_path = name
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def __call__(self, texts, add_special_tokens=False, verbose=True):
+        return {"input_ids": [[self.vocab[word] for word in text.split()] for text in texts]}
+
+
+WORDS = [f"w{i}" for i in range(40)]
+TOKENIZER = WordTokenizer(WORDS)
+OTHER_TOKENIZER = WordTokenizer(list(reversed(WORDS)), name="words")  # same name and size, other ids
+
+
+# ---- brute force -------------------------------------------------------------------------------
+
+
+def brute_ends(documents: list[list[int]], pattern: list[int]) -> list[tuple[int, int]]:
+    """(document, index just after the match) of every occurrence of pattern, within documents."""
+    n = len(pattern)
+    return [(d, i + n) for d, doc in enumerate(documents) for i in range(len(doc) - n + 1) if doc[i:i + n] == pattern]
+
+
+def brute_longest(documents, context, max_span, min_span) -> int:
+    found = [span for span in range(min_span, min(max_span, len(context)) + 1) if brute_ends(documents, context[-span:])]
+    return max(found, default=0)
+
+
+def random_corpus(rng: random.Random, vocab: int, documents: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(0, length))] for _ in range(documents)]
+
+
+def repetitive_corpus(rng: random.Random, documents: int) -> list[list[int]]:
+    """Few motifs repeated with small edits: long matches with thousands of occurrences."""
+    motifs = [[rng.randrange(6) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+    corpus = []
+    for _ in range(documents):
+        doc: list[int] = []
+        while len(doc) < 300:
+            doc += rng.choice(motifs)
+            if rng.random() < 0.1:
+                doc.append(rng.randrange(6))
+        corpus.append(doc)
+    return corpus
+
+
+def probe_patterns(rng: random.Random, documents, vocab: int, count: int) -> list[list[int]]:
+    """Half drawn from the corpus (they occur), half random (mostly absent)."""
+    non_empty = [doc for doc in documents if doc]
+    patterns = []
+    for _ in range(count):
+        if rng.random() < 0.5 and non_empty:
+            doc = rng.choice(non_empty)
+            start = rng.randrange(len(doc))
+            patterns.append(doc[start:start + rng.randrange(1, 20)])
+        else:
+            patterns.append([rng.randrange(vocab) for _ in range(rng.randrange(1, 12))])
+    return patterns
+
+
+def assert_matches_brute_force(store: TokenDatastore, documents, patterns, max_length: int = 6) -> None:
+    for pattern in patterns:
+        assert store.count(pattern) == len(brute_ends(documents, pattern)), pattern
+        for context in (pattern, [0, 1] + pattern):
+            best = brute_longest(documents, context, 16, 2)
+            match = store.lookup(context, max_length=max_length, max_candidates=10**6, max_occurrences=10**6)
+            assert match.match_length == best, (context, match.match_length, best)
+            if best == 0:
+                assert match == token_datastore.DatastoreMatch.none()
+                continue
+            ends = brute_ends(documents, context[-best:])
+            followers = Counter(tuple(documents[d][i:i + max_length]) for d, i in ends)
+            assert (match.occurrences, match.sampled) == (len(ends), len(ends))
+            assert {tuple(c) for c in match.continuations} == {c for c in followers if c}
+            for continuation, prefix_counts in zip(match.continuations, match.prefix_counts):
+                for depth in range(len(continuation)):
+                    prefix = tuple(continuation[:depth + 1])
+                    assert prefix_counts[depth] == sum(n for c, n in followers.items() if c[:depth + 1] == prefix)
+
+
+# ---- lookups -----------------------------------------------------------------------------------
+
+# 0: every narrowing past the packed key goes through binary search; 10**9: through one gather.
+NARROWING = [0, 10**9]
+
+
+@pytest.mark.parametrize("narrow_limit", NARROWING)
+@pytest.mark.parametrize("vocab", [2, 5, 300, 70000])  # 70000 needs 17-bit key fields (3 tokens a key)
+def test_lookups_equal_brute_force_on_random_corpora(vocab, narrow_limit, monkeypatch):
+    monkeypatch.setattr(token_datastore, "GATHER_NARROW_LIMIT", narrow_limit)
+    rng = random.Random(vocab)
+    for _ in range(8):
+        documents = random_corpus(rng, vocab, documents=rng.randrange(1, 6), length=80)
+        if not any(documents):
+            continue
+        store = TokenDatastore.from_documents(documents)
+        assert len(store) == sum(map(len, documents))
+        assert_matches_brute_force(store, documents, probe_patterns(rng, documents, vocab, 25))
+
+
+@pytest.mark.parametrize("narrow_limit", NARROWING)
+def test_lookups_equal_brute_force_on_repetitive_corpora(narrow_limit, monkeypatch):
+    monkeypatch.setattr(token_datastore, "GATHER_NARROW_LIMIT", narrow_limit)
+    rng = random.Random(7)
+    documents = repetitive_corpus(rng, documents=12)
+    store = TokenDatastore.from_documents(documents)
+    patterns = probe_patterns(rng, documents, 6, 40)
+    assert max(store.count(p) for p in patterns) > 300  # ranges large enough for the binary search
+    assert_matches_brute_force(store, documents, patterns)
+
+
+def test_lookups_equal_on_disk_and_in_memory(tmp_path):
+    rng = random.Random(3)
+    documents = repetitive_corpus(rng, documents=5)
+    build_token_datastore(tmp_path / "store", documents, tokenizer_fingerprint(TOKENIZER), progress=False)
+    loaded = TokenDatastore.load(tmp_path / "store", TOKENIZER)
+    memory = TokenDatastore.from_documents(documents)
+    for array in (loaded.tokens, loaded.suffix_array, loaded.prefix_keys):
+        assert isinstance(array.base, np.memmap)  # a view of the mapped file, not a copy
+    for pattern in probe_patterns(rng, documents, 6, 30):
+        assert loaded.lookup(pattern) == memory.lookup(pattern)
+
+
+def test_no_match_crosses_a_document_boundary():
+    documents = [[1, 2, 3], [4, 5, 1, 2], [3, 9]]
+    store = TokenDatastore.from_documents(documents)
+    assert store.count([3, 4]) == 0 and store.count([2, 3, 9]) == 0 and store.count([2, 4]) == 0
+    assert store.count([1, 2]) == 2 and store.count([3]) == 2
+    # [1, 2] is followed by 3 in the first document and by a document's end in the second:
+    # the continuation stops there, and that occurrence counts as one with nothing to draft.
+    match = store.lookup([7, 1, 2], max_length=4)
+    assert (match.match_length, match.occurrences, match.sampled) == (2, 2, 2)
+    assert match.continuations == [[3]] and match.prefix_counts == [[1]]
+    # The last document's continuation never runs past the end of the corpus.
+    assert store.lookup([5, 3], min_span=1).continuations == [[9]]
+    assert store.lookup([8, 2, 3], max_span=16, min_span=2).continuations == []
+
+
+def test_longest_match_prefers_the_longest_span_and_respects_the_limits():
+    documents = [[1, 2, 3, 4, 5, 6], [9, 3, 4, 7]]
+    store = TokenDatastore.from_documents(documents)
+    assert store.lookup([0, 2, 3, 4]).match_length == 3
+    assert store.lookup([0, 2, 3, 4]).continuations == [[5, 6]]
+    assert store.lookup([0, 2, 3, 4], max_span=2).match_length == 2  # [3, 4]: both documents
+    assert sorted(store.lookup([0, 2, 3, 4], max_span=2).continuations) == [[5, 6], [7]]
+    assert store.lookup([0, 4], min_span=2).match_length == 0
+    assert store.lookup([0, 4], min_span=1).match_length == 1
+    assert store.lookup([1, 2, 3, 10**6, 3]).match_length == 0  # a token outside the corpus cuts the context
+    assert store.lookup([1, 2, 3, -5, 3, 4]).match_length == 2
+
+
+def test_frequent_patterns_are_read_from_an_even_sample():
+    # After [1, 2]: 7 x 300 times, then 8 x 700 times (order in the corpus is irrelevant).
+    rng = random.Random(0)
+    followers = [7] * 300 + [8] * 700
+    rng.shuffle(followers)
+    documents = [[1, 2, follower, 5] for follower in followers]
+    store = TokenDatastore.from_documents(documents)
+    match = store.lookup([1, 2], max_occurrences=100, max_length=2)
+    assert (match.occurrences, match.sampled) == (1000, 100)
+    counts = {c[0]: pc[0] for c, pc in zip(match.continuations, match.prefix_counts)}
+    assert counts == {7: 30, 8: 70}  # the sorted range spaced evenly keeps each share
+
+
+def test_candidates_are_the_most_valuable_continuations():
+    # After [1, 2]: [3, 4, 5] five times, [3, 4, 6] twice, [9] four times, [8, 8] once.
+    documents = [[1, 2, 3, 4, 5]] * 5 + [[1, 2, 3, 4, 6]] * 2 + [[1, 2, 9]] * 4 + [[1, 2, 8, 8]]
+    store = TokenDatastore.from_documents(documents)
+    match = store.lookup([1, 2], max_candidates=2, max_length=3)
+    # value = sum of prefix counts: [3,4,5] 7+7+5, [3,4,6] 7+7+2, [9] 4, [8,8] 1+1; corpus order kept
+    assert match.continuations == [[3, 4, 5], [3, 4, 6]]
+    assert match.prefix_counts == [[7, 7, 5], [7, 7, 2]]
+    assert match.sampled == 12
+
+
+# ---- building and loading ----------------------------------------------------------------------
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+def build(tmp_path: Path, sources, out: str = "store", **kwargs):
+    builder = TokenDatastoreBuilder(TOKENIZER, [str(s) for s in sources], out=str(tmp_path / out),
+                                    progress=False, **kwargs)
+    return builder, builder.build()
+
+
+def test_build_writes_a_memory_mapped_store_with_a_manifest(tmp_path):
+    corpus = write_text(tmp_path / "corpus" / "a.txt", words([1, 2, 3, 1, 2, 4]))
+    write_text(tmp_path / "corpus" / "sub" / "b.md", words([5, 1, 2, 3]))
+    builder, manifest = build(tmp_path, [corpus.parent])
+    assert builder.out == tmp_path / "store"
+    assert manifest.kind == "token_datastore" and manifest.format_version == token_datastore.FORMAT_VERSION
+    assert manifest.fingerprint == tokenizer_fingerprint(TOKENIZER)
+    assert manifest.stats["token_count"] == 10 and manifest.stats["documents"] == 2
+    assert manifest.stats["bytes"] == sum(entry["bytes"] for entry in manifest.files.values())
+    assert set(manifest.files) == {"tokens.npy", "suffix_array.npy", "prefix_keys.npy"}
+    assert [Path(s).name for s in manifest.sources] == ["a.txt", "b.md"]
+    store = TokenDatastore.load(builder.out, TOKENIZER, verify_checksums=True)
+    assert store.tokens.dtype == np.int32 and store.tokens.tolist() == [1, 2, 3, 1, 2, 4, -1, 5, 1, 2, 3, -1]
+    assert store.count([1, 2]) == 3
+    assert sorted(store.lookup([0, 1, 2], max_length=1).continuations) == [[3], [4]]
+
+
+def test_corpus_formats(tmp_path):
+    corpus = tmp_path / "corpus"
+    records = [{"text": words([1, 2])}, {"turns": [words([3]), words([4, 5])]},
+               {"messages": [{"role": "user", "content": words([6])}, {"role": "assistant", "content": words([7])}]},
+               {"input_ids": [8, 9, 10]}]
+    write_text(corpus / "a.jsonl", "\n".join(json.dumps(r) for r in records) + "\n\n")
+    pq.write_table(pa.table({"text": [words([12, 13]), None]}), corpus / "c.parquet")
+    pq.write_table(pa.table({"input_ids": [[14, 15], [16]]}), corpus / "d.parquet")
+    write_text(corpus / "sub" / "e.txt", words([17, 18]))
+    write_text(corpus / ".hidden" / "f.txt", words([39]))  # hidden folders are skipped
+    write_text(corpus / "notes.csv", "not a corpus file")  # other types in a folder are skipped
+    _, manifest = build(tmp_path, [corpus])
+    store = TokenDatastore.load(tmp_path / "store", TOKENIZER)
+    documents = [[1, 2], [3], [4, 5], [6], [7], [8, 9, 10], [12, 13], [14, 15], [16], [17, 18]]
+    assert store.tokens.tolist() == [token for doc in documents for token in doc + [-1]]
+    assert manifest.stats["documents"] == len(documents)
+
+    other = write_text(tmp_path / "other.jsonl", json.dumps({"body": words([11]), "text": None, "ignored": 1}) + "\n")
+    with pytest.raises(StoreError, match=r"other.jsonl line 1: no 'text' text.*fields: \['body', 'ignored', "
+                                         r"'text'\].*set store.text_field"):
+        build(tmp_path, [other], out="other")
+    build(tmp_path, [other], out="other", text_field="body")
+    assert TokenDatastore.load(tmp_path / "other").tokens.tolist() == [11, -1]
+
+
+def test_builder_tokenizes_in_batches_in_order(tmp_path):
+    texts = [words([i % 40, (i * 7) % 40]) for i in range(25)]
+    corpus = write_text(tmp_path / "c.jsonl", "\n".join(json.dumps({"text": t}) for t in texts)
+                        + "\n" + json.dumps({"input_ids": [39, 39]}) + "\n" + json.dumps({"text": words([0])}))
+    build(tmp_path, [corpus], batch_size=4)
+    expected = [[i % 40, (i * 7) % 40] for i in range(25)] + [[39, 39], [0]]
+    assert TokenDatastore.load(tmp_path / "store").tokens.tolist() == [t for doc in expected for t in doc + [-1]]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_a_failed_build_leaves_the_previous_store_intact(tmp_path, monkeypatch):
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3, 4]))
+    builder, _ = build(tmp_path, [corpus])
+    before = snapshot(builder.out)
+
+    def documents_then_failure():
+        yield [5, 6, 7]
+        yield [5, 6, 8]
+        raise RuntimeError("corpus reader died")
+
+    with pytest.raises(RuntimeError, match="corpus reader died"):
+        build_token_datastore(builder.out, documents_then_failure(), tokenizer_fingerprint(TOKENIZER), progress=False)
+
+    saved = []
+    real_save = np.save
+
+    def save_then_fail(path, array, allow_pickle=False):
+        if saved:
+            raise OSError("disk full")
+        saved.append(path)
+        real_save(path, array, allow_pickle=allow_pickle)
+
+    monkeypatch.setattr(token_datastore.np, "save", save_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        build_token_datastore(builder.out, [[5, 6, 7]], tokenizer_fingerprint(TOKENIZER), progress=False)
+    monkeypatch.undo()
+    assert saved  # the failure came after part of the new store was written
+    assert snapshot(builder.out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "store"]  # no staging folder left behind
+    assert TokenDatastore.load(builder.out, TOKENIZER, verify_checksums=True).count([2, 3]) == 1
+
+
+@pytest.fixture
+def built_store(tmp_path) -> Path:
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3, 1, 2, 4] * 20))
+    builder, _ = build(tmp_path, [corpus])
+    return builder.out
+
+
+def test_load_refuses_a_missing_store(tmp_path):
+    with pytest.raises(StoreError, match="does not exist.*task=build_store"):
+        TokenDatastore.load(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StoreError, match="no manifest.json"):
+        TokenDatastore.load(tmp_path / "empty")
+
+
+def test_load_refuses_a_corrupt_manifest(built_store):
+    (built_store / MANIFEST).write_text("{ not json")
+    with pytest.raises(StoreError, match="corrupt"):
+        TokenDatastore.load(built_store)
+
+
+def test_load_refuses_a_manifest_of_another_kind(built_store):
+    manifest = json.loads((built_store / MANIFEST).read_text())
+    (built_store / MANIFEST).write_text(json.dumps({**manifest, "kind": "document_store"}))
+    with pytest.raises(StoreError, match="holds a document_store"):
+        TokenDatastore.load(built_store)
+
+
+def test_load_refuses_truncated_or_missing_files(built_store):
+    tokens = built_store / "tokens.npy"
+    tokens.write_bytes(tokens.read_bytes()[:-8])
+    with pytest.raises(StoreError, match="tokens.npy has .* bytes.*truncated"):
+        TokenDatastore.load(built_store)
+    tokens.unlink()
+    with pytest.raises(StoreError, match="missing tokens.npy"):
+        TokenDatastore.load(built_store)
+
+
+def test_load_refuses_corrupt_content_when_checking_checksums(built_store):
+    keys = built_store / "prefix_keys.npy"
+    data = bytearray(keys.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum can tell
+    keys.write_bytes(bytes(data))
+    TokenDatastore.load(built_store)  # sizes only: accepted
+    with pytest.raises(StoreError, match="prefix_keys.npy does not match its checksum"):
+        TokenDatastore.load(built_store, verify_checksums=True)
+
+
+def test_load_never_unpickles(built_store, monkeypatch):
+    loads = []
+    real_load = np.load
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(token_datastore.np, "load", spy)
+    TokenDatastore.load(built_store)
+    assert len(loads) == 3 and all(k["allow_pickle"] is False and k["mmap_mode"] == "r" for k in loads)
+    # An object array (which only pickle can read) in place of tokens.npy, manifest updated to match.
+    evil = built_store / "tokens.npy"
+    np.save(evil, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    manifest = json.loads((built_store / MANIFEST).read_text())
+    manifest["files"]["tokens.npy"]["bytes"] = evil.stat().st_size
+    (built_store / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="cannot read tokens.npy .*Python objects"):
+        TokenDatastore.load(built_store)
+
+
+def test_load_refuses_a_store_of_another_tokenizer(built_store):
+    with pytest.raises(StoreError, match="built for another tokenizer.*vocab_sha256"):
+        TokenDatastore.load(built_store, OTHER_TOKENIZER)
+    TokenDatastore.load(built_store, WordTokenizer(WORDS, name="renamed"))  # same ids, other name: accepted
+
+
+def test_build_refuses_bad_corpora_and_overwrites_nothing(tmp_path, built_store):
+    before = snapshot(built_store)
+    empty = write_text(tmp_path / "empty" / "a.txt", "   \n")
+    bad_utf8 = tmp_path / "bad.txt"
+    bad_utf8.write_bytes(b"w1 w2 \xff\xfe")
+    bad_json = write_text(tmp_path / "bad.jsonl", json.dumps({"text": "w1"}) + "\n{oops\n")
+    bad_ids = write_text(tmp_path / "ids.jsonl", json.dumps({"input_ids": [1, 2, 999]}) + "\n")
+    not_parquet = write_text(tmp_path / "fake.parquet", "this is not parquet")
+    cases = [
+        ([empty], StoreError, "no tokens"),
+        ([empty.parent], StoreError, "no tokens"),
+        ([tmp_path / "missing.txt"], ConfigError, "does not exist"),
+        ([tmp_path / "empty" / "sub"], ConfigError, "does not exist"),
+        ([write_text(tmp_path / "x.csv", "a")], ConfigError, "unsupported file type '.csv'"),
+        ([bad_utf8], StoreError, "cannot read corpus file .*bad.txt.*UnicodeDecodeError"),
+        ([bad_json], StoreError, "bad.jsonl: line 2 is not JSON"),
+        ([bad_ids], StoreError, "token id 999, outside the tokenizer's 0..39"),
+        ([not_parquet], StoreError, "cannot read corpus file .*fake.parquet"),
+        ([], ConfigError, "needs sources"),
+    ]
+    for sources, error, message in cases:
+        with pytest.raises(error, match=message):
+            TokenDatastoreBuilder(TOKENIZER, [str(s) for s in sources], out=str(built_store), progress=False).build()
+        assert snapshot(built_store) == before, sources
+    write_text(tmp_path / "nothing" / "a.csv", "a")
+    with pytest.raises(ConfigError, match="holds no .txt, .md, .jsonl, .parquet files"):
+        corpus_files([str(tmp_path / "nothing")])
+
+
+def test_build_refuses_to_replace_a_folder_that_is_not_a_store(tmp_path):
+    corpus = write_text(tmp_path / "a.txt", words([1, 2]))
+    precious = write_text(tmp_path / "mine" / "thesis.txt", "do not delete")
+    with pytest.raises(StoreError, match="not a specpipe store"):
+        build(tmp_path, [corpus], out="mine")
+    assert precious.read_text() == "do not delete"
+
+
+# ---- the Retrieve stage ------------------------------------------------------------------------
+
+
+def rest_over(documents, **kwargs) -> RestRetriever:
+    return RestRetriever(datastore=TokenDatastore.from_documents(documents), **kwargs)
+
+
+def assert_proposal_well_formed(proposal) -> None:
+    tokens, parents, scores = proposal.tokens.tolist(), proposal.parents.tolist(), proposal.scores.tolist()
+    assert proposal.tokens.dtype == torch.long and proposal.parents.dtype == torch.long
+    assert len(set(zip(parents, tokens))) == len(tokens)  # no duplicate siblings
+    for node, parent in enumerate(parents):
+        assert -1 <= parent < node
+        assert 0.0 < scores[node] <= (scores[parent] + 1e-7 if parent >= 0 else 1.0)
+
+
+def test_proposer_trie_keeps_the_most_frequent_branches():
+    # After [1, 2]: [3, 4, 5] x5, [3, 4, 6] x2, [9] x4, [8, 8] x1; one occurrence ends the document.
+    documents = [[1, 2, 3, 4, 5]] * 5 + [[1, 2, 3, 4, 6]] * 2 + [[1, 2, 9]] * 4 + [[1, 2, 8, 8]] + [[1, 2]]
+    rest = rest_over(documents, max_candidates=3, max_length=3)
+    assert isinstance(rest, Proposer)
+    state = DecodeState(tokens=[7, 1, 2], prompt_length=3)
+    rest.reset(state)
+    proposal = rest.propose(state)
+    assert proposal.source == "token_datastore"
+    assert_proposal_well_formed(proposal)
+    paths = {}
+    for node, (token, parent) in enumerate(zip(proposal.tokens.tolist(), proposal.parents.tolist())):
+        paths[node] = (paths[parent] if parent >= 0 else ()) + (token,)
+    score_of = {path: float(proposal.scores[node]) for node, path in paths.items()}
+    assert set(score_of) == {(3,), (3, 4), (3, 4, 5), (3, 4, 6), (9,)}  # [8, 8] was the least frequent
+    prior = state.stage_state[rest].calibration.factor(2, 0)
+    assert score_of[(3,)] == pytest.approx(prior * 7 / 13)  # 13 occurrences, the one at a document end included
+    assert score_of[(9,)] == pytest.approx(prior * 4 / 13)
+    assert score_of[(3, 4, 5)] == pytest.approx(score_of[(3, 4)] * prior * 5 / 7)
+
+
+def test_proposer_is_empty_without_a_match_and_learns_from_commits():
+    rest = rest_over([[1, 2, 3, 4, 5, 6, 7, 8]] * 3, max_length=4)
+    state = DecodeState(tokens=[30, 31], prompt_length=2)
+    rest.reset(state)
+    assert len(rest.propose(state)) == 0
+    rest.on_commit(state, VerifyResult(accepted=[], bonus=0, logits=torch.empty(0)))  # nothing to learn from
+    state = DecodeState(tokens=[1, 2], prompt_length=2)
+    rest.reset(state)
+    first = float(rest.propose(state).scores[0])
+    for _ in range(4):  # the corpus keeps being right: the calibration learns to trust it
+        proposal = rest.propose(state)
+        state.tokens.extend(proposal.tokens.tolist()[:2])
+        rest.on_commit(state, VerifyResult(accepted=[0], bonus=state.tokens[-1], logits=torch.empty(0)))
+        state.tokens[:] = [1, 2]
+    assert float(rest.propose(state).scores[0]) > first + 0.1
+    rest.reset(state)  # a new sequence starts from the prior again; the shared store is untouched
+    assert float(rest.propose(state).scores[0]) == pytest.approx(first)
+
+
+def test_proposer_validates_its_options():
+    store = TokenDatastore.from_documents([[1, 2, 3]])
+    for bad in ({"min_span": 0}, {"min_span": 5, "max_span": 4}, {"max_candidates": 0}, {"max_length": 0}):
+        with pytest.raises(ValueError):
+            RestRetriever(datastore=store, **bad)
+
+
+# ---- from the command line ---------------------------------------------------------------------
+
+
+def store_override(name: str) -> str:
+    """`store=NAME` where the build_store task lists the store group in its defaults, else `+store=NAME`."""
+    try:
+        compose_config(["task=build_store", f"store={name}"])
+        return f"store={name}"
+    except ConfigError:
+        return f"+store={name}"
+
+
+def test_build_store_task_end_to_end(tmp_path, tiny_mixed):
+    """`task=build_store store=tokens_from_files` on text and on ids, then the store drafting
+    alone in a pipeline: what it proposes is the model's own greedy text, so drafts get
+    accepted, and the output stays plain greedy."""
+    tokenizer = tiny_mixed.tokenizer
+    prompt = tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
+    greedy = tiny_mixed.greedy_hf(prompt, 32)
+    write_text(tmp_path / "docs" / "python.md",
+               "The quick brown fox jumps over the lazy dog. " * 5 + "\n\nList comprehensions are fast.")
+    write_text(tmp_path / "docs" / "answers.jsonl", json.dumps({"input_ids": prompt + greedy}) + "\n")
+    out = tmp_path / "stores" / "python"
+    overrides = ["model=tiny_random", "task=build_store", store_override("tokens_from_files")]
+    with pytest.raises(ConfigError, match="store.sources"):
+        run_build_store(compose_config(overrides))
+    manifest = run_build_store(compose_config([*overrides, f"store.sources=[{tmp_path / 'docs'}]",
+                                               f"store.out={out}", "store.progress=false"]))
+    store = TokenDatastore.load(out, tokenizer)
+    assert manifest.stats["token_count"] == len(store) > 50 and manifest.stats["documents"] == 2
+    phrase = tokenizer("The quick brown fox jumps over", add_special_tokens=False)["input_ids"]
+    match = store.lookup(phrase, max_length=4)
+    assert match.continuations == [tokenizer(" the lazy dog.", add_special_tokens=False)["input_ids"][:4]]
+
+    cfg = tiny_mixed.config("lookahead_trie", "~pipeline.proposers.ngram",
+                            "+retriever@pipeline.proposers.rest=token_datastore", f"pipeline.proposers.rest.path={out}")
+    pipeline = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    assert [type(p) for p in pipeline.decoder.proposers] == [RestRetriever]
+    generation = pipeline.generate(prompt, max_new_tokens=32)
+    assert generation.token_ids == greedy
+    assert generation.stats.mean_accepted > 2.0, generation.stats.summary()
+
+    missing = tiny_mixed.config("lookahead_trie", "+retriever@pipeline.proposers.rest=token_datastore",
+                                f"pipeline.proposers.rest.path={tmp_path / 'nowhere'}")
+    with pytest.raises(StoreError, match="no token_datastore at .*nowhere: the folder does not exist"):
+        build_pipeline(missing, loaded=tiny_mixed.loaded)
+
+
+@pytest.mark.embedded
+def test_rest_drafts_a_stored_answer_from_the_shipped_corpus(embedded):
+    """pipeline=rest out of the box: its datastore is built from data/self_distill/ on first use (one
+    store per corpus version). Asked a question whose answer the corpus holds, REST drafts that
+    answer, long runs of it accepted, and the output is still exactly plain greedy."""
+    import pyarrow.parquet as pq
+
+    from specpipe.stores.manifest import sha256_file
+
+    corpus = REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet"
+    pipe = embedded.pipeline("rest")
+    assert pipe.decoder.proposers[0].datastore.path.name.endswith(sha256_file(corpus)[:12])
+    row = pq.read_table(corpus, columns=["prompt", "answer_ids"]).slice(0, 1).to_pylist()[0]
+    prompt_ids = pipe.encode(row["prompt"])
+    tokens, steps = run_steps(pipe, prompt_ids, 48)
+    assert tokens == embedded.greedy_hf(prompt_ids, 48)
+    assert tokens == row["answer_ids"][:48]  # the corpus is the model's own greedy answer
+    assert len(tokens) / len(steps) > 3
