@@ -89,5 +89,7 @@ class SpeculativeDecoder:
                 by_source[source] = by_source.get(source, 0) + 1
             if finished:
                 for proposer in self.proposers:
-                    proposer.on_finish(state)
+                    finish = getattr(proposer, "on_finish", None)  # optional: stages before it need not change
+                    if finish is not None:
+                        finish(state)
             yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds, by_source), finished)

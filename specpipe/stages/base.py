@@ -25,7 +25,8 @@ class Proposer(Protocol):
         """`state.tokens` now holds the newly committed tokens."""
 
     def on_finish(self, state: DecodeState) -> None:
-        """The sequence is complete (`state.generated` is the whole answer)."""
+        """The sequence is complete (`state.generated` is the whole answer). Optional: the decoder
+        calls it where a stage has it."""
 
 
 @runtime_checkable
