@@ -14,6 +14,7 @@ documentation) or `store=documents store.sources=[...]`; in code, `DocumentStore
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -22,7 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import faiss
+# faiss' loader logs at INFO every optimized build it could not import before the one it uses:
+# noise under Hydra's INFO logging, not a problem.
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+import faiss  # noqa: E402
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
