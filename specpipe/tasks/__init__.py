@@ -17,6 +17,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "bench": ("specpipe.tasks.bench", "run_bench"),
     "bench_cost": ("specpipe.tasks.bench_cost", "run_bench_cost"),
     "build_store": ("specpipe.tasks.build_store", "run_build_store"),
+    "distill_corpus": ("specpipe.tasks.distill_corpus", "run_distill_corpus"),
 }
 
 

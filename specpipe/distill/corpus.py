@@ -1,0 +1,328 @@
+"""Self-distilled chat corpus: the target's greedy answers to the prompt source, generated in
+batches, written as resumable Parquet shards, merged into the file the repository ships.
+
+- `BatchedGreedy` answers a batch of prompts with HF `generate` (chat template as the Pipeline
+  applies it, left padding, greedy).
+- `ShardFolder` holds the shards: one Parquet file per batch, each written to a temporary name
+  and renamed, so a run killed at any moment leaves only whole shards; the prompts they hold are
+  skipped when the run starts again. `run.json` pins the generation settings: a resume with other
+  settings is refused instead of mixing two corpora.
+- `distill` drives the two; `merge_shards` concatenates the shards, in prompt-source order and
+  restricted to the current prompt source, into one zstd Parquet file with its metadata.
+
+The command (see specpipe/tasks/distill_corpus.py) is `python run.py task=distill_corpus`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.distill.prompts import ChatPrompt
+from specpipe.errors import SpecpipeError
+
+SHARD_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("category", pa.string()),
+    ("prompt", pa.string()),
+    ("answer_ids", pa.list_(pa.int32())),  # generated ids, through the EOS token when one was generated
+    ("answer", pa.string()),                # answer_ids decoded without special tokens
+    ("finished", pa.bool_()),               # True: ended with EOS; False: cut at max_new_tokens
+])
+MERGED_COLUMNS = ["prompt_id", "category", "prompt", "answer_ids", "finished"]
+METADATA_KEY = b"specpipe.self_distill"
+RUN_FILE = "run.json"     # the generation settings every shard was made with
+RUNS_FILE = "runs.jsonl"  # one line per generation run
+
+
+class CorpusError(SpecpipeError):
+    """A shard folder or corpus file that cannot be used as asked."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    prompt: ChatPrompt
+    answer_ids: list[int]
+    answer: str
+    finished: bool
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, system_prompt: str | None = None) -> list[int]:
+    """Prompt ids exactly as `Pipeline.encode` builds them for a one-turn chat (the benchmark's
+    first turns), so the corpus holds the answers the target gives at benchmark time."""
+    messages = [{"role": "user", "content": text}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+class BatchedGreedy:
+    """Greedy answers for a batch of prompts in one left-padded HF `generate` call.
+
+    Left padding keeps every prompt's last token in the last column, where generation continues;
+    the attention mask hides the padding and `generate` derives position ids from it, so each row
+    is decoded as if alone (up to float rounding of the wider products; see the tests).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
+                 system_prompt: str | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_new_tokens = int(max_new_tokens)
+        self.system_prompt = system_prompt
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids = sorted({e for e in [*eos, tokenizer.eos_token_id] if e is not None})
+        if not self.eos_token_ids:
+            raise CorpusError("the model has no EOS token: answers could never end before max_new_tokens")
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
+
+    def encode(self, prompt: ChatPrompt) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, prompt.text, self.system_prompt)
+
+    def answer(self, prompts: Sequence[ChatPrompt], encoded: Sequence[list[int]] | None = None) -> list[Answer]:
+        encoded = [self.encode(p) for p in prompts] if encoded is None else encoded
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)  # [b, width]
+        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)               # [b, width]
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.max_new_tokens,
+                min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=self.eos_token_ids,
+                pad_token_id=self.pad_token_id, temperature=None, top_p=None, top_k=None)
+        answers = []
+        eos = set(self.eos_token_ids)
+        for prompt, row in zip(prompts, output[:, width:].tolist()):
+            end = next((i + 1 for i, token in enumerate(row) if token in eos), None)
+            ids = row[:end] if end is not None else row
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            answers.append(Answer(prompt, ids, text, end is not None))
+        return answers
+
+
+def length_sorted_batches(prompts: Sequence[ChatPrompt], lengths: Sequence[int], batch_size: int,
+                          window: int = 8) -> Iterator[list[int]]:
+    """Indices of `prompts` in batches: each window of `window` batches in source order is sorted
+    by prompt length first, so a batch pads little while the run still walks the (shuffled,
+    category-balanced) source order."""
+    span = batch_size * window
+    for start in range(0, len(prompts), span):
+        chunk = sorted(range(start, min(start + span, len(prompts))), key=lambda i: (lengths[i], i))
+        for offset in range(0, len(chunk), batch_size):
+            yield chunk[offset:offset + batch_size]
+
+
+class ShardFolder:
+    """A folder of `shard-NNNNNN.parquet` files, each holding whole answers (SHARD_SCHEMA)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def shard_paths(self) -> list[Path]:
+        return sorted(self.folder.glob("shard-*.parquet"))
+
+    def read(self, columns: Sequence[str] | None = None) -> pa.Table:
+        tables = []
+        for path in self.shard_paths():
+            try:
+                tables.append(pq.read_table(path, columns=list(columns) if columns else None, schema=SHARD_SCHEMA))
+            except (pa.ArrowException, OSError) as error:
+                raise CorpusError(f"shard {path} cannot be read ({error}); delete it and resume to regenerate "
+                                  f"its answers") from None
+        if not tables:
+            return SHARD_SCHEMA.empty_table().select(list(columns) if columns else SHARD_SCHEMA.names)
+        return pa.concat_tables(tables)
+
+    def done(self) -> dict[str, int]:
+        """Answer-token count of every prompt answered so far, by prompt id."""
+        table = self.read(["prompt_id", "answer_ids"])
+        lengths = pc.list_value_length(table.column("answer_ids")).to_pylist()
+        return dict(zip(table.column("prompt_id").to_pylist(), lengths))
+
+    def write(self, answers: Sequence[Answer]) -> Path:
+        """One new shard, atomically: a temporary file renamed into place."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        paths = self.shard_paths()
+        index = int(paths[-1].stem.split("-")[1]) + 1 if paths else 0
+        path = self.folder / f"shard-{index:06d}.parquet"
+        table = pa.Table.from_pydict({
+            "prompt_id": [a.prompt.prompt_id for a in answers],
+            "category": [a.prompt.category for a in answers],
+            "prompt": [a.prompt.text for a in answers],
+            "answer_ids": [a.answer_ids for a in answers],
+            "answer": [a.answer for a in answers],
+            "finished": [a.finished for a in answers],
+        }, schema=SHARD_SCHEMA)
+        _write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        return path
+
+    def pin_settings(self, settings: dict) -> None:
+        """Records the generation settings on the first run; refuses a resume with other ones."""
+        path = self.folder / RUN_FILE
+        if path.is_file():
+            pinned = json.loads(path.read_text())
+            differing = {key: (pinned.get(key), value) for key, value in settings.items() if pinned.get(key) != value}
+            if differing and self.shard_paths():
+                details = "; ".join(f"{key}: shards have {old!r}, now {new!r}" for key, (old, new) in differing.items())
+                raise CorpusError(f"the shards in {self.folder} were generated with other settings ({details}). "
+                                  f"Resume with the same settings, or write to another shards folder")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1, sort_keys=True)))
+
+    def settings(self) -> dict:
+        path = self.folder / RUN_FILE
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def log_run(self, record: dict) -> None:
+        """Appends one run's summary to `runs.jsonl` (provenance for the merged file)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}
+        with open(self.folder / RUNS_FILE, "a", encoding="utf-8") as log:
+            log.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def runs(self) -> list[dict]:
+        path = self.folder / RUNS_FILE
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def remove_partial(self) -> None:
+        """Temporary files of a run that was killed mid-write."""
+        for path in self.folder.glob(".tmp-*"):
+            path.unlink(missing_ok=True)
+
+
+def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class DistillStats:
+    prompts_done: int = 0   # in the shards, before and during this run
+    tokens_done: int = 0
+    new_prompts: int = 0    # answered by this run
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def distill(generator: BatchedGreedy, prompts: Sequence[ChatPrompt], shards: ShardFolder, batch_size: int,
+            token_budget: int | None = None, progress: bool = True) -> DistillStats:
+    """Answers every prompt not yet in `shards` (one shard per batch), until the shards hold
+    `token_budget` answer tokens (None: until every prompt is answered)."""
+    shards.remove_partial()
+    done = shards.done()
+    # Only answers to prompts of this source count: a prompt whose text changed since is not in the corpus.
+    answered = [p for p in prompts if p.prompt_id in done]
+    todo = [p for p in prompts if p.prompt_id not in done]
+    stats = DistillStats(len(answered), sum(done[p.prompt_id] for p in answered))
+    if token_budget is not None and stats.tokens_done >= token_budget or not todo:
+        return stats
+    encoded = [generator.encode(p) for p in todo]
+    bar = _progress_bar(progress, stats, token_budget, len(prompts))
+    started = time.perf_counter()
+    try:
+        for batch in length_sorted_batches(todo, [len(ids) for ids in encoded], batch_size):
+            answers = generator.answer([todo[i] for i in batch], [encoded[i] for i in batch])
+            shards.write(answers)
+            new_tokens = sum(len(a.answer_ids) for a in answers)
+            stats.new_prompts += len(answers)
+            stats.new_tokens += new_tokens
+            stats.prompts_done += len(answers)
+            stats.tokens_done += new_tokens
+            stats.seconds = time.perf_counter() - started
+            if bar is not None:
+                bar.update(new_tokens if token_budget is not None else len(answers))
+                bar.set_postfix(prompts=stats.prompts_done, tokens=stats.tokens_done,
+                                tok_s=f"{stats.tokens_per_second:.1f}", refresh=False)
+            if token_budget is not None and stats.tokens_done >= token_budget:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    return stats
+
+
+def _progress_bar(enabled: bool, stats: DistillStats, token_budget: int | None, prompt_count: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    # In a log file (nohup) a redraw every few seconds is noise: one line a minute is plenty.
+    interval = 1.0 if sys.stderr.isatty() else 60.0
+    if token_budget is not None:
+        return tqdm(total=token_budget, initial=min(stats.tokens_done, token_budget), unit="tok",
+                    desc="distill", mininterval=interval, dynamic_ncols=True)
+    return tqdm(total=prompt_count, initial=stats.prompts_done, unit="prompt", desc="distill",
+                mininterval=interval, dynamic_ncols=True)
+
+
+def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], metadata: dict) -> dict:
+    """Writes the answers in `shards` whose prompts are in `prompts` (in that order) to `out`
+    (zstd Parquet, MERGED_COLUMNS) with `metadata` plus counts in the file's metadata and in a
+    JSON sidecar `out.with_suffix('.json')`; both written atomically. Returns the sidecar dict."""
+    table = shards.read(MERGED_COLUMNS)
+    order = {p.prompt_id: position for position, p in enumerate(prompts)}
+    ids = table.column("prompt_id").to_pylist()
+    rows: dict[str, int] = {}
+    for row, pid in enumerate(ids):
+        if pid in order and pid not in rows:  # a prompt answered twice keeps its first answer
+            rows[pid] = row
+    if not rows:
+        raise CorpusError(f"no answers in {shards.folder} belong to the current prompt source: nothing to merge")
+    keep = sorted(rows.values(), key=lambda row: order[ids[row]])
+    merged = table.take(pa.array(keep, pa.int64()))
+    lengths = pc.list_value_length(merged.column("answer_ids"))
+    info = {
+        **metadata,
+        "answers": merged.num_rows,
+        "answer_tokens": int(pc.sum(lengths).as_py()),
+        "finished_with_eos": int(pc.sum(merged.column("finished").cast(pa.int64())).as_py()),
+        "columns": MERGED_COLUMNS,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    merged = merged.replace_schema_metadata({METADATA_KEY: json.dumps(info, sort_keys=True).encode()})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out, lambda tmp: pq.write_table(merged, tmp, compression="zstd", compression_level=19))
+    from specpipe.stores.manifest import sha256_file
+
+    sidecar = {**info, "file": out.name, "bytes": out.stat().st_size, "sha256": sha256_file(out)}
+    _write_atomically(out.with_suffix(".json"),
+                      lambda tmp: Path(tmp).write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n"))
+    return sidecar
+
+
+def read_corpus_metadata(path: Path) -> dict:
+    """The metadata `merge_shards` stored in a corpus Parquet file."""
+    metadata = pq.read_schema(path).metadata or {}
+    if METADATA_KEY not in metadata:
+        raise CorpusError(f"{path} is not a specpipe self-distilled corpus (no {METADATA_KEY.decode()} metadata)")
+    return json.loads(metadata[METADATA_KEY])
+
