@@ -254,3 +254,8 @@ def test_parallel_requests_each_decode_as_they_would_alone(tiny_mixed, pipeline)
     for i, expected in enumerate(alone):
         assert results[i] == expected, f"request {i} changed when run beside the others"
     assert any(max(accepted) > 1 for _, accepted in alone)  # drafts were accepted: the state mattered
+
+
+def test_malformed_messages_get_the_usual_message_in_a_rag_pipeline(rag_tiny):
+    with pytest.raises(InvalidRequest, match="message 0 must be a dict with 'role' and 'content'"):
+        rag_tiny.generate(["not a message"], max_new_tokens=2, documents=DOCUMENTS)

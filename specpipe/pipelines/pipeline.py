@@ -161,7 +161,8 @@ class Pipeline:
                     "the prompt is token ids, which cannot be augmented" if is_token_ids else
                     f"pipeline {self.name!r} does not retrieve documents (use e.g. pipeline=rag_lookahead)"))
             return PreparedPrompt(list(prompt) if is_token_ids else self.encode(prompt, chat_template))
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
+            else [dict(m) if isinstance(m, dict) else m for m in prompt]  # malformed ones: encode() explains
         users = [i for i, message in enumerate(messages) if isinstance(message, dict) and message.get("role") == "user"]
         if not users:
             return PreparedPrompt(self.encode(prompt, chat_template))  # encode() explains what is wrong
