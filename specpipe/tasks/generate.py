@@ -21,7 +21,9 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
     use_color = color == "always" or (color == "auto" and out.isatty())
     start_mark, end_mark = (DRAFTED_STYLE, RESET) if use_color else ("[", "]")
     started = time.perf_counter()
-    prepared = pipeline.prepare(prompt)  # RAG pipelines retrieve here
+    prepared = pipeline.prepare(prompt)  # RAG pipelines retrieve here (the first time: load or build the store)
+    retrieval_seconds = time.perf_counter() - started
+    started = time.perf_counter()  # tok/s counts decoding only, as `generate` does for a prepared prompt
     steps = pipeline.steps(prepared, int(cfg.max_new_tokens), list(cfg.stop or ()))  # validates the request
     out.write(f"# pipeline={pipeline.name} model={pipeline.target.name} dtype={cfg.model.dtype}; "
               f"{'marked' if use_color else '[bracketed]'} text came from accepted drafts\n")
@@ -30,6 +32,7 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
         for rank, chunk in enumerate(prepared.retrieved, start=1):
             used = "in the prompt" if rank <= pipeline.augmenter.k else "drafting only"
             out.write(f"# retrieved [{rank}] {chunk.title} (score {chunk.score:.3f}, {used})\n")
+        out.write(f"# retrieval took {retrieval_seconds:.1f} s (loading the store included)\n")
         out.write("\n")
     text = IncrementalText(pipeline)
     stats = GenerationStats()
