@@ -82,18 +82,17 @@ def build_from_corpus(folder: Path, source: Path, ids_field: str, tokenizer) -> 
     """Builds the datastore at `folder` from a corpus of token ids shipped as Parquet (the
     self-distilled chat answers in data/self_distill/): seconds, once per machine. A corpus whose
     metadata names another tokenizer is refused before anything is built."""
-    import json
     import sys
 
-    import pyarrow.parquet as pq
-
+    from specpipe.distill.corpus import CorpusError, read_corpus_metadata
     from specpipe.stores.manifest import tokenizer_fingerprint
     from specpipe.stores.token_datastore import TokenDatastoreBuilder
 
     if tokenizer is not None:
-        metadata = pq.read_schema(source).metadata or {}
-        recorded = next((json.loads(value).get("tokenizer") for key, value in metadata.items()
-                         if key == b"specpipe.self_distill"), None)
+        try:
+            recorded = read_corpus_metadata(source).get("tokenizer")
+        except CorpusError:  # a Parquet of ids from elsewhere: nothing recorded to check against
+            recorded = None
         ours = tokenizer_fingerprint(tokenizer)
         if isinstance(recorded, dict) and recorded.get("vocab_sha256") != ours["vocab_sha256"]:
             raise StoreError(f"the corpus {source} holds token ids of another tokenizer ({recorded.get('tokenizer')}"
