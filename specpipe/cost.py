@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from specpipe.engine.base import LINEAR_PATH_ATTRIBUTE
 from specpipe.engine.cpu import cpu_description
 from specpipe.models import cache_root
 from specpipe.types import DraftTree
@@ -108,7 +109,8 @@ def _machine_key(target, kv_length: int) -> str:
         parts.append(torch.cuda.get_device_name(target.device))
     else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
         description = cpu_description()
-        parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"])]
+        parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"]),
+                  str(getattr(getattr(target, "model", None), LINEAR_PATH_ATTRIBUTE, ""))]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -127,9 +127,10 @@ def test_lean_blocks_serve_transformers_own_attention_implementations(implementa
     assert torch.equal(*logits)
 
 
+@pytest.mark.parametrize("split_rows", [0, 3])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 16, 33])
-def test_onednn_linear_matches_nn_linear(dtype, atol, rows):
+def test_onednn_linear_matches_nn_linear(dtype, atol, rows, split_rows):
     generator = torch.Generator().manual_seed(rows)
     parent = nn.Module()
     parent.q_proj, parent.k_proj, parent.v_proj = (nn.Linear(40, out, bias=bias).to(dtype)
@@ -139,7 +140,7 @@ def test_onednn_linear_matches_nn_linear(dtype, atol, rows):
         parameter.data = torch.randn(parameter.shape, generator=generator).to(dtype)
     x = torch.randn(2, rows, 40, generator=generator).to(dtype)  # [batch, rows, in]
     expected = {name: getattr(parent, name)(x) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    OneDNNEngine().apply(parent)
+    OneDNNEngine(fp32_split_rows=split_rows).apply(parent)
     assert parent.q_proj.packed is parent.v_proj.packed  # fused although only some have a bias
     for name in ("v_proj", "q_proj", "k_proj", "o_proj"):  # any call order
         out = getattr(parent, name)(x)
@@ -184,7 +185,7 @@ def test_fast_engine_falls_back_with_a_warning(monkeypatch, caplog):
     assert getattr(model, "specpipe_engine", "hf") == "hf"  # still free for any engine
 
 
-@pytest.mark.parametrize("engine", ["hf", "fast"])
+@pytest.mark.parametrize("engine", ["hf", "fast", "fast_prepacked"])
 def test_every_engine_option_builds_and_decodes_like_greedy(engine, tiny_mixed):
     cfg = compose_config([*tiny_mixed.overrides, "pipeline=lookahead_trie", "cost_curve=flat", f"engine={engine}"])
     model = copy.deepcopy(tiny_mixed.reference)  # a stock instance with tiny_mixed's weights
@@ -298,6 +299,7 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     assert linears(model) == [] and model.specpipe_engine == "fast"
     packed = model.lm_head.packed
     assert packed.compute_dtype == torch.float32 and packed.packed.dtype == torch.float32
+    assert packed.split_rows == 0 and packed.plain is None  # split GEMMs are for fp32 models only
     line = [record.message for record in caplog.records if "bf16 linears" in record.message]
     assert len(line) == 1 and "avx512bw" in line[0]
     assert "bf16 F.linear for up to 2 rows, prepacked fp32 oneDNN (inputs upcast from bf16) above" in line[0]
@@ -372,7 +374,79 @@ def test_a_packing_failure_part_way_leaves_the_model_untouched(monkeypatch, capl
     model = fresh_tiny()
     before = linears(model)
     with caplog.at_level(logging.WARNING):
-        OneDNNEngine().apply(model)
+        OneDNNEngine(fp32_split_rows=0).apply(model)
     assert len(calls) == 4 and linears(model) == before and getattr(model, "specpipe_engine", "hf") == "hf"
     assert "simulated packing failure" in caplog.text
     HFEngine().apply(model)  # still free for any engine
+
+
+# ---- split GEMMs (fp32 products on AVX2 CPUs) ----------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out_features", [96, 97, 1])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_split_linear_equals_f_linear(threads, out_features, rows):
+    """Any thread count, an output size no thread count divides (prime), with and without bias."""
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, 48, generator=generator)  # [out, in]
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(2, rows, 48, generator=generator)  # [batch, rows, in]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            out = cpu.split_linear(x, weight, b)
+            assert out.shape == (2, rows, out_features) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_weight_row_blocks_divide_the_rows_evenly_up_to_one_per_thread():
+    assert cpu.weight_row_blocks(960, 2) == 2 and cpu.weight_row_blocks(960, 7) == 6
+    assert cpu.weight_row_blocks(97, 8) == 1 and cpu.weight_row_blocks(3, 16) == 3
+    assert cpu.weight_row_blocks(576, 1) == 1
+
+
+def test_fp32_split_rows_auto_takes_split_gemms_only_without_avx512(monkeypatch, caplog):
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    assert cpu._prefers_split_gemm("brg_matmul:avx2") and cpu._prefers_split_gemm("x64:gemm:jit")
+    assert not cpu._prefers_split_gemm("brg_matmul:avx512_core") and not cpu._prefers_split_gemm("brgemm:avx512_core_amx")
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
+    assert not cpu._prefers_split_gemm("gemm:acl")
+    monkeypatch.undo()
+    auto = cpu.probe_linear_path(torch.float32)
+    assert auto.split_rows == (cpu.AUTO_SPLIT_ROWS if cpu._prefers_split_gemm(auto.kernel) else 0)
+    # an explicit count holds whatever the CPU; bf16 models never split (their few rows run bf16 F.linear)
+    assert cpu.probe_linear_path(torch.float32, split_rows=4).split_rows == 4
+    assert cpu.probe_linear_path(torch.float32, split_rows=0).split_rows == 0
+    assert cpu.probe_linear_path(torch.bfloat16, split_rows=4).split_rows == 0
+    model = fresh_tiny()
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(fp32_split_rows=2).apply(model)
+    packed = model.lm_head.packed
+    assert packed.split_rows == 2 and packed.plain.dtype == torch.float32 and packed.packed is not None
+    assert "fp32 GEMMs split over the threads by weight rows for up to 2 rows" in caplog.text
+    assert "engine.fp32_split_rows=2" in caplog.text and "split GEMMs up to 2 rows" in repr(model.lm_head)
+    # which kernel serves a product: split GEMMs up to split_rows rows, oneDNN above
+    calls = []
+    monkeypatch.setattr(onednn, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    hidden = model.config.hidden_size
+    for rows in (1, 2, 3):
+        model.lm_head(torch.randn(1, rows, hidden))
+    assert calls == ["split", "split", "onednn"]
+    assert packed.weight_bytes(2) == packed.plain.numel() * 4
+    for bad in ("all", -1, 1.5):
+        with pytest.raises(ConfigError, match="engine.fp32_split_rows must be 'auto' or a row count"):
+            OneDNNEngine(fp32_split_rows=bad)
+
+
+def test_the_split_rows_are_part_of_the_cost_curve_key(tmp_path):
+    from specpipe.cost import cost_curve_path
+
+    paths = set()
+    for split_rows in (0, 1):
+        model = fresh_tiny()
+        OneDNNEngine(fp32_split_rows=split_rows).apply(model)
+        paths.add(cost_curve_path(TargetModel(model, name="tiny", engine="fast"), cache_dir=tmp_path))
+    assert len(paths) == 2

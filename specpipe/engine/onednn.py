@@ -4,8 +4,11 @@ its weight prepacked once, and projections that read the same input run as one p
 Why: a decoding step on CPU is dominated by small-M matrix products over weights streamed from
 memory. `F.linear` goes through a plain sgemm whose cost jumps from 1 to 2 rows (so verifying
 two tokens costs ~2x one) and leaves most of the memory bandwidth unused; oneDNN with a
-prepacked (blocked) weight reads it at close to bandwidth for any small M. Each call also has a
-fixed cost, so q/k/v (and gate/up) are packed together and computed in one call.
+prepacked (blocked) weight reads it at close to bandwidth for any small M on an AVX-512 CPU. On
+AVX2 CPUs oneDNN's kernels stream only ~13 GB/s for a few rows, and one-row fp32 products run
+instead as one batched GEMM over row blocks of a plain copy of the weight, a block per thread
+(`split_linear`). Each
+call also has a fixed cost, so q/k/v (and gate/up) are packed together and computed in one call.
 
 The model definition stays transformers' own: only `nn.Linear` children are swapped for modules
 with the same call signature. A fused group hands each member its slice of the shared product;
@@ -24,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.engine.base import ENGINE_ATTRIBUTE, claim_model
-from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path
+from specpipe.engine.base import ENGINE_ATTRIBUTE, LINEAR_PATH_ATTRIBUTE, claim_model
+from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, split_linear
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +38,11 @@ BF16_COMPUTE_CHOICES = ("auto", "fp32")
 
 
 class PackedWeight(nn.Module):
-    """`out_features` rows of one or more linear layers, concatenated and prepacked for oneDNN."""
+    """`out_features` rows of one or more linear layers, concatenated and prepacked for oneDNN
+    (and, for products of up to `split_rows` rows, kept plain for `split_linear`)."""
 
     def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
-                 small_rows: int = 0) -> None:
+                 small_rows: int = 0, split_rows: int = 0) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
@@ -49,6 +53,9 @@ class PackedWeight(nn.Module):
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
         self.packed = pack_weight(weight.to(self.compute_dtype))
+        # Products of at most `split_rows` rows in the weight's own dtype run split_linear on it.
+        self.split_rows = split_rows if self.compute_dtype == weight.dtype else 0
+        self.plain = weight.contiguous() if self.split_rows else None  # [sum out, in]
         biases = [linear.bias.detach() if linear.bias is not None else None for linear in linears]
         if all(bias is None for bias in biases):
             self.bias = None
@@ -63,6 +70,8 @@ class PackedWeight(nn.Module):
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
         if x.dtype == self.compute_dtype:
+            if x.numel() <= self.split_rows * self.in_features:
+                return split_linear(x, self.plain, self.bias)
             return packed_linear(x, self.packed, self.bias)
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
@@ -70,8 +79,10 @@ class PackedWeight(nn.Module):
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
-        weight = self.small_weight if rows <= self.small_rows else self.packed
-        bias = self.small_bias if rows <= self.small_rows else self.bias
+        if rows <= self.small_rows:
+            weight, bias = self.small_weight, self.small_bias
+        else:
+            weight, bias = (self.plain if rows <= self.split_rows else self.packed), self.bias
         return sum(t.numel() * t.element_size() for t in (weight, bias) if t is not None)
 
     def part(self, x: Tensor, index: int) -> Tensor:
@@ -104,7 +115,8 @@ class OneDNNLinear(nn.Module):
         return self.packed.part(x, self.index)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
+        split = f", split GEMMs up to {self.packed.split_rows} rows" if self.packed.split_rows else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked{split}"
 
 
 @dataclass
@@ -128,13 +140,19 @@ class OneDNNEngine:
     # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
     # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
     bf16_small_rows: int = 3
+    # fp32 models: products of up to this many rows run as one batched GEMM over a row block per
+    # thread of a plain copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the
+    # weights' memory); "auto" = 1 on x86 CPUs whose oneDNN kernel is not AVX-512, else 0.
+    fp32_split_rows: int | str = "auto"
     name: str = "fast"
 
     def __post_init__(self) -> None:
-        if self.bf16_compute not in BF16_COMPUTE_CHOICES:
-            from specpipe.errors import ConfigError
+        from specpipe.errors import ConfigError
 
+        if self.bf16_compute not in BF16_COMPUTE_CHOICES:
             raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
+        if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
+            raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
     def apply(self, model: nn.Module) -> nn.Module:
         path = self._linear_path(model)
@@ -151,6 +169,7 @@ class OneDNNEngine:
                         self.name, str(error).splitlines()[0])
             return model
         claim_model(model, self.name)
+        setattr(model, LINEAR_PATH_ATTRIBUTE, path.describe())
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
         lean = 0
@@ -166,7 +185,7 @@ class OneDNNEngine:
         if parameter.device.type != "cpu":
             return f"the model is on {parameter.device.type}, oneDNN prepacking is for the CPU"
         return probe_linear_path(parameter.dtype, prefer_fp32_compute=self.bf16_compute == "fp32",
-                                 small_rows=self.bf16_small_rows)
+                                 small_rows=self.bf16_small_rows, split_rows=self.fp32_split_rows)
 
     def _replacements(self, module: nn.Module, path: LinearPath) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
@@ -183,6 +202,7 @@ class OneDNNEngine:
         groups += [(name,) for name in linears if name not in fused]
         replacements = []
         for group in groups:
-            packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows)
+            packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
+                                  path.split_rows)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements

@@ -32,7 +32,7 @@ from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
 from specpipe.tasks.bench import output_dir
 from specpipe.tasks.bench_report import machine_info, machine_line, write_atomically, write_text
-from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.pipelines.builder import CONFIG_DIR, compose_config, load_model
 from specpipe.tasks.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel
 from specpipe.types import DraftTree
@@ -120,9 +120,17 @@ def engine_config_path(name: str) -> Path:
 
 
 def build_engine_by_name(name: str):
+    """The engine `engine=NAME` builds, composed as Hydra composes it (an engine config may extend another)."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
-    return instantiate(OmegaConf.load(engine_config_path(name)))
+    engine_config_path(name)  # a clear error for an unknown name
+    if GlobalHydra.instance().is_initialized():  # inside run.py: compose with the app's own search path
+        engine_cfg = compose(config_name="config", overrides=[f"engine={name}"]).engine
+    else:
+        engine_cfg = compose_config([f"engine={name}"]).engine
+    return instantiate(engine_cfg)
 
 
 def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
