@@ -131,22 +131,35 @@ class TargetModel:
         Appends q = 1 + n entries to the cache (the caller keeps the accepted ones) and
         returns rows in that order: row 0 = root, row i + 1 = node i.
         """
-        self._use_attention()
         committed = cache.get_seq_length()  # the cache covers every committed token but the root
         n = len(tree)
-        input_ids = torch.empty(1, n + 1, dtype=torch.long)  # [1, q]
-        input_ids[0, 0] = root_token
-        input_ids[0, 1:] = tree.tokens
-        position_ids = torch.empty(1, n + 1, dtype=torch.long)  # [1, q]
-        position_ids[0, 0] = committed
-        position_ids[0, 1:] = tree.depth + (committed + 1)
+        input_ids = torch.empty(n + 1, dtype=torch.long)  # [q]
+        input_ids[0] = root_token
+        input_ids[1:] = tree.tokens
+        position_ids = torch.empty(n + 1, dtype=torch.long)  # [q]
+        position_ids[0] = committed
+        position_ids[1:] = tree.depth + (committed + 1)
         if n == 0:
             mask = None  # a plain decoding step: one query sees everything
         else:
-            mask = torch.ones(1, 1, n + 1, committed + n + 1, dtype=torch.bool)  # [1, 1, q, kv]
-            mask[0, 0, 0, committed + 1:] = False  # the root sees only the cache and itself
-            mask[0, 0, 1:, committed + 1:] = tree.mask  # nodes see their ancestors and themselves
-            mask = mask.to(self.device)
-        out = self.model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
+            mask = torch.ones(n + 1, committed + n + 1, dtype=torch.bool)  # [q, kv]
+            mask[0, committed + 1:] = False  # the root sees only the cache and itself
+            mask[1:, committed + 1:] = tree.mask  # nodes see their ancestors and themselves
+        return self.forward_masked(input_ids, position_ids, mask, cache)
+
+    @torch.inference_mode()
+    def forward_masked(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None,
+                       cache: PositionIndexedCache) -> ForwardOutput:
+        """input_ids, position_ids [q]; mask [q, cache + q] bool (True = attend) over the cached
+        entries then the new ones, or None for one query that sees everything. Appends q entries
+        to the cache; returns logits [q, vocab] and last hidden states [q, hidden].
+
+        The general form of a verify forward: drafters that keep their own cache use it to feed
+        committed text (a causal mask) and tree nodes (an ancestor mask) alike.
+        """
+        self._use_attention()
+        if mask is not None:
+            mask = mask[None, None].to(self.device)  # [1, 1, q, kv]
+        out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
         return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0])

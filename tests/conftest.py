@@ -50,6 +50,32 @@ PIPELINES = config_options("pipeline")
 # that hold the text (tests/test_token_datastore.py, test_rest_drafts_a_stored_answer).
 CORPUS_PIPELINES = ["rest"]
 DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla" and name not in CORPUS_PIPELINES]
+# Pipelines with a draft model: their default draft is the one distilled for the embedded model, so
+# on the tiny models they run a tiny draft of the same vocabulary (`draft_overrides`).
+DRAFT_MODEL_PIPELINES = ["draft_model"]
+_TINY_DRAFT_DIRS: dict[str, Path] = {}
+
+
+def tiny_draft_dir(dtype: str = "fp32") -> Path:
+    """A 1-layer random Llama with the tiny model's vocabulary and tokenizer, saved once per session
+    as a local Hugging Face directory (what `drafter.path=DIR` loads)."""
+    if dtype not in _TINY_DRAFT_DIRS:
+        import tempfile
+
+        loaded = load_model(compose_config(["model=tiny_random", "model.num_hidden_layers=1", "model.seed=1",
+                                            f"model.dtype={dtype}"]).model)
+        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-tiny-draft-{dtype}-"))
+        loaded.model.save_pretrained(folder)
+        loaded.tokenizer.save_pretrained(folder)
+        _TINY_DRAFT_DIRS[dtype] = folder
+    return _TINY_DRAFT_DIRS[dtype]
+
+
+def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
+    """Config overrides that give a draft-model pipeline the tiny draft (nothing for other pipelines)."""
+    if pipeline not in DRAFT_MODEL_PIPELINES:
+        return []
+    return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}"]
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -83,8 +109,11 @@ class ModelUnderTest:
         # The store of past outputs makes a pipeline's later runs draft from its earlier answers, by
         # design; tests that compare the steps of repeated runs freeze it (test_rag.py tests it learning).
         frozen = ["pipeline.proposers.past.learn=false"] if pipeline == "rag_lookahead" else []
+        drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
+            else [f"pipeline.drafters.model.path={self.self_draft()}",
+                  "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
-                               *overrides])
+                               *drafts, *overrides])
 
     def pipeline(self, name: str = "vanilla", *overrides: str, cost_curve: str = "flat", fresh: bool = False) -> Pipeline:
         """A pipeline by config name around the shared loaded model (cached unless `fresh`)."""
@@ -95,6 +124,19 @@ class ModelUnderTest:
                 return pipe
             self._pipelines[key] = pipe
         return self._pipelines[key]
+
+    def self_draft(self) -> Path:
+        """This model saved once as a local model directory, to be its own draft in the generic
+        tests: each tree's argmax path is accepted (multi-token steps on any prompt) and its other
+        branches rejected. Drafts that disagree: test_draft_model.py."""
+        if "self_draft" not in self._pipelines:
+            import tempfile
+
+            folder = Path(tempfile.mkdtemp(prefix=f"specpipe-{self.name}-self-draft-"))
+            self.reference.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            self._pipelines["self_draft"] = folder
+        return self._pipelines["self_draft"]
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, config_groups, config_options, run_cli
+from conftest import CONF_DIR, config_groups, config_options, draft_overrides, run_cli, tiny_draft_dir
 from specpipe.cost import CostCurve
 from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
@@ -92,9 +92,9 @@ def test_pipeline_options_build_and_run(option, tiny_mixed):
     assert cfg.pipeline.name == option
     pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
     assert pipe.name == option
-    proposers = cfg.pipeline.get("proposers") or {}
-    assert len(pipe.decoder.proposers) == len(proposers)
-    assert (pipe.decoder.tree_builder is None) == (not proposers or cfg.pipeline.get("tree") is None)
+    proposers, drafters = cfg.pipeline.get("proposers") or {}, cfg.pipeline.get("drafters") or {}
+    assert len(pipe.decoder.proposers) == len(proposers) and len(pipe.decoder.drafters) == len(drafters)
+    assert (pipe.decoder.tree_builder is None) == (not (proposers or drafters) or cfg.pipeline.get("tree") is None)
     prompt = [400, 401, 402, 403, 404] * 4
     assert pipe.generate(prompt, max_new_tokens=12).token_ids == tiny_mixed.greedy_hf(prompt, 12)
 
@@ -124,7 +124,8 @@ def test_store_options_instantiate_a_builder(option, tiny, tmp_path):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in STAGE_GROUPS for o in config_options(g)])
 def test_stage_options_instantiate(group, option, tiny):
-    cfg = compose_config(["model=tiny_random", override(group, option)])
+    cfg = compose_config(["model=tiny_random", override(group, option),
+                          *([f"{group}.path={tiny_draft_dir()}"] if group == "drafter" else [])])
     stage = complete_partial(instantiate(cfg[group]), tiny)
     protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter}.get(group, Proposer)
     assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
@@ -174,7 +175,8 @@ def test_cli_generates_on_the_tiny_model(tmp_path):
 def test_bf16_builds_and_generates(pipeline):
     """bf16 runs end to end (exactness is an fp32 property; here: the right number of tokens, each a
     valid id, and the first one the argmax of the prompt's logits)."""
-    cfg = compose_config(["model=tiny_random", "model.dtype=bf16", f"pipeline={pipeline}", "cost_curve=flat"])
+    cfg = compose_config(["model=tiny_random", "model.dtype=bf16", f"pipeline={pipeline}", "cost_curve=flat",
+                          *draft_overrides(pipeline, "bf16")])
     pipe = build_pipeline(cfg)
     assert pipe.target.dtype == torch.bfloat16
     prompt = [500, 501, 502, 503] * 5

@@ -6,7 +6,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from conftest import DRAFTING_PIPELINES, PIPELINES, is_repetitive, near_tie_divergence, random_prompts, run_steps
+from conftest import DRAFT_MODEL_PIPELINES, DRAFTING_PIPELINES, PIPELINES, is_repetitive, near_tie_divergence, random_prompts, run_steps
 
 LENGTHS = (1, 2, 7, 40)
 
@@ -50,7 +50,9 @@ def test_lossless_tiny(any_tiny, pipeline):
         # Not vacuous: drafts were made and accepted, several tokens per step on repetitive prompts.
         assert tree_nodes > 0
         assert drafted_steps > 0
-        if any_tiny.name != "tiny_chaotic":  # the chaotic variant ignores patterns; drafts mostly fail there
+        # The chaotic variant ignores patterns, drafts mostly fail there; a draft model on a tiny
+        # random target predicts no repetition (test_draft_model.py checks its acceptance).
+        if any_tiny.name != "tiny_chaotic" and pipeline not in DRAFT_MODEL_PIPELINES:
             assert repetitive_tokens / repetitive_steps > 1.5, (repetitive_tokens, repetitive_steps)
 
 

@@ -19,7 +19,7 @@ from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
-from specpipe.stages.base import Proposer, Verifier
+from specpipe.stages.base import Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
 from specpipe.types import SamplingConfig
 
@@ -70,19 +70,22 @@ def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeli
     target = TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")),
                          engine=engine.name)
     pipeline_cfg = cfg.pipeline
-    proposers: list[Proposer] = []
-    for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items():
-        proposer = _instantiate_stage(stage_cfg, f"pipeline.proposers.{key}")
-        if callable(proposer) and not hasattr(proposer, "propose"):  # _partial_: needs the target at run time
-            proposer = proposer(target=target, tokenizer=loaded.tokenizer)
-        tokenizer = getattr(proposer, "tokenizer", None)
-        if tokenizer is not None and tokenizer is not loaded.tokenizer:
-            check_same_tokenizer(loaded.tokenizer, tokenizer, key)
-        proposers.append(proposer)
+    proposers = [_build_source(stage_cfg, f"pipeline.proposers.{key}", target, loaded, engine)
+                 for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items()]
+    drafters = [_build_source(stage_cfg, f"pipeline.drafters.{key}", target, loaded, engine)
+                for key, stage_cfg in (pipeline_cfg.get("drafters") or {}).items()]
+    for drafter, key in zip(drafters, pipeline_cfg.get("drafters") or {}):
+        if not isinstance(drafter, StepDrafter):
+            raise ConfigError(f"pipeline.drafters.{key} ({type(drafter).__name__}) cannot be expanded node by node: "
+                              f"put it under pipeline.proposers instead")
     tree_builder = None
-    if proposers and pipeline_cfg.get("tree") is not None:
+    if (proposers or drafters) and pipeline_cfg.get("tree") is not None:
         make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
         tree_builder = make_tree(cost_curve=_cost_curve(cfg, target))
+    if drafters and not getattr(tree_builder, "expands_drafters", False):
+        raise ConfigError(f"pipeline.drafters ({', '.join(pipeline_cfg.drafters)}) are grown into a tree by a tree "
+                          f"builder that expands drafters (tree=eagle2), not by {type(tree_builder).__name__}; or "
+                          f"move them to pipeline.proposers to draft one chain each")
     verifier: Verifier = _instantiate_stage(cfg.verifier, "verifier")
     sampling = SamplingConfig(**OmegaConf.to_container(cfg.sampling, resolve=True))
     if not sampling.greedy and not getattr(verifier, "supports_sampling", False):
@@ -91,9 +94,25 @@ def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeli
             f"only decodes greedily. Use sampling.temperature=0")
     augmenter = _instantiate_stage(pipeline_cfg.augment, "pipeline.augment") \
         if pipeline_cfg.get("augment") is not None else None
-    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier)
+    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
                     system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter)
+
+
+def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded: LoadedModel,
+                  engine: Engine) -> Proposer:
+    """A Retrieve/Draft stage; a `_partial_` one gets the target and tokenizer, and a stage with a
+    model of its own (`draft`) runs it under the target's engine."""
+    stage = _instantiate_stage(stage_cfg, where)
+    if callable(stage) and not hasattr(stage, "propose"):  # _partial_: needs the target at run time
+        stage = stage(target=target, tokenizer=loaded.tokenizer)
+    tokenizer = getattr(stage, "tokenizer", None)
+    if tokenizer is not None and tokenizer is not loaded.tokenizer:
+        check_same_tokenizer(loaded.tokenizer, tokenizer, where)
+    draft_model = getattr(getattr(stage, "runner", None), "model", None)
+    if draft_model is not None:
+        engine.apply(draft_model)
+    return stage
 
 
 def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specpipe.pipelines.stopping import StopCondition
-from specpipe.stages.base import Proposer, TreeBuilder, Verifier
+from specpipe.stages.base import Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, DraftTree, SamplingConfig, StepStats
@@ -33,9 +33,11 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
-                 verifier: Verifier, committer: KVCompactCommit | None = None) -> None:
+                 verifier: Verifier, committer: KVCompactCommit | None = None,
+                 drafters: list[StepDrafter] = ()) -> None:
         self.target = target
         self.proposers = list(proposers)
+        self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
         self.tree_builder = tree_builder
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
@@ -52,8 +54,9 @@ class SpeculativeDecoder:
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                             hidden=first.hidden[-1], logits=first.logits[-1], documents=documents)
         yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
-        for proposer in self.proposers:
-            proposer.reset(state)
+        stages = [*self.proposers, *self.drafters]
+        for stage in stages:
+            stage.reset(state)
         while not finished:
             seconds: dict[str, float] = {}
             mark = clock()
@@ -61,8 +64,8 @@ class SpeculativeDecoder:
             seconds["propose"] = clock() - mark
 
             mark = clock()
-            tree = self.tree_builder.build(state, proposals, []) if self.tree_builder and proposals \
-                else DraftTree.empty()
+            tree = self.tree_builder.build(state, proposals, self.drafters) \
+                if self.tree_builder and (proposals or self.drafters) else DraftTree.empty()
             seconds["tree"] = clock() - mark
 
             mark = clock()
@@ -78,8 +81,8 @@ class SpeculativeDecoder:
 
             mark = clock()
             self.committer.commit(state, cache, tree, result, emitted)
-            for proposer in self.proposers:
-                proposer.on_commit(state, result)
+            for stage in stages:
+                stage.on_commit(state, result)
             seconds["commit"] = clock() - mark
 
             drafted = min(len(result.accepted), len(emitted))
@@ -88,8 +91,8 @@ class SpeculativeDecoder:
                 source = tree.sources[node] if tree.sources else "draft"
                 by_source[source] = by_source.get(source, 0) + 1
             if finished:
-                for proposer in self.proposers:
-                    finish = getattr(proposer, "on_finish", None)  # optional: stages before it need not change
+                for stage in stages:
+                    finish = getattr(stage, "on_finish", None)  # optional: stages before it need not change
                     if finish is not None:
                         finish(state)
             yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds, by_source), finished)

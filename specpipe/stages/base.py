@@ -31,10 +31,20 @@ class Proposer(Protocol):
 
 @runtime_checkable
 class StepDrafter(Proposer, Protocol):
-    """A model drafter a tree builder can expand node by node."""
+    """A model drafter a tree builder can expand node by node (`pipeline.drafters`, `tree=eagle2`).
 
-    def step(self, state: DecodeState, frontier: Tensor) -> tuple[Tensor, Tensor]:
-        """frontier [m] node ids -> top-k next tokens [m, k] and their log-probs [m, k]."""
+    Per step the builder calls `start` once, then `step` once per depth with the tree grown so
+    far; nodes only ever get appended to that tree within a step.
+    """
+
+    def start(self, state: DecodeState) -> Tensor:
+        """Catches up with the committed tokens; returns the draft's log-probs [vocab] after the root."""
+
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]
+             ) -> tuple[Tensor, Tensor]:
+        """tokens, parents [n]: the tree so far (-1 = child of the root); frontier [m]: node ids to
+        expand (-1 = the root). Returns each frontier node's top-k next tokens [m, k] and their
+        log-probs [m, k]."""
 
 
 @runtime_checkable

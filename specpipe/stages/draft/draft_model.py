@@ -1,0 +1,200 @@
+"""A smaller causal LM drafts for the target: a chain (SpS) through `propose`, or, as a
+StepDrafter, any tree a tree builder grows frontier by frontier (`tree=eagle2`).
+
+The draft keeps its own KV cache per request. It is never rolled back token by token: at the
+start of each step the cache is cut to the longest prefix it shares with the committed text, and
+whatever was committed since (the accepted path and the bonus token) is fed in one causal
+forward. Tree nodes fed while drafting sit after the committed entries, each attending to the
+committed text and its own ancestors (an explicit mask), and are dropped by that same cut.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.errors import ConfigError
+from specpipe.kv_cache import PositionIndexedCache
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState, Proposal, VerifyResult
+
+ROOT = -1  # the frontier id of the root: the last committed token
+
+
+@dataclass
+class DraftSession:
+    """One request's draft cache: entries for `committed` (a prefix of the request's tokens,
+    root included), then one entry per fed tree node of the current step."""
+
+    cache: PositionIndexedCache
+    committed: list[int] = field(default_factory=list)
+    root_logprobs: Tensor | None = None  # [vocab] the draft's next-token log-probs after the root
+    slots: dict[int, int] = field(default_factory=dict)  # tree node id -> cache row, this step
+    logprobs: dict[int, Tensor] = field(default_factory=dict)  # tree node id -> [vocab] after it, this step
+
+
+class DraftModelDrafter:
+    """Drafts with `draft` (a causal LM sharing the target's tokenizer).
+
+    `propose` returns one greedy chain of up to `chain_length` tokens scored by the draft's own
+    cumulative probability (speculative sampling's draft, for `tree=trie`); `step` expands tree
+    nodes for `tree=eagle2`, `top_k` children each.
+    """
+
+    def __init__(self, target: TargetModel, tokenizer: PreTrainedTokenizerBase, draft: PreTrainedModel,
+                 draft_tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft_model",
+                 chain_length: int = 5, top_k: int = 8, min_score: float = 0.05) -> None:
+        if chain_length < 1 or top_k < 1:
+            raise ConfigError(f"{name}: chain_length and top_k must be >= 1, got {chain_length}, {top_k}")
+        draft_vocab = int(draft.config.vocab_size)
+        if draft_vocab != target.vocab_size:
+            raise ConfigError(f"{name}: the draft model's vocabulary has {draft_vocab} entries and the target's "
+                              f"{target.vocab_size}: a drafter must share the target's tokenizer")
+        self.name = name
+        self.tokenizer = draft_tokenizer or tokenizer  # the builder checks it against the target's
+        self.chain_length = chain_length
+        self.top_k = top_k
+        self.min_score = min_score  # a chain stops once the draft's own probability of it falls below
+        # The draft runs through the same runner as the target (tree masks through the attention
+        # plug-in point, a position-indexed cache), on CPU always SDPA.
+        self.runner = TargetModel(draft, name=f"{target.name}-{name}", attention="sdpa",
+                                  engine=getattr(draft, "specpipe_engine", "hf"))
+
+    # ---- Proposer ---------------------------------------------------------------------------
+    def reset(self, state: DecodeState) -> None:
+        state.stage_state[self] = DraftSession(self.runner.new_cache())
+
+    def propose(self, state: DecodeState) -> Proposal:
+        logprobs = self.start(state)  # [vocab]
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        cumulative = 0.0
+        for depth in range(self.chain_length):
+            token = int(logprobs.argmax())
+            cumulative += float(logprobs[token])
+            score = math.exp(cumulative)
+            if score < self.min_score:
+                break
+            tokens.append(token)
+            parents.append(depth - 1)
+            scores.append(score)
+            if depth + 1 < self.chain_length:
+                self._feed(state, tokens, parents, [depth])
+                logprobs = state.stage_state[self].logprobs[depth]
+        return Proposal.chain(tokens, scores, self.name)
+
+    def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
+        pass  # the next step's `start` cuts the cache back to the committed text
+
+    def on_finish(self, state: DecodeState) -> None:
+        state.stage_state.pop(self, None)  # free the draft cache with the request
+
+    # ---- StepDrafter ------------------------------------------------------------------------
+    def start(self, state: DecodeState) -> Tensor:
+        """Syncs the draft cache with the committed tokens; returns log-probs [vocab] after the root."""
+        session: DraftSession = state.stage_state[self]
+        tokens = state.tokens
+        shared = 0
+        limit = min(len(session.committed), len(tokens))
+        while shared < limit and session.committed[shared] == tokens[shared]:
+            shared += 1
+        if shared == len(tokens) and session.root_logprobs is not None:
+            session.cache.crop(shared)  # only this step's tree entries go
+        else:
+            shared = min(shared, len(tokens) - 1)  # the root is always fed again: its log-probs are needed
+            session.cache.crop(shared)
+            new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
+            q = int(new.shape[0])
+            mask = torch.ones(q, shared + q, dtype=torch.bool)  # [q, kv]: everything cached, then causal
+            mask[:, shared:] = torch.ones(q, q, dtype=torch.bool).tril()
+            out = self.runner.forward_masked(new, torch.arange(shared, shared + q), mask, session.cache)
+            session.root_logprobs = torch.log_softmax(out.logits[-1], dim=-1)
+        session.committed = list(tokens)
+        session.slots, session.logprobs = {}, {}
+        return session.root_logprobs
+
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]
+             ) -> tuple[Tensor, Tensor]:
+        """Top-`top_k` children of each frontier node: tokens [m, k] and log-probs [m, k].
+
+        `tokens`/`parents` are the whole tree so far (node ids in order, parents before children,
+        -1 = the root); `frontier` [m] the node ids to expand (ROOT for the root). `start` must
+        have run this step; nodes are fed to the draft cache once, when first expanded (their
+        ancestors too, if the builder never expanded them).
+        """
+        session: DraftSession = state.stage_state[self]
+        self._feed(state, tokens, parents, [node for node in frontier if node != ROOT])
+        logprobs = torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
+                                for node in frontier])  # [m, vocab]
+        top = logprobs.topk(self.top_k, dim=-1)
+        return top.indices, top.values
+
+    def _feed(self, state: DecodeState, tokens: list[int], parents: list[int], nodes: list[int]) -> None:
+        """Feeds every node of `nodes` not fed yet this step, and its unfed ancestors, through the
+        draft in one forward: each row attends to the committed text, its ancestors and itself."""
+        session: DraftSession = state.stage_state[self]
+        order: list[int] = []  # parents before children
+        for node in nodes:
+            path = []
+            walk = node
+            while walk != ROOT and walk not in session.slots and walk not in order and walk not in path:
+                path.append(walk)
+                walk = parents[walk]
+            order.extend(reversed(path))
+        if not order:
+            return
+        committed = len(session.committed)
+        cached = session.cache.get_seq_length()
+        for row, node in enumerate(order):
+            session.slots[node] = cached + row
+        q = len(order)
+        mask = torch.zeros(q, cached + q, dtype=torch.bool)  # [q, kv]
+        mask[:, :committed] = True  # the committed text, root included
+        positions = torch.empty(q, dtype=torch.long)  # [q]
+        for row, node in enumerate(order):
+            walk, depth = node, 0
+            while walk != ROOT:
+                mask[row, session.slots[walk]] = True
+                walk = parents[walk]
+                depth += 1
+            positions[row] = committed - 1 + depth  # the root sits at committed - 1
+        input_ids = torch.tensor([tokens[node] for node in order], dtype=torch.long)  # [q]
+        out = self.runner.forward_masked(input_ids, positions, mask, session.cache)
+        logprobs = torch.log_softmax(out.logits, dim=-1)  # [q, vocab]
+        for row, node in enumerate(order):
+            session.logprobs[node] = logprobs[row]
+
+
+def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
+                 name: str = "draft_model", chain_length: int = 5, top_k: int = 8,
+                 min_score: float = 0.05) -> DraftModelDrafter:
+    """The drafter `drafter=draft_model` configures: `path` = a local Hugging Face model directory
+    (any causal LM with the target's tokenizer), a draft file written by `task=distill_draft`, or
+    None for the draft distilled for the embedded model (data/draft/). Never downloads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None or Path(path).suffix == ".safetensors":
+        from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH, load_draft
+
+        draft = load_draft(target.model, tokenizer, Path(path) if path else DEFAULT_DRAFT_PATH)
+        return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length, top_k=top_k,
+                                 min_score=min_score)
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{name}: drafter.path={path} is not a local model directory (no config.json there) "
+                          f"nor a .safetensors draft: give a directory saved with save_pretrained, or a draft "
+                          f"file from `python run.py task=distill_draft`")
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=target.dtype).eval()
+        draft_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{name}: cannot load the draft model from drafter.path={path}: "
+                          f"{str(error).splitlines()[0]}") from None
+    return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
+                             top_k=top_k, min_score=min_score)

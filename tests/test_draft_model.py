@@ -1,0 +1,208 @@
+"""drafter=draft_model and tree=eagle2: a draft LM with its own cache, chains and dynamic trees.
+
+Lossless runs of the `draft_model` pipeline are in the generic tests (test_lossless.py, with the
+tiny draft of conftest.draft_overrides); here: what the draft computes, its cache, the tree it
+grows, and the errors.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import random_prompts, run_steps, tiny_draft_dir
+from specpipe.cost import CostCurve
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline, compose_config
+from specpipe.stages.draft.draft_model import ROOT, DraftModelDrafter, load_drafter
+from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState
+
+
+@pytest.fixture(scope="module")
+def self_draft_dir(tiny_mixed, tmp_path_factory):
+    """tiny_mixed's own weights as a draft: every draft token is the target's argmax."""
+    folder = tmp_path_factory.mktemp("self-draft")
+    tiny_mixed.reference.save_pretrained(folder)
+    tiny_mixed.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def drafter_for(model, path, **kwargs) -> DraftModelDrafter:
+    return load_drafter(TargetModel(model.loaded.model, name=model.name), model.tokenizer, path=str(path), **kwargs)
+
+
+def causal_logprobs(drafter: DraftModelDrafter, tokens: list[int]) -> torch.Tensor:
+    """[vocab] the draft's next-token log-probs after `tokens`, from a plain causal forward (no cache)."""
+    with torch.inference_mode():
+        logits = drafter.runner.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_a_self_draft_is_accepted_whole_and_stays_lossless(tiny_mixed, self_draft_dir):
+    """With the target's own weights as the draft its argmax path is always accepted: the pipeline
+    really verifies the draft's tree (not vacuous), and the output is still plain greedy. (One
+    child per node: the random tiny model's flat distributions would spread a wider tree's
+    budget over siblings.)"""
+    cfg = tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={self_draft_dir}", "pipeline.tree.depth=4",
+                            "pipeline.tree.min_score=0", "pipeline.tree.top_k=1", "pipeline.drafters.model.top_k=1")
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    for prompt in random_prompts(4, seed=21):
+        tokens, steps = run_steps(pipe, prompt, 24)
+        assert tokens == tiny_mixed.greedy_hf(prompt, 24)
+        decode_steps = steps[1:-1]  # after the prefill, before a step max_new_tokens may cut
+        assert all(step.stats.tree_size >= 3 for step in decode_steps)  # chains of 4 (the 4th node's
+        # score can vanish in float rounding on this random model's flat distributions)
+        assert all(len(step.tokens) == step.stats.tree_size + 1 for step in decode_steps)  # all accepted
+
+
+def test_sps_chain_under_the_trie_builder_is_lossless(tiny_mixed, self_draft_dir):
+    cfg = tiny_mixed.config("draft_model", "~pipeline.drafters.model", f"+drafter@pipeline.proposers.model=draft_model",
+                            f"pipeline.proposers.model.path={self_draft_dir}", "tree@pipeline.tree=trie",
+                            "pipeline.proposers.model.min_score=0")
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    assert len(pipe.decoder.proposers) == 1 and not pipe.decoder.drafters
+    for prompt in random_prompts(3, seed=22):
+        tokens, steps = run_steps(pipe, prompt, 20)
+        assert tokens == tiny_mixed.greedy_hf(prompt, 20)
+        assert all(step.stats.tree_size >= 3 and len(step.tokens) == step.stats.tree_size + 1
+                   for step in steps[1:-1])  # whole chains accepted (see the test above)
+
+
+def test_tree_nodes_see_exactly_their_path(tiny_mixed):
+    """Each expanded node's draft log-probs equal a causal forward over committed text + its path."""
+    drafter = drafter_for(tiny_mixed, tiny_draft_dir(), top_k=3)
+    prompt = random_prompts(1, seed=23)[0][:40]
+    state = DecodeState(tokens=list(prompt), prompt_length=len(prompt))
+    drafter.reset(state)
+    root = drafter.start(state)
+    torch.testing.assert_close(root, causal_logprobs(drafter, prompt), atol=1e-4, rtol=1e-4)
+    tokens, parents = [], []
+    children, _ = drafter.step(state, tokens, parents, [ROOT])  # [1, 3]
+    tokens += children[0].tolist()
+    parents += [ROOT] * 3
+    grandchildren, _ = drafter.step(state, tokens, parents, [2, 0])  # [2, 3]: two siblings in one forward
+    tokens += grandchildren.flatten().tolist()
+    parents += [2] * 3 + [0] * 3
+    drafter.step(state, tokens, parents, [len(tokens) - 1, 3])  # depth 3, two different branches
+    session = state.stage_state[drafter]
+    for node in (0, 2, 3, len(tokens) - 1):
+        path, walk = [], node
+        while walk != ROOT:
+            path.append(tokens[walk])
+            walk = parents[walk]
+        expected = causal_logprobs(drafter, prompt + path[::-1])
+        torch.testing.assert_close(session.logprobs[node], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_draft_cache_after_a_step_equals_recomputing_the_committed_text(tiny_mixed):
+    """After commits (accepted paths of several lengths) the draft cache's committed entries equal a
+    fresh prefill of the committed tokens: the cut-and-catch-up drops every rejected branch."""
+    cfg = tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={tiny_draft_dir()}")
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    drafter = pipe.decoder.drafters[0]
+    prompt = random_prompts(2, seed=24)[1]
+    captured = {}
+
+    def capture_finish(state):
+        session = state.stage_state[drafter]
+        captured["state"] = state
+        drafter.start(state)  # catch up with the last commit, as the next step would
+        captured["cache"] = [(layer.keys.clone(), layer.values.clone()) for layer in session.cache.layers]
+
+    drafter.on_finish = capture_finish
+    try:
+        run_steps(pipe, prompt, 20)
+    finally:
+        del drafter.on_finish
+    tokens = captured["state"].tokens
+    fresh = drafter.runner.new_cache()
+    drafter.runner.prefill(tokens, fresh)
+    for (keys, values), layer in zip(captured["cache"], fresh.layers):
+        assert keys.shape[-2] == len(tokens)
+        torch.testing.assert_close(keys, layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, layer.values, atol=1e-5, rtol=1e-5)
+
+
+class ScriptedDrafter:
+    """A StepDrafter whose next-token distribution depends only on depth: p(token t at depth d)."""
+
+    name = "scripted"
+
+    def __init__(self, distributions: list[dict[int, float]], top_k: int) -> None:
+        self.distributions = distributions
+        self.top_k = top_k
+        self.expanded: list[list[int]] = []
+
+    def reset(self, state): ...
+
+    def propose(self, state): raise AssertionError("a StepDrafter is grown, not asked to propose")
+
+    def on_commit(self, state, result): ...
+
+    def start(self, state):
+        return torch.full((10,), -math.inf)
+
+    def step(self, state, tokens, parents, frontier):
+        self.expanded.append(list(frontier))
+        rows_tokens, rows_logprobs = [], []
+        for node in frontier:
+            depth = 0
+            walk = node
+            while walk != ROOT:
+                depth += 1
+                walk = parents[walk]
+            ranked = sorted(self.distributions[depth].items(), key=lambda item: -item[1])[: self.top_k]
+            rows_tokens.append([token for token, _ in ranked])
+            rows_logprobs.append([math.log(p) for _, p in ranked])
+        return torch.tensor(rows_tokens), torch.tensor(rows_logprobs)
+
+
+def test_eagle2_expands_the_best_frontier_and_keeps_the_best_nodes_closed_under_ancestors():
+    distributions = [{1: 0.6, 2: 0.3, 3: 0.1}, {4: 0.9, 5: 0.1}, {6: 0.5, 7: 0.5}]
+    drafter = ScriptedDrafter(distributions, top_k=2)
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, max_nodes=5, min_score=0.0)
+    state = DecodeState(tokens=[0], prompt_length=1)
+    grown = builder.grow(state, drafter)
+    # depth 1: the root's top 2 (tokens 1, 2); depth 2: both expanded; depth 3: the best two of
+    # the four grandchildren by cumulative probability (1-4: 0.54, 2-4: 0.27)
+    assert drafter.expanded[0] == [ROOT] and drafter.expanded[1] == [0, 1]
+    assert [grown.tokens[n].item() for n in drafter.expanded[2]] == [4, 4]
+    scores = grown.scores.tolist()
+    for node, parent in enumerate(grown.parents.tolist()):
+        if parent >= 0:
+            assert scores[node] <= scores[parent]
+    tree = builder.build(state, [], [drafter])
+    assert len(tree) == 5  # a flat cost curve takes the budget
+    kept = sorted(zip(tree.depth.tolist(), tree.tokens.tolist()))
+    assert kept == [(0, 1), (0, 2), (1, 4), (1, 4), (2, 6)] or kept == [(0, 1), (0, 2), (1, 4), (1, 4), (2, 7)]
+    for node, parent in enumerate(tree.parents.tolist()):  # closed under ancestors, topological
+        assert parent < node
+
+
+def test_eagle2_stops_expanding_below_min_score():
+    drafter = ScriptedDrafter([{1: 0.2, 2: 0.1}, {3: 0.2}, {4: 0.9}], top_k=2)
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, min_score=0.1)
+    builder.grow(DecodeState(tokens=[0], prompt_length=1), drafter)
+    assert len(drafter.expanded) == 2  # depth 2's best path (0.04) is below 0.1: no third expansion
+
+
+def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
+    with pytest.raises(ConfigError, match="not a local model directory"):
+        drafter_for(tiny_mixed, tmp_path)
+    wrong_vocab = tmp_path / "wrong"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(wrong_vocab)
+    tiny_mixed.tokenizer.save_pretrained(wrong_vocab)
+    with pytest.raises(ConfigError, match="vocabulary has 1000 entries and the target's 49152"):
+        drafter_for(tiny_mixed, wrong_vocab)
+    with pytest.raises(ConfigError, match="tree=eagle2"):
+        build_pipeline(tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={tiny_draft_dir()}",
+                                         "tree@pipeline.tree=trie"), loaded=tiny_mixed.loaded)
+    with pytest.raises(ConfigError, match="put it under pipeline.proposers"):
+        build_pipeline(tiny_mixed.config("draft_model", "+retriever@pipeline.drafters.ngram=prompt_ngram",
+                                         f"pipeline.drafters.model.path={tiny_draft_dir()}"), loaded=tiny_mixed.loaded)
