@@ -52,7 +52,7 @@ CORPUS_PIPELINES = ["rest"]
 DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla" and name not in CORPUS_PIPELINES]
 # Pipelines with a draft model: their default draft is the one distilled for the embedded model, so
 # on the tiny models they run a tiny draft of the same vocabulary (`draft_overrides`).
-DRAFT_MODEL_PIPELINES = ["draft_model"]
+DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
 _TINY_DRAFT_DIRS: dict[str, Path] = {}
 
 

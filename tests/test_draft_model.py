@@ -206,3 +206,19 @@ def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
     with pytest.raises(ConfigError, match="put it under pipeline.proposers"):
         build_pipeline(tiny_mixed.config("draft_model", "+retriever@pipeline.drafters.ngram=prompt_ngram",
                                          f"pipeline.drafters.model.path={tiny_draft_dir()}"), loaded=tiny_mixed.loaded)
+
+
+def test_specinfer_mix_merges_the_draft_tree_and_the_ngram_trie(tiny_mixed):
+    """One tree from both sources, by config alone: each source's nodes get accepted somewhere, and
+    the output stays plain greedy."""
+    pipe = tiny_mixed.pipeline("specinfer_mix")
+    assert [type(p).__name__ for p in pipe.decoder.proposers] == ["PromptNgram"]
+    assert [d.name for d in pipe.decoder.drafters] == ["draft_model"]
+    credited: dict[str, int] = {}
+    for prompt in random_prompts(6, seed=25):
+        tokens, steps = run_steps(pipe, prompt, 24)
+        assert tokens == tiny_mixed.greedy_hf(prompt, 24)
+        for step in steps:
+            for source, count in step.stats.drafted_by_source.items():
+                credited[source] = credited.get(source, 0) + count
+    assert credited.get("draft_model", 0) > 0 and credited.get("ngram_trie", 0) > 0, credited
