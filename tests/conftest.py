@@ -75,7 +75,7 @@ def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
     """Config overrides that give a draft-model pipeline the tiny draft (nothing for other pipelines)."""
     if pipeline not in DRAFT_MODEL_PIPELINES:
         return []
-    return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}"]
+    return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}", "pipeline.drafters.model.vocab_top_k=0"]
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -110,7 +110,7 @@ class ModelUnderTest:
         # design; tests that compare the steps of repeated runs freeze it (test_rag.py tests it learning).
         frozen = ["pipeline.proposers.past.learn=false"] if pipeline == "rag_lookahead" else []
         drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
-            else [f"pipeline.drafters.model.path={self.self_draft()}",
+            else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
                                *drafts, *overrides])

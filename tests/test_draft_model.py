@@ -59,9 +59,10 @@ def test_a_self_draft_is_accepted_whole_and_stays_lossless(tiny_mixed, self_draf
 
 
 def test_sps_chain_under_the_trie_builder_is_lossless(tiny_mixed, self_draft_dir):
-    cfg = tiny_mixed.config("draft_model", "~pipeline.drafters.model", f"+drafter@pipeline.proposers.model=draft_model",
-                            f"pipeline.proposers.model.path={self_draft_dir}", "tree@pipeline.tree=trie",
-                            "pipeline.proposers.model.min_score=0")
+    cfg = compose_config([*tiny_mixed.overrides, "pipeline=draft_model", "cost_curve=flat", "~pipeline.drafters.model",
+                          "+drafter@pipeline.proposers.model=draft_model", f"pipeline.proposers.model.path={self_draft_dir}",
+                          "tree@pipeline.tree=trie", "pipeline.proposers.model.min_score=0",
+                          "pipeline.proposers.model.vocab_top_k=0"])
     pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
     assert len(pipe.decoder.proposers) == 1 and not pipe.decoder.drafters
     for prompt in random_prompts(3, seed=22):
@@ -201,8 +202,9 @@ def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
     with pytest.raises(ConfigError, match="vocabulary has 1000 entries and the target's 49152"):
         drafter_for(tiny_mixed, wrong_vocab)
     with pytest.raises(ConfigError, match="tree=eagle2"):
-        build_pipeline(tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={tiny_draft_dir()}",
-                                         "tree@pipeline.tree=trie"), loaded=tiny_mixed.loaded)
+        build_pipeline(compose_config([*tiny_mixed.overrides, "pipeline=draft_model", "cost_curve=flat",
+                                       f"pipeline.drafters.model.path={tiny_draft_dir()}", "tree@pipeline.tree=trie"]),
+                       loaded=tiny_mixed.loaded)
     with pytest.raises(ConfigError, match="put it under pipeline.proposers"):
         build_pipeline(tiny_mixed.config("draft_model", "+retriever@pipeline.drafters.ngram=prompt_ngram",
                                          f"pipeline.drafters.model.path={tiny_draft_dir()}"), loaded=tiny_mixed.loaded)
@@ -222,3 +224,58 @@ def test_specinfer_mix_merges_the_draft_tree_and_the_ngram_trie(tiny_mixed):
             for source, count in step.stats.drafted_by_source.items():
                 credited[source] = credited.get(source, 0) + count
     assert credited.get("draft_model", 0) > 0 and credited.get("ngram_trie", 0) > 0, credited
+
+
+def write_answer_corpus(path, answers: list[list[int]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"answer_ids": pa.array(answers, type=pa.list_(pa.int32()))}), path)
+
+
+def test_the_reduced_vocabulary_head_scores_only_the_frequent_tokens(tiny_mixed, tmp_path):
+    from specpipe.stages.draft.draft_model import ReducedVocabHead, frequent_tokens
+
+    corpus = tmp_path / "answers.parquet"
+    write_answer_corpus(corpus, [[5, 5, 5, 9, 9, 700], [9, 5, 42]])
+    ids, coverage = frequent_tokens(str(corpus), tiny_mixed.tokenizer, 2)
+    assert ids.tolist() == [5, 9] and coverage == pytest.approx(7 / 9)
+    weight = torch.randn(1000, 16)
+    head = ReducedVocabHead(weight, torch.tensor([3, 7, 500]), 1000)
+    hidden = torch.randn(2, 4, 16)  # [batch, q, hidden]
+    logits = head(hidden)
+    full = hidden @ weight.T
+    assert logits.shape == (2, 4, 1000)
+    torch.testing.assert_close(logits[..., [3, 7, 500]], full[..., [3, 7, 500]])
+    others = torch.ones(1000, dtype=torch.bool)
+    others[[3, 7, 500]] = False
+    assert torch.isneginf(logits[..., others]).all()
+
+
+def test_a_reduced_vocabulary_draft_stays_lossless_and_never_drafts_other_tokens(tiny_mixed, tmp_path):
+    corpus = tmp_path / "answers.parquet"
+    prompts = random_prompts(4, seed=26)
+    frequent = sorted({t for p in prompts for t in tiny_mixed.greedy_hf(p, 16)})[:40]  # some of the answers' tokens
+    write_answer_corpus(corpus, [frequent * 3])
+    pipe = build_pipeline(tiny_mixed.config(
+        "draft_model", f"pipeline.drafters.model.vocab_top_k={len(frequent)}",
+        f"pipeline.drafters.model.vocab_counts={corpus}"), loaded=tiny_mixed.loaded)
+    drafted = set()
+    original = pipe.decoder.tree_builder.build
+
+    def build(state, proposals, drafters):
+        tree = original(state, proposals, drafters)
+        drafted.update(tree.tokens.tolist())
+        return tree
+
+    pipe.decoder.tree_builder.build = build
+    for prompt in prompts:
+        assert pipe.generate(prompt, max_new_tokens=16).token_ids == tiny_mixed.greedy_hf(prompt, 16)
+    assert drafted and drafted <= set(frequent)
+    with pytest.raises(ConfigError, match="vocab_top_k must be between 1 and the vocabulary size"):
+        build_pipeline(tiny_mixed.config("draft_model", "pipeline.drafters.model.vocab_top_k=49152",
+                                         f"pipeline.drafters.model.vocab_counts={corpus}"), loaded=tiny_mixed.loaded)
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_pipeline(tiny_mixed.config("draft_model", "pipeline.drafters.model.vocab_top_k=100",
+                                         f"pipeline.drafters.model.vocab_counts={tmp_path / 'none'}"),
+                       loaded=tiny_mixed.loaded)

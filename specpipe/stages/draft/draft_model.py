@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import logging
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -23,7 +25,63 @@ from specpipe.kv_cache import PositionIndexedCache
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
+log = logging.getLogger(__name__)
 ROOT = -1  # the frontier id of the root: the last committed token
+DEFAULT_VOCAB_COUNTS = "data/self_distill/smollm2_135m_chat.parquet"  # the target's own answers
+
+
+class ReducedVocabHead(nn.Module):
+    """The draft's output layer over the `len(ids)` most frequent target tokens only.
+
+    Why: on a CPU the full output layer dominates a small draft's step (SmolLM2-135M: 49152 x 576,
+    113 MB in fp32, against 14 MB per decoder layer). Logits come back full size, -inf outside
+    `ids`, so everything downstream (log-softmax, top-k, the tree) is unchanged; a token outside
+    `ids` is simply never drafted, which costs acceptance, never exactness.
+    """
+
+    def __init__(self, weight: Tensor, ids: Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(weight.shape[1], ids.shape[0], bias=False, dtype=weight.dtype)
+        self.linear.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)  # [k, hidden]
+        self.register_buffer("ids", ids.clone(), persistent=False)  # [k]
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        # hidden [..., hidden] -> logits [..., vocab]: -inf but at `ids`
+        reduced = self.linear(hidden)  # [..., k]
+        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.ids, reduced)
+
+
+def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int) -> tuple[Tensor, float]:
+    """The `count` most frequent token ids of a corpus Parquet of the target's answers (column
+    answer_ids) and the share of the corpus's tokens they cover. A corpus of another tokenizer is
+    refused."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from specpipe.distill.corpus import CorpusError, read_corpus_metadata
+    from specpipe.pipelines.builder import CONFIG_DIR
+    from specpipe.stores.manifest import tokenizer_fingerprint
+
+    source = Path(corpus).expanduser()
+    if not source.is_absolute() and not source.exists():
+        source = CONFIG_DIR.parent / source
+    if not source.is_file():
+        raise ConfigError(f"drafter.vocab_counts={corpus} does not exist: give a Parquet file of this model's "
+                          f"answers (column answer_ids), e.g. one written by `python run.py task=distill_corpus`")
+    try:
+        recorded = read_corpus_metadata(source).get("tokenizer")
+    except CorpusError:
+        recorded = None
+    if isinstance(recorded, dict) and recorded.get("vocab_sha256") != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
+        raise ConfigError(f"drafter.vocab_counts={corpus} holds token ids of another tokenizer "
+                          f"({recorded.get('tokenizer')}): count this model's own answers, or set drafter.vocab_top_k=0")
+    column = pq.read_table(source, columns=["answer_ids"]).column("answer_ids").combine_chunks()
+    counts = np.bincount(column.values.to_numpy(), minlength=len(tokenizer))  # [vocab]
+    ids = np.argsort(-counts, kind="stable")[:count]
+    coverage = float(counts[ids].sum() / max(1, counts.sum()))
+    return torch.from_numpy(np.sort(ids)).long(), coverage
 
 
 @dataclass
@@ -173,18 +231,55 @@ class DraftModelDrafter:
 
 def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                  name: str = "draft_model", chain_length: int = 5, top_k: int = 8,
-                 min_score: float = 0.05) -> DraftModelDrafter:
+                 min_score: float = 0.05, vocab_top_k: int = 0,
+                 vocab_counts: str | None = None) -> DraftModelDrafter:
     """The drafter `drafter=draft_model` configures: `path` = a local Hugging Face model directory
     (any causal LM with the target's tokenizer), a draft file written by `task=distill_draft`, or
-    None for the draft distilled for the embedded model (data/draft/). Never downloads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    None for the draft distilled for the embedded model (data/draft/). Never downloads.
 
+    `vocab_top_k` > 0 drafts over that many most frequent tokens only (ReducedVocabHead), counted
+    in `vocab_counts` (a Parquet of the target's answers); None = the shipped chat corpus when it
+    is this tokenizer's, else the full vocabulary (logged)."""
     if path is None or Path(path).suffix == ".safetensors":
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH, load_draft
 
         draft = load_draft(target.model, tokenizer, Path(path) if path else DEFAULT_DRAFT_PATH)
-        return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length, top_k=top_k,
-                                 min_score=min_score)
+        draft_tokenizer = None
+    else:
+        draft, draft_tokenizer = _load_local(path, target, name)
+    if vocab_top_k:
+        try:
+            _reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts or DEFAULT_VOCAB_COUNTS, name)
+        except ConfigError as error:
+            if vocab_counts is not None:
+                raise
+            log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+    return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
+                             top_k=top_k, min_score=min_score)
+
+
+def _reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, corpus: str,
+                       name: str) -> None:
+    """Swaps the draft's output layer for a ReducedVocabHead over the corpus's `count` most frequent tokens."""
+    vocab = int(draft.config.vocab_size)
+    if not 0 < count < vocab:
+        raise ConfigError(f"{name}: vocab_top_k must be between 1 and the vocabulary size {vocab} (0 = off), got {count}")
+    head = draft.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None and draft.config.tie_word_embeddings:
+        weight = draft.get_input_embeddings().weight  # the output layer was rewritten by an engine
+    if weight is None:
+        raise ConfigError(f"{name}: vocab_top_k needs the draft's output weights, which its output layer "
+                          f"({type(head).__name__}) does not expose")
+    ids, coverage = frequent_tokens(corpus, tokenizer, count)
+    draft.set_output_embeddings(ReducedVocabHead(weight, ids, vocab))
+    log.info("%s: drafting over the %d most frequent tokens of %s (%.1f%% of its tokens; the rest are never "
+             "drafted)", name, count, corpus, 100 * coverage)
+
+
+def _load_local(path: str, target: TargetModel, name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{name}: drafter.path={path} is not a local model directory (no config.json there) "
@@ -196,5 +291,4 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
     except (OSError, ValueError) as error:
         raise ConfigError(f"{name}: cannot load the draft model from drafter.path={path}: "
                           f"{str(error).splitlines()[0]}") from None
-    return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
-                             top_k=top_k, min_score=min_score)
+    return draft, draft_tokenizer
