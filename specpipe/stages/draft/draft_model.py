@@ -10,6 +10,7 @@ committed text and its own ancestors (an explicit mask), and are dropped by that
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +107,8 @@ class DraftModelDrafter:
 
     def __init__(self, target: TargetModel, tokenizer: PreTrainedTokenizerBase, draft: PreTrainedModel,
                  draft_tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft_model",
-                 chain_length: int = 5, top_k: int = 8, min_score: float = 0.05) -> None:
+                 chain_length: int = 5, top_k: int = 8, min_score: float = 0.05,
+                 new_cache: Callable[[], PositionIndexedCache] | None = None) -> None:
         if chain_length < 1 or top_k < 1:
             raise ConfigError(f"{name}: chain_length and top_k must be >= 1, got {chain_length}, {top_k}")
         draft_vocab = int(draft.config.vocab_size)
@@ -122,10 +124,11 @@ class DraftModelDrafter:
         # plug-in point, a position-indexed cache), on CPU always SDPA.
         self.runner = TargetModel(draft, name=f"{target.name}-{name}", attention="sdpa",
                                   engine=getattr(draft, "specpipe_engine", "hf"))
+        self.new_cache = new_cache or self.runner.new_cache
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = DraftSession(self.runner.new_cache())
+        state.stage_state[self] = DraftSession(self.new_cache())
 
     def propose(self, state: DecodeState) -> Proposal:
         logprobs = self.start(state)  # [vocab]
@@ -247,20 +250,28 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
         draft_tokenizer = None
     else:
         draft, draft_tokenizer = _load_local(path, target, name)
-    if vocab_top_k:
-        try:
-            _reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts or DEFAULT_VOCAB_COUNTS, name)
-        except ConfigError as error:
-            if vocab_counts is not None:
-                raise
-            log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
     return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
                              top_k=top_k, min_score=min_score)
 
 
+def reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int,
+                      corpus: str | None, name: str) -> None:
+    """With `count` > 0, swaps the draft's output layer for a ReducedVocabHead over the `count` most
+    frequent tokens of `corpus`; None = the shipped chat corpus where it is this tokenizer's, else
+    the full vocabulary stays (logged)."""
+    if not count:
+        return
+    try:
+        _reduce_vocabulary(draft, tokenizer, count, corpus or DEFAULT_VOCAB_COUNTS, name)
+    except ConfigError as error:
+        if corpus is not None:
+            raise
+        log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+
+
 def _reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, corpus: str,
                        name: str) -> None:
-    """Swaps the draft's output layer for a ReducedVocabHead over the corpus's `count` most frequent tokens."""
     vocab = int(draft.config.vocab_size)
     if not 0 < count < vocab:
         raise ConfigError(f"{name}: vocab_top_k must be between 1 and the vocabulary size {vocab} (0 = off), got {count}")
