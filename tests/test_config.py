@@ -124,8 +124,10 @@ def test_store_options_instantiate_a_builder(option, tiny, tmp_path):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in STAGE_GROUPS for o in config_options(g)])
 def test_stage_options_instantiate(group, option, tiny):
-    cfg = compose_config(["model=tiny_random", override(group, option),
-                          *([f"{group}.path={tiny_draft_dir()}"] if group == "drafter" else [])])
+    # drafters fitted to the tiny model: the default draft is the embedded model's, layer_skip's layers its
+    fitted = {("drafter", "draft_model"): [f"drafter.path={tiny_draft_dir()}"],
+              ("drafter", "layer_skip"): ["drafter.layers=[0]"]}.get((group, option), [])
+    cfg = compose_config(["model=tiny_random", override(group, option), *fitted])
     stage = complete_partial(instantiate(cfg[group]), tiny)
     protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter}.get(group, Proposer)
     assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
