@@ -18,6 +18,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "bench_cost": ("specpipe.tasks.bench_cost", "run_bench_cost"),
     "build_store": ("specpipe.tasks.build_store", "run_build_store"),
     "distill_corpus": ("specpipe.tasks.distill_corpus", "run_distill_corpus"),
+    "distill_draft": ("specpipe.tasks.distill_draft", "run_distill_draft"),
 }
 
 

@@ -1,0 +1,611 @@
+"""`task=distill_draft`: a small draft LM for the target, distilled on the target's own answers.
+
+The draft (specpipe.distill.draft_model) is a few of the target's decoder layers, copied and then
+trained, around the target's own embedding, final norm and LM head (shared, frozen). The data is
+the self-distilled chat corpus (data/self_distill/: the target's greedy answers to chat prompts),
+so the draft learns the distribution it is verified against. Four stages, each resumable (kill the
+run at any time and start it again):
+
+a. teacher: the target (fp32, no grad, batched) over prompt + answer; the top-k logits of every
+   answer position go to .npy shards in `<checkpoint_dir>/teacher/` (a finished shard is skipped).
+b. train: the draft's decoder layers only, forward KL from the teacher's top-k distribution,
+   AdamW with warmup and cosine decay, a checkpoint every `checkpoint_every` steps
+   (`<checkpoint_dir>/train-layers-*/checkpoint-*.pt`, tensors only), resumed from the last one.
+c. eval on the held-out prompts (a hash of prompt_id): top-1 agreement with the teacher, and greedy
+   chain acceptance per depth (the draft drafts `chain_depth` tokens from a sampled answer
+   position; depth d counts when its first d tokens all equal the corpus answer, i.e. the target's
+   own greedy continuation). A table on stderr and `report.json` beside the checkpoints.
+d. export: `save_draft` to `out` (bf16 layers + JSON sidecar with the command and the eval).
+
+The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar; run it
+niced, it takes about an hour on a 2-core CPU:
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft \\
+        >> ~/.cache/specpipe/distill_draft/smollm2_135m/train.log 2>&1 &
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata
+from specpipe.distill.draft_model import build_draft, save_draft
+from specpipe.errors import ConfigError
+from specpipe.models import cache_root
+from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+
+REPO = CONFIG_DIR.parent
+TEACHER_VERSION = 1
+
+
+def _path(value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else REPO / path
+
+
+def _overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _command() -> str:
+    overrides = [o for o in _overrides() if o != "task=distill_draft"]
+    return " ".join(["python run.py task=distill_draft", *(shlex.quote(o) for o in overrides)])
+
+
+def _log(message: str) -> None:
+    print(f"distill_draft: {message}", file=sys.stderr, flush=True)
+
+
+def _atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+    _atomic(path, write)
+
+
+def _write_json(path: Path, data) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n"))
+
+
+def _bar(enabled: bool, **kwargs):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    # In a log file (nohup) a redraw every second is noise: one line a minute is plenty.
+    return tqdm(mininterval=1.0 if sys.stderr.isatty() else 60.0, dynamic_ncols=True, **kwargs)
+
+
+def _lock(folder: Path):
+    """An exclusive lock on the checkpoint folder for the whole run (released when the process ends)."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        raise ConfigError(f"another task=distill_draft run (pid {handle.read().strip() or '?'}) is using {folder}; "
+                          f"wait for it to end, or set distill_draft.checkpoint_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+# ---- data ---------------------------------------------------------------------------------------
+@dataclass
+class Example:
+    """One corpus answer as the draft sees it. The input is (prompt + answer)[:-1] cut to max_seq_len;
+    input position prompt_len - 1 + j predicts answer token j, for j < n_pred."""
+
+    prompt_id: str
+    tokens: np.ndarray   # [len] int64: the input ids
+    prompt_len: int
+    answer: np.ndarray   # [A] int64: the whole answer (the targets, and the chain references)
+    n_pred: int          # answer positions predicted (= cached teacher rows)
+
+
+def is_eval(prompt_id: str, fraction: float) -> bool:
+    """The held-out split: a stable hash of the prompt id, so it never depends on corpus order."""
+    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
+
+
+def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str | None) -> list[Example]:
+    if not corpus.is_file():
+        raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set "
+                          f"distill_draft.corpus")
+    table = pq.read_table(corpus, columns=["prompt_id", "prompt", "answer_ids"])
+    examples = []
+    for pid, prompt, answer in zip(*(table.column(c).to_pylist() for c in ("prompt_id", "prompt", "answer_ids"))):
+        # The prompt ids exactly as the Pipeline encodes a one-turn chat (the corpus was generated so).
+        prompt_ids = chat_prompt_ids(tokenizer, prompt, system_prompt)
+        if not answer or len(prompt_ids) > max_seq_len:
+            continue
+        tokens = (prompt_ids + list(answer))[:-1][:max_seq_len]
+        examples.append(Example(pid, np.asarray(tokens, np.int64), len(prompt_ids), np.asarray(answer, np.int64),
+                                len(tokens) - len(prompt_ids) + 1))
+    return examples
+
+
+def _pad(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [b, T], attention mask [b, T], and the (row, column) of every answer position [n]."""
+    width = max(len(e.tokens) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    rows, cols = [], []
+    for row, example in enumerate(examples):
+        ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
+        mask[row, :len(example.tokens)] = 1
+        rows.append(np.full(example.n_pred, row))
+        cols.append(np.arange(example.prompt_len - 1, example.prompt_len - 1 + example.n_pred))
+    return ids, mask, torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols))
+
+
+def token_batches(examples: list[Example], batch_tokens: int, window: int = 64) -> list[list[int]]:
+    """Indices of `examples` in batches of at most `batch_tokens` padded tokens (one example at least);
+    each window of `window` examples is sorted by length first so batches pad little."""
+    batches = []
+    for start in range(0, len(examples), window):
+        chunk = sorted(range(start, min(start + window, len(examples))), key=lambda i: (len(examples[i].tokens), i))
+        current: list[int] = []
+        for i in chunk:
+            width = max([len(examples[j].tokens) for j in current] + [len(examples[i].tokens)])
+            if current and width * (len(current) + 1) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+    return batches
+
+
+# ---- a. teacher ---------------------------------------------------------------------------------
+class TeacherCache:
+    """Top-k teacher logits per answer position, in shards of whole examples:
+    `teacher-NNNNNN.{idx,val,len,pid}.npy` = indices [n, k] int32, logits [n, k] fp16, rows per
+    example [m] int64, prompt ids [m] (unicode). The pid file is written last: a shard without it is
+    unfinished and ignored (then overwritten)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def pin(self, settings: dict) -> None:
+        path = self.folder / "settings.json"
+        if path.is_file():
+            pinned = json.loads(path.read_text())
+            if pinned != settings and self.shards():
+                differing = sorted(k for k in set(pinned) | set(settings) if pinned.get(k) != settings.get(k))
+                raise ConfigError(f"the teacher logits in {self.folder} were computed with other settings "
+                                  f"({', '.join(differing)}): delete that folder, or set distill_draft.checkpoint_dir")
+        _write_json(path, settings)
+
+    def shards(self) -> list[str]:
+        return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob("teacher-*.pid.npy"))
+
+    def done(self) -> set[str]:
+        done: set[str] = set()
+        for shard in self.shards():
+            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
+        return done
+
+    def write(self, index: int, examples: list[Example], idx: np.ndarray, val: np.ndarray) -> None:
+        stem = self.folder / f"teacher-{index:06d}"
+        _save_npy(stem.with_name(stem.name + ".idx.npy"), idx.astype(np.int32))
+        _save_npy(stem.with_name(stem.name + ".val.npy"), val.astype(np.float16))
+        _save_npy(stem.with_name(stem.name + ".len.npy"), np.asarray([e.n_pred for e in examples], np.int64))
+        _save_npy(stem.with_name(stem.name + ".pid.npy"), np.asarray([e.prompt_id for e in examples]))
+
+    def load(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """prompt id -> (indices [n, k] int32, logits [n, k] fp16)."""
+        out = {}
+        for shard in self.shards():
+            load = lambda ext: np.load(self.folder / f"{shard}.{ext}.npy", allow_pickle=False)  # noqa: E731
+            idx, val, lengths, pids = load("idx"), load("val"), load("len"), load("pid")
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            if offsets[-1] != len(idx) or len(idx) != len(val):
+                raise ConfigError(f"teacher shard {self.folder / shard} is inconsistent; delete its files and rerun")
+            for i, pid in enumerate(pids.tolist()):
+                out[pid] = (idx[offsets[i]:offsets[i + 1]], val[offsets[i]:offsets[i + 1]])
+        return out
+
+
+def compute_teacher(target, examples: list[Example], cache: TeacherCache, top_k: int, batch_tokens: int,
+                    pad_id: int, progress: bool) -> None:
+    done = cache.done()
+    todo = [e for e in examples if e.prompt_id not in done]
+    if not todo:
+        return
+    for path in cache.folder.glob(".tmp-*"):
+        path.unlink(missing_ok=True)
+    next_index = max((int(s.split("-")[1]) for s in cache.shards()), default=-1) + 1
+    total = sum(len(e.tokens) for e in todo)
+    _log(f"teacher: top-{top_k} logits of {len(todo)} answers ({total} tokens; {len(done)} cached)")
+    bar = _bar(progress, total=total, unit="tok", desc="teacher")
+    started, seen = time.perf_counter(), 0
+    try:
+        for batch in token_batches(todo, batch_tokens):
+            chunk = [todo[i] for i in batch]
+            ids, mask, rows, cols = _pad(chunk, pad_id)
+            with torch.inference_mode():
+                hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]  # [n, H]
+                logits = target.lm_head(hidden).float()                                                  # [n, V]
+                values, indices = logits.topk(top_k, dim=-1)
+            cache.write(next_index, chunk, indices.numpy(), values.numpy())
+            next_index += 1
+            tokens = sum(len(e.tokens) for e in chunk)
+            seen += tokens
+            if bar is not None:
+                bar.update(tokens)
+                bar.set_postfix(tok_s=f"{seen / (time.perf_counter() - started):.0f}", refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    _log(f"teacher: {seen} tokens in {time.perf_counter() - started:.0f} s")
+
+
+# ---- b. train -----------------------------------------------------------------------------------
+def distill_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, teacher_idx: torch.Tensor,
+                 teacher_val: torch.Tensor) -> torch.Tensor:
+    """Summed forward KL(p_teacher || q_draft) over positions; hidden [n, H], teacher_* [n, k].
+
+    DistillSpec-style forward KL (the teacher's distribution as the target, "mode covering"): the
+    draft is verified against the target's greedy choice, so the mass the teacher puts on its top
+    tokens is what the draft must reproduce. Only the teacher's top-k logits are cached, so p is the
+    softmax over those k (renormalized); q is the draft's FULL-vocabulary log-softmax gathered at
+    the same ids, so mass the draft puts outside the teacher's top-k is penalised too (through the
+    normalizer) and the loss is >= 0 with 0 only when q matches p on the top-k and is 0 elsewhere.
+    """
+    log_q = F.log_softmax(lm_head(hidden).float(), dim=-1).gather(1, teacher_idx)  # [n, k]
+    log_p = F.log_softmax(teacher_val.float(), dim=-1)                            # [n, k]
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
+def lr_at(step: int, lr: float, warmup: int, steps: int, min_ratio: float) -> float:
+    """Linear warmup to `lr`, then cosine decay to lr * min_ratio at `steps` (held after)."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    def __init__(self, draft, examples: list[Example], teacher: dict, cfg: DictConfig, folder: Path,
+                 pad_id: int) -> None:
+        self.draft, self.examples, self.teacher, self.cfg = draft, examples, teacher, cfg
+        self.folder, self.pad_id = folder, pad_id
+        self.params = [p for p in draft.model.layers.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
+                                           weight_decay=float(cfg.weight_decay))
+        self.step, self.tokens, self.positions, self.seconds = 0, 0, 0, 0.0
+
+    # Batches: an epoch is a seeded shuffle of the training examples, packed by length; the order of
+    # every step is a function of (seed, step) alone, so a resumed run sees what it would have seen.
+    def batch_at(self, step: int) -> list[Example]:
+        epoch, index = 0, step
+        while True:
+            batches = self._epoch(epoch)
+            if index < len(batches):
+                return [self.examples[i] for i in batches[index]]
+            index -= len(batches)
+            epoch += 1
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        cached = getattr(self, "_epoch_cache", None)
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        rng = np.random.default_rng([int(self.cfg.seed), epoch])
+        order = rng.permutation(len(self.examples))
+        shuffled = [self.examples[i] for i in order]
+        batches = [[int(order[i]) for i in batch] for batch in token_batches(shuffled, int(self.cfg.batch))]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.folder.glob("checkpoint-*.pt"))
+
+    def resume(self) -> bool:
+        for path in reversed(self.checkpoints()):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # a truncated file: fall back to the one before
+                _log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
+                continue
+            self.draft.model.layers.load_state_dict(state["layers"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.tokens = int(state["step"]), int(state["tokens"])
+            self.positions, self.seconds = int(state["positions"]), float(state["seconds"])
+            return True
+        return False
+
+    def save(self) -> Path:
+        path = self.folder / f"checkpoint-{self.step:06d}.pt"
+        state = {"layers": self.draft.model.layers.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "tokens": self.tokens, "positions": self.positions, "seconds": self.seconds}
+        _atomic(path, lambda tmp: torch.save(state, tmp))
+        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def train_step(self) -> tuple[float, int]:
+        """One optimizer step; returns (mean KL per answer position, input tokens)."""
+        cfg = self.cfg
+        batch = self.batch_at(self.step)
+        ids, mask, rows, cols = _pad(batch, self.pad_id)
+        idx = torch.from_numpy(np.concatenate([self.teacher[e.prompt_id][0] for e in batch])).long()
+        val = torch.from_numpy(np.concatenate([self.teacher[e.prompt_id][1] for e in batch]))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, float(cfg.lr), int(cfg.warmup), int(cfg.steps), float(cfg.min_lr_ratio))
+        self.draft.train()
+        hidden = self.draft.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]  # [n, H]
+        # The [n, vocab] logits are the big tensors: the LM head and loss run chunk by chunk on a
+        # detached copy of the hidden states, and their gradient flows back through the layers once.
+        detached = hidden.detach().requires_grad_(True)
+        n, total = len(rows), 0.0
+        chunk = int(cfg.loss_chunk)
+        for start in range(0, n, chunk):
+            part = distill_loss(detached[start:start + chunk], self.draft.lm_head, idx[start:start + chunk],
+                                val[start:start + chunk]) / n
+            part.backward()
+            total += float(part.detach())
+        hidden.backward(detached.grad)
+        torch.nn.utils.clip_grad_norm_(self.params, float(cfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.draft.eval()
+        self.step += 1
+        tokens = int(mask.sum())
+        self.tokens += tokens
+        self.positions += n
+        return total, tokens
+
+
+# ---- c. eval ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def draft_chains(draft, contexts: list[np.ndarray], depth: int, pad_id: int) -> np.ndarray:
+    """Greedy chains of `depth` tokens after each context, drafted together: left-padded, position
+    ids from the mask, the draft's KV cache across steps. Returns [len(contexts), depth]."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for row, context in enumerate(contexts):
+        ids[row, width - len(context):] = torch.from_numpy(context)
+        mask[row, width - len(context):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = draft(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    tokens = [out.logits[:, -1].argmax(-1)]
+    last = positions[:, -1:]
+    for _ in range(depth - 1):
+        mask = torch.cat([mask, torch.ones((len(contexts), 1), dtype=torch.long)], dim=1)
+        last = last + 1
+        out = draft(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=last,
+                    past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, dim=1).numpy()
+
+
+def evaluate(draft, examples: list[Example], teacher: dict, cfg: DictConfig, pad_id: int, progress: bool) -> dict:
+    """Top-1 agreement and eval KL on every held-out answer position; chain acceptance per depth on
+    `eval_chains` sampled positions (the same ones at every eval: seeded). The KL is the training
+    loss: it includes a floor, -log(the teacher's probability mass on its top-k), that no draft goes
+    below (a draft of every target layer scores exactly that floor)."""
+    draft.eval()
+    agree_teacher = agree_corpus = positions = 0
+    kl = 0.0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for batch in token_batches(examples, int(cfg.batch)):
+            chunk = [examples[i] for i in batch]
+            ids, mask, rows, cols = _pad(chunk, pad_id)
+            idx = torch.from_numpy(np.concatenate([teacher[e.prompt_id][0] for e in chunk])).long()
+            val = torch.from_numpy(np.concatenate([teacher[e.prompt_id][1] for e in chunk]))
+            answers = torch.from_numpy(np.concatenate([e.answer[:e.n_pred] for e in chunk]))
+            hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]
+            for start in range(0, len(rows), int(cfg.loss_chunk)):
+                h = hidden[start:start + int(cfg.loss_chunk)]
+                end = start + len(h)
+                top1 = draft.lm_head(h).argmax(-1)
+                agree_teacher += int((top1 == idx[start:end, 0]).sum())
+                agree_corpus += int((top1 == answers[start:end]).sum())
+                kl += float(distill_loss(h, draft.lm_head, idx[start:end], val[start:end]))
+            positions += len(rows)
+    depth = int(cfg.chain_depth)
+    rng = np.random.default_rng(int(cfg.seed) + 1)
+    candidates = [(e, t) for e in examples for t in range(e.n_pred) if t + depth <= len(e.answer)]
+    picks = [candidates[i] for i in sorted(rng.choice(len(candidates), size=min(int(cfg.eval_chains),
+                                                                                 len(candidates)), replace=False))]
+    picks.sort(key=lambda pick: pick[0].prompt_len + pick[1])  # similar lengths together: little padding
+    accepted = np.zeros(depth + 1, np.int64)  # accepted[d]: chains whose first d tokens all match
+    bar = _bar(progress, total=len(picks), unit="chain", desc="eval")
+    for start in range(0, len(picks), int(cfg.eval_batch)):
+        group = picks[start:start + int(cfg.eval_batch)]
+        contexts = [np.concatenate([e.tokens[:e.prompt_len], e.answer[:t]]) for e, t in group]
+        drafted = draft_chains(draft, contexts, depth, pad_id)
+        for (e, t), chain in zip(group, drafted):
+            matched = int(np.cumprod(chain == e.answer[t:t + depth]).sum())
+            accepted[: matched + 1] += 1
+        if bar is not None:
+            bar.update(len(group))
+    if bar is not None:
+        bar.close()
+    chains = max(1, len(picks))
+    per_depth = {str(d): float(accepted[d] / chains) for d in range(1, depth + 1)}
+    return {
+        "positions": positions, "chains": len(picks), "held_out_answers": len(examples),
+        "top1_teacher": agree_teacher / max(1, positions), "top1_corpus": agree_corpus / max(1, positions),
+        "kl": kl / max(1, positions),
+        "acceptance_per_depth": per_depth,
+        "mean_accepted_per_chain": float(sum(per_depth.values())),
+        "chain_depth": depth, "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def format_eval(result: dict, step: int) -> str:
+    lines = [f"eval at step {step}: {result['positions']} held-out answer positions, {result['chains']} chains",
+             f"  top-1 agreement with the teacher {result['top1_teacher']:.3f}, with the corpus "
+             f"{result['top1_corpus']:.3f}; KL {result['kl']:.3f}",
+             "  depth  acceptance"]
+    lines += [f"  {d:>5}  {value:.3f}" for d, value in result["acceptance_per_depth"].items()]
+    lines.append(f"  mean accepted tokens per chain of {result['chain_depth']}: "
+                 f"{result['mean_accepted_per_chain']:.3f}")
+    return "\n".join(lines)
+
+
+# ---- the task -----------------------------------------------------------------------------------
+def run_distill_draft(cfg: DictConfig) -> dict:
+    d = cfg.distill_draft
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(d.seed))
+    loaded = load_model(cfg.model)
+    target, tokenizer = loaded.model.eval(), loaded.tokenizer
+    if target.dtype != torch.float32:
+        raise ConfigError(f"task=distill_draft runs the target in fp32 (teacher logits, training); got "
+                          f"model.dtype={cfg.model.dtype}: use model.dtype=fp32")
+    layers = [int(layer) for layer in d.layers]
+    draft = build_draft(target, layers)  # checks the layers before any long stage
+    corpus = _path(d.corpus)
+    corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
+        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
+    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
+    examples = load_examples(corpus, tokenizer, int(d.max_seq_len), system_prompt)
+    if d.get("limit"):
+        examples = examples[: int(d.limit)]
+    held_out = [e for e in examples if is_eval(e.prompt_id, float(d.eval_fraction))]
+    train = [e for e in examples if not is_eval(e.prompt_id, float(d.eval_fraction))]
+    if not train or not held_out:
+        raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
+                          f"(eval_fraction={d.eval_fraction}): both must be non-empty")
+    folder = _path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    _log(f"{len(train)} training / {len(held_out)} held-out answers "
+         f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
+         f"draft = target layers {layers}; checkpoints in {folder}")
+
+    lock = _lock(folder)  # noqa: F841 (held until the run ends: two runs would write the same shards)
+
+    # a. teacher
+    cache = TeacherCache(folder / "teacher")
+    cache.pin({"version": TEACHER_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
+               "top_k": int(d.teacher_top_k), "max_seq_len": int(d.max_seq_len), "system_prompt": system_prompt})
+    compute_teacher(target, examples, cache, int(d.teacher_top_k), int(d.teacher_batch), pad_id, bool(d.progress))
+    teacher = cache.load()
+    for e in examples:
+        if e.prompt_id not in teacher or len(teacher[e.prompt_id][0]) != e.n_pred:
+            raise ConfigError(f"the teacher cache in {cache.folder} does not match the corpus (answer {e.prompt_id}); "
+                              f"delete that folder and rerun")
+    # The corpus answers are the target's greedy tokens: its cached top-1 must (nearly always) equal them.
+    agree = sum(int((teacher[e.prompt_id][0][:, 0] == e.answer[:e.n_pred]).sum()) for e in examples)
+    _log(f"teacher: top-1 equals the corpus answer token at {agree / sum(e.n_pred for e in examples):.4f} "
+         f"of {sum(e.n_pred for e in examples)} answer positions")
+
+    if d.get("teacher_only"):
+        _log(f"teacher logits of {len(teacher)} answers in {cache.folder}; stopping there (teacher_only)")
+        return {"teacher": str(cache.folder), "answers": len(teacher)}
+
+    # b. train (c. and d. along the way: every eval exports the draft)
+    run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}"
+    run_folder.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(draft, train, teacher, d, run_folder, pad_id)
+    if trainer.resume():
+        _log(f"resumed from step {trainer.step} ({trainer.tokens} tokens trained)")
+    report_path = run_folder / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
+    out = _path(d.out) if d.get("out") else REPO / "data" / "draft" / f"{loaded.name}_draft.safetensors"
+
+    def run_eval(export: bool) -> dict:
+        result = evaluate(draft, held_out, teacher, d, pad_id, bool(d.progress))
+        result.update(step=trainer.step, tokens=trainer.tokens, positions_trained=trainer.positions,
+                      train_seconds=round(trainer.seconds, 1))
+        _log(format_eval(result, trainer.step))
+        report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
+        report.update(layers=layers, model=loaded.name, command=_command(), settings=OmegaConf.to_container(d))
+        _write_json(report_path, report)
+        if export:
+            sidecar = save_draft(draft, out, {
+                "base_model": loaded.name, "target_layers": layers, "tokenizer": fingerprint,
+                "command": _command(),
+                "corpus": {"file": str(d.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
+                           "held_out_answers": len(held_out), "eval_fraction": float(d.eval_fraction)},
+                "training": {"steps": trainer.step, "input_tokens": trainer.tokens,
+                             "answer_positions": trainer.positions, "seconds": round(trainer.seconds, 1),
+                             "loss": "forward KL from the teacher's top-k (renormalized)",
+                             "teacher_top_k": int(d.teacher_top_k), "lr": float(d.lr), "batch_tokens": int(d.batch),
+                             "max_seq_len": int(d.max_seq_len)},
+                "eval": {k: result[k] for k in ("top1_teacher", "top1_corpus", "kl", "acceptance_per_depth",
+                                                "mean_accepted_per_chain", "chains", "positions")},
+            })
+            _log(f"exported the draft at step {trainer.step} to {out} ({sidecar['bytes'] / 1e6:.1f} MB)")
+        return result
+
+    if d.eval_init and trainer.step == 0 and not any(r["step"] == 0 for r in report["evals"]):
+        run_eval(export=False)
+    steps, every, eval_every = int(d.steps), int(d.checkpoint_every), int(d.eval_every)
+    bar = _bar(bool(d.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
+    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+    try:
+        while trainer.step < steps:
+            started = time.perf_counter()
+            loss, tokens = trainer.train_step()
+            trainer.seconds += time.perf_counter() - started
+            window_loss.append(loss)
+            window_tokens += tokens
+            tok_s = window_tokens / max(1e-9, time.perf_counter() - window_start)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean(window_loss[-20:]):.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
+            if trainer.step % every == 0 or trainer.step == steps:
+                trainer.save()
+                _log(f"step {trainer.step}: loss {np.mean(window_loss):.4f} (mean of the last {len(window_loss)}), "
+                     f"{tok_s:.0f} tok/s, checkpoint saved")
+                report.setdefault("train_log", []).append(
+                    {"step": trainer.step, "loss": float(np.mean(window_loss)), "tok_s": round(tok_s, 1)})
+                _write_json(report_path, report)
+                window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+            if eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
+                run_eval(export=True)
+                window_tokens, window_start = 0, time.perf_counter()
+    finally:
+        if bar is not None:
+            bar.close()
+    # Export once training ends (a rerun after the end only exports again when `out` holds another draft).
+    final = next((r for r in report["evals"] if r["step"] == trainer.step), None)
+    exported = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else {}
+    if (final is None or exported.get("target_layers") != layers
+            or exported.get("training", {}).get("steps") != trainer.step):
+        final = run_eval(export=True)
+    return {"step": trainer.step, "out": str(out), "report": str(report_path), "eval": final,
+            "train_log": report.get("train_log", [])}

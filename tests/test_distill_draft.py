@@ -1,0 +1,241 @@
+"""The distilled draft LM (specpipe.distill.draft_model, task=distill_draft): a draft built from target
+layers computes exactly those layers around the target's shared embedding and LM head, its file
+round-trips (bf16 layers), a draft of another target or a missing file is refused with a message,
+the eval's batched chains equal one-at-a-time greedy drafting, and the task trains, checkpoints,
+resumes and exports on the tiny model."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from specpipe.distill.corpus import Answer, BatchedGreedy, ShardFolder, chat_prompt_ids, merge_shards
+from specpipe.distill.draft_model import build_draft, load_draft, save_draft
+from specpipe.distill.prompts import ChatPrompt, prompt_id
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import compose_config, load_model
+from specpipe.stores.manifest import tokenizer_fingerprint
+from specpipe.tasks.distill_draft import (Example, TeacherCache, compute_teacher, draft_chains, evaluate,
+                                          run_distill_draft)
+
+PROMPT_TEXTS = ["Hi.", "Name a colour.", "What is 2 + 2?", "List three rivers in Europe.",
+                "Write a haiku about tea.", "Why is the sky blue?", "Give me a word that rhymes with cat.",
+                "Explain recursion in one sentence.", "What is the capital of France?", "Count to five.",
+                "Describe a cat.", "Say something kind.", "Translate 'hello' to German.", "Tell me a joke."]
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def metadata_for(model) -> dict:
+    return {"base_model": "tiny_random", "tokenizer": tokenizer_fingerprint(model.tokenizer),
+            "command": "python run.py task=distill_draft model=tiny_random", "training": {"steps": 0}}
+
+
+@pytest.fixture()
+def target(tiny_mixed):
+    """The context-dependent tiny model's stock-attention instance (its output depends on the context)."""
+    return tiny_mixed.reference
+
+
+def test_build_draft_shares_the_head_and_copies_the_layers(tiny_mixed, target):
+    ids = chat_prompt_ids(tiny_mixed.tokenizer, "What does a draft model do?")
+    draft = build_draft(target, [0, 1])  # every target layer: the draft IS the target
+    assert draft.model.embed_tokens.weight is target.model.embed_tokens.weight
+    assert draft.lm_head.weight is target.lm_head.weight and draft.model.norm.weight is target.model.norm.weight
+    shared = [draft.model.embed_tokens.weight, draft.model.norm.weight, draft.lm_head.weight]
+    assert not any(p.requires_grad for p in shared)
+    own = list(draft.model.layers.parameters())
+    assert own and all(p.requires_grad for p in own)
+    assert not {p.data_ptr() for p in own} & {p.data_ptr() for p in target.model.layers.parameters()}
+    assert torch.equal(logits(draft, ids), logits(target, ids))
+
+    # A draft of one layer equals the target cut to that layer (an independent path: the target's
+    # own module list, shortened).
+    draft = build_draft(target, [1])
+    cut = copy.deepcopy(target)
+    cut.model.layers = torch.nn.ModuleList([cut.model.layers[1]])
+    cut.config.num_hidden_layers = 1
+    torch.testing.assert_close(logits(draft, ids), logits(cut, ids), rtol=0, atol=1e-5)
+    # Training the draft's layers leaves the target's untouched (copies, not views).
+    before = target.model.layers[1].mlp.down_proj.weight.clone()
+    with torch.no_grad():
+        draft.model.layers[0].mlp.down_proj.weight.add_(1.0)
+    assert torch.equal(target.model.layers[1].mlp.down_proj.weight, before)
+
+
+def test_build_draft_refuses_bad_layers_and_non_llama_targets(target):
+    with pytest.raises(ConfigError, match=r"out of range.*2 layers"):
+        build_draft(target, [0, 2])
+    with pytest.raises(ConfigError, match="empty"):
+        build_draft(target, [])
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(ConfigError, match="Llama"):
+        build_draft(gpt2, [0])
+
+
+def test_save_load_round_trip(tiny_mixed, target, tmp_path):
+    ids = chat_prompt_ids(tiny_mixed.tokenizer, "Round trip, please.")
+    draft = build_draft(target, [1, 0])
+    path = tmp_path / "draft" / "tiny.safetensors"
+    sidecar = save_draft(draft, path, {**metadata_for(tiny_mixed), "eval": {"acceptance_per_depth": {"1": 0.5}}})
+    with safe_open(str(path), framework="pt") as handle:
+        keys = list(handle.keys())
+        assert all(key.startswith("model.layers.") for key in keys)
+        assert {handle.get_tensor(key).dtype for key in keys} == {torch.bfloat16}
+    assert len(keys) == len(draft.model.layers.state_dict())
+    on_disk = json.loads(path.with_suffix(".json").read_text())
+    assert on_disk == sidecar
+    assert on_disk["num_layers"] == 2 and on_disk["target_layers"] == [1, 0] and on_disk["hidden_size"] == 64
+    assert on_disk["vocab_size"] == 49152 and on_disk["tokenizer"] == tokenizer_fingerprint(tiny_mixed.tokenizer)
+    assert on_disk["command"].startswith("python run.py task=distill_draft") and on_disk["format_version"] == 1
+    assert not list(path.parent.glob(".tmp-*"))
+
+    loaded = load_draft(target, tiny_mixed.tokenizer, path)
+    assert loaded.lm_head.weight is target.lm_head.weight and loaded.model.embed_tokens is target.model.embed_tokens
+    assert not loaded.training and loaded.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    rounded = build_draft(target, [1, 0])
+    with torch.no_grad():
+        for parameter in rounded.model.layers.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    assert torch.equal(logits(loaded, ids), logits(rounded, ids))
+    torch.testing.assert_close(logits(loaded, ids), logits(draft, ids), rtol=0, atol=0.1)
+
+
+def test_load_refuses_another_target_and_names_the_build_command(tiny_mixed, target, tmp_path):
+    path = tmp_path / "tiny.safetensors"
+    missing = tmp_path / "nowhere" / "draft.safetensors"
+    with pytest.raises(ConfigError, match=r"nowhere.*python run.py task=distill_draft"):
+        load_draft(target, tiny_mixed.tokenizer, missing)
+    save_draft(build_draft(target, [0]), path, metadata_for(tiny_mixed))
+    original = json.loads(path.with_suffix(".json").read_text())
+
+    def refused(change: dict, match: str) -> None:
+        path.with_suffix(".json").write_text(json.dumps({**original, **change}))
+        with pytest.raises(ConfigError, match=match):
+            load_draft(target, tiny_mixed.tokenizer, path)
+
+    refused({"hidden_size": 576}, r"hidden_size 576 \(draft\) vs 64 \(target\)")
+    refused({"vocab_size": 1000}, r"vocab_size 1000 \(draft\) vs 49152")
+    refused({"tokenizer": {**original["tokenizer"], "vocab_sha256": "0" * 32}}, "tokenizer")
+    refused({"num_layers": 2}, r"holds layers \[0\].*2 layer")
+    refused({"format_version": 99}, "rebuild")
+    path.with_suffix(".json").unlink()
+    with pytest.raises(ConfigError, match="sidecar"):
+        load_draft(target, tiny_mixed.tokenizer, path)
+    # A real target of another size: the same refusal, from its own config.
+    other = load_model(compose_config(["model=tiny_random", "model.hidden_size=32"]).model)
+    path.with_suffix(".json").write_text(json.dumps(original))
+    with pytest.raises(ConfigError, match="hidden_size 64 \\(draft\\) vs 32"):
+        load_draft(other.model, other.tokenizer, path)
+
+
+def test_batched_chains_equal_one_at_a_time_greedy(tiny_mixed, target):
+    draft = build_draft(target, [1])
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(300, 1300, size=n) for n in (3, 17, 1, 9, 30)]
+    batched = draft_chains(draft, contexts, depth=4, pad_id=tiny_mixed.tokenizer.pad_token_id)
+    for context, chain in zip(contexts, batched):
+        single = draft_chains(draft, [context], depth=4, pad_id=0)[0]
+        tokens = list(context)
+        for _ in range(4):  # full recompute, no cache, no padding
+            tokens.append(int(logits(draft, tokens)[-1].argmax()))
+        assert chain.tolist() == single.tolist() == tokens[len(context):]
+
+
+def test_eval_of_the_target_itself_accepts_everything(tiny_mixed, target, tmp_path):
+    """A draft of every target layer drafts the target's own greedy answers: top-1 agreement and
+    acceptance at every depth are 1 (the eval counts what it should)."""
+    from omegaconf import OmegaConf
+
+    tokenizer = tiny_mixed.tokenizer
+    examples = []
+    for text in PROMPT_TEXTS[:6]:
+        prompt = chat_prompt_ids(tokenizer, text)
+        answer = tiny_mixed.greedy_loop(prompt, 12, eos_token_ids=[])
+        tokens = np.asarray((prompt + answer)[:-1], np.int64)
+        examples.append(Example(prompt_id(text), tokens, len(prompt), np.asarray(answer, np.int64), len(answer)))
+    cache = TeacherCache(tmp_path / "teacher")
+    compute_teacher(target, examples, cache, top_k=8, batch_tokens=64, pad_id=tokenizer.pad_token_id, progress=False)
+    teacher = cache.load()
+    assert all(len(teacher[e.prompt_id][0]) == e.n_pred for e in examples)
+    cfg = OmegaConf.create({"batch": 128, "loss_chunk": 16, "chain_depth": 5, "seed": 0, "eval_chains": 20,
+                            "eval_batch": 3})
+    result = evaluate(build_draft(target, [0, 1]), examples, teacher, cfg, tokenizer.pad_token_id, progress=False)
+    assert result["top1_teacher"] == 1.0 and result["top1_corpus"] == 1.0 and result["chains"] == 20
+    assert result["acceptance_per_depth"] == {str(d): 1.0 for d in range(1, 6)}
+    assert result["mean_accepted_per_chain"] == 5.0
+    one_layer = evaluate(build_draft(target, [1]), examples, teacher, cfg, tokenizer.pad_token_id, progress=False)
+    depths = list(one_layer["acceptance_per_depth"].values())
+    # The KL of the target to itself is the floor -log(teacher top-k mass) (p is renormalized over the top-k).
+    assert depths == sorted(depths, reverse=True) and one_layer["kl"] > result["kl"] + 0.01
+
+
+def write_corpus(path: Path) -> None:
+    """A corpus in the shipped format (ShardFolder + merge_shards): the stock tiny model's greedy answers."""
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    generator = BatchedGreedy(loaded.model, loaded.tokenizer, max_new_tokens=16)
+    prompts = [ChatPrompt(prompt_id(text), "writing", "test", text) for text in PROMPT_TEXTS]
+    shards = ShardFolder(path.parent / "shards")
+    answers = generator.answer(prompts)
+    shards.write([Answer(a.prompt, a.answer_ids or [1], a.answer, a.finished) for a in answers])
+    merge_shards(shards, path, prompts, {"model": "tiny_random", "system_prompt": None,
+                                         "tokenizer": tokenizer_fingerprint(loaded.tokenizer)})
+
+
+def test_distill_task_trains_resumes_and_exports(tmp_path):
+    from specpipe.tasks import TASKS
+
+    assert TASKS["distill_draft"] == ("specpipe.tasks.distill_draft", "run_distill_draft")
+    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "out" / "draft.safetensors", tmp_path / "ck"
+    write_corpus(corpus)
+
+    def config(steps: int):
+        return compose_config(["task=distill_draft", "model=tiny_random", f"distill_draft.corpus={corpus}",
+                               f"distill_draft.checkpoint_dir={checkpoints}", f"distill_draft.out={out}",
+                               "distill_draft.layers=[1]", f"distill_draft.steps={steps}", "distill_draft.lr=0.01",
+                               "distill_draft.warmup=0", "distill_draft.batch=96", "distill_draft.checkpoint_every=2",
+                               "distill_draft.eval_every=0", "distill_draft.eval_fraction=0.3",
+                               "distill_draft.teacher_top_k=8", "distill_draft.eval_chains=10",
+                               "distill_draft.progress=false"])
+
+    first = run_distill_draft(config(6))
+    assert first["step"] == 6
+    losses = [entry["loss"] for entry in first["train_log"]]
+    assert [entry["step"] for entry in first["train_log"]] == [2, 4, 6] and losses[-1] < losses[0]
+    assert sorted(p.name for p in (checkpoints / "train-layers-1").glob("checkpoint-*.pt")) == \
+        ["checkpoint-000004.pt", "checkpoint-000006.pt"]
+    teacher_shards = sorted((checkpoints / "teacher").glob("*.npy"))
+    assert teacher_shards
+
+    from specpipe.tasks.distill_draft import _lock
+
+    held = _lock(checkpoints)  # another run using the folder: refused, nothing written
+    with pytest.raises(ConfigError, match=r"another task=distill_draft run \(pid \d+\)"):
+        run_distill_draft(config(8))
+    held.close()
+
+    second = run_distill_draft(config(8))  # resumes at step 6: two more steps, the teacher is not recomputed
+    assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]
+    assert sorted((checkpoints / "teacher").glob("*.npy")) == teacher_shards
+    report = json.loads(Path(second["report"]).read_text())
+    assert [r["step"] for r in report["evals"]] == [0, 6, 8]  # the initialised draft, then each finished run
+    for result in report["evals"]:
+        assert set(result["acceptance_per_depth"]) == {"1", "2", "3", "4", "5"}
+        assert 0.0 <= result["top1_teacher"] <= 1.0 and result["chains"] > 0
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["training"]["steps"] == 8 and sidecar["target_layers"] == [1]
+    assert sidecar["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
+    assert sidecar["command"].startswith("python run.py task=distill_draft")
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    draft = load_draft(loaded.model, loaded.tokenizer, out)
+    assert len(draft.model.layers) == 1
