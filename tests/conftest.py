@@ -60,15 +60,20 @@ def tiny_draft_dir(dtype: str = "fp32") -> Path:
     """A 1-layer random Llama with the tiny model's vocabulary and tokenizer, saved once per session
     as a local Hugging Face directory (what `drafter.path=DIR` loads)."""
     if dtype not in _TINY_DRAFT_DIRS:
-        import tempfile
-
         loaded = load_model(compose_config(["model=tiny_random", "model.num_hidden_layers=1", "model.seed=1",
                                             f"model.dtype={dtype}"]).model)
-        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-tiny-draft-{dtype}-"))
-        loaded.model.save_pretrained(folder)
-        loaded.tokenizer.save_pretrained(folder)
-        _TINY_DRAFT_DIRS[dtype] = folder
+        _TINY_DRAFT_DIRS[dtype] = save_model_dir(loaded.model, loaded.tokenizer, f"tiny-draft-{dtype}")
     return _TINY_DRAFT_DIRS[dtype]
+
+
+def save_model_dir(model, tokenizer, name: str) -> Path:
+    """`model` and `tokenizer` saved as a local Hugging Face directory in a fresh temporary folder."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix=f"specpipe-{name}-"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
@@ -130,12 +135,7 @@ class ModelUnderTest:
         tests: each tree's argmax path is accepted (multi-token steps on any prompt) and its other
         branches rejected. Drafts that disagree: test_draft_model.py."""
         if "self_draft" not in self._pipelines:
-            import tempfile
-
-            folder = Path(tempfile.mkdtemp(prefix=f"specpipe-{self.name}-self-draft-"))
-            self.reference.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
-            self._pipelines["self_draft"] = folder
+            self._pipelines["self_draft"] = save_model_dir(self.reference, self.tokenizer, f"{self.name}-self-draft")
         return self._pipelines["self_draft"]
 
     @property

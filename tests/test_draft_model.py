@@ -22,12 +22,9 @@ from specpipe.types import DecodeState
 
 
 @pytest.fixture(scope="module")
-def self_draft_dir(tiny_mixed, tmp_path_factory):
+def self_draft_dir(tiny_mixed):
     """tiny_mixed's own weights as a draft: every draft token is the target's argmax."""
-    folder = tmp_path_factory.mktemp("self-draft")
-    tiny_mixed.reference.save_pretrained(folder)
-    tiny_mixed.tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_mixed.self_draft()
 
 
 def drafter_for(model, path, **kwargs) -> DraftModelDrafter:

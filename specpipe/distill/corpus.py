@@ -170,7 +170,7 @@ class ShardFolder:
             "answer": [a.answer for a in answers],
             "finished": [a.finished for a in answers],
         }, schema=SHARD_SCHEMA)
-        _write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        write_atomically(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
         return path
 
     def pin_settings(self, settings: dict) -> None:
@@ -184,7 +184,7 @@ class ShardFolder:
                 raise CorpusError(f"the shards in {self.folder} were generated with other settings ({details}). "
                                   f"Resume with the same settings, or write to another shards folder")
         self.folder.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1, sort_keys=True)))
+        write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1, sort_keys=True)))
 
     def settings(self) -> dict:
         path = self.folder / RUN_FILE
@@ -209,7 +209,9 @@ class ShardFolder:
             path.unlink(missing_ok=True)
 
 
-def _write_atomically(path: Path, write: Callable[[str], None]) -> None:
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """Runs `write(temporary path)` beside `path`, then renames it over `path`: readers see the old
+    file or the whole new one, never a part."""
     tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
     try:
         write(str(tmp))
@@ -310,11 +312,11 @@ def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], 
     merged = merged.replace_schema_metadata({METADATA_KEY: json.dumps(info, sort_keys=True).encode()})
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(out, lambda tmp: pq.write_table(merged, tmp, compression="zstd", compression_level=19))
+    write_atomically(out, lambda tmp: pq.write_table(merged, tmp, compression="zstd", compression_level=19))
     from specpipe.stores.manifest import sha256_file
 
     sidecar = {**info, "file": out.name, "bytes": out.stat().st_size, "sha256": sha256_file(out)}
-    _write_atomically(out.with_suffix(".json"),
+    write_atomically(out.with_suffix(".json"),
                       lambda tmp: Path(tmp).write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n"))
     return sidecar
 

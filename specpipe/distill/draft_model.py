@@ -13,8 +13,6 @@ it and its measured acceptance. No pickle anywhere. Built by `python run.py task
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from specpipe.distill.corpus import write_atomically
 from specpipe.errors import ConfigError
 from specpipe.stores.manifest import tokenizer_fingerprint
 
@@ -101,17 +100,6 @@ def layer_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {f"{LAYER_PREFIX}{key}": value for key, value in draft.model.layers.state_dict().items()}
 
 
-def _write_atomically(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def save_draft(draft: PreTrainedModel, path: str | Path, metadata: dict) -> dict:
     """Writes the draft's decoder layers (bf16 safetensors) to `path` and a JSON sidecar beside it,
     both atomically. `metadata` must hold `base_model` (the target's name) and `tokenizer` (its
@@ -121,12 +109,13 @@ def save_draft(draft: PreTrainedModel, path: str | Path, metadata: dict) -> dict
     missing = [key for key in ("base_model", "tokenizer") if key not in metadata]
     if missing:
         raise ConfigError(f"save_draft needs {missing} in its metadata: a draft file must name its target")
+    path.parent.mkdir(parents=True, exist_ok=True)
     from specpipe.stores.manifest import sha256_file
 
     tensors = {key: value.detach().to("cpu", STORED_DTYPE).contiguous() for key, value in layer_state(draft).items()}
     config = draft.config
     target_layers = list(metadata.get("target_layers", getattr(draft, "target_layers", [])))
-    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT,
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT,
                                                                                "format_version": str(FORMAT_VERSION)}))
     sidecar = {
         **metadata,
@@ -145,7 +134,7 @@ def save_draft(draft: PreTrainedModel, path: str | Path, metadata: dict) -> dict
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
     }
-    _write_atomically(path.with_suffix(".json"),
+    write_atomically(path.with_suffix(".json"),
                       lambda tmp: Path(tmp).write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n"))
     return sidecar
 

@@ -32,7 +32,6 @@ import os
 import shlex
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata
+from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata, write_atomically
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
@@ -75,13 +74,7 @@ def _log(message: str) -> None:
 
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, write)
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:

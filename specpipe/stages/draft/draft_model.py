@@ -2,8 +2,8 @@
 StepDrafter, any tree a tree builder grows frontier by frontier (`tree=eagle2`).
 
 The draft keeps its own KV cache per request. It is never rolled back token by token: at the
-start of each step the cache is cut to the longest prefix it shares with the committed text, and
-whatever was committed since (the accepted path and the bonus token) is fed in one causal
+start of each step the cache is cut back to the committed text it had fed, and whatever was
+committed since (the accepted path and the bonus token) is fed in one causal
 forward. Tree nodes fed while drafting sit after the committed entries, each attending to the
 committed text and its own ancestors (an explicit mask), and are dropped by that same cut.
 """
@@ -87,11 +87,11 @@ def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int)
 
 @dataclass
 class DraftSession:
-    """One request's draft cache: entries for `committed` (a prefix of the request's tokens,
-    root included), then one entry per fed tree node of the current step."""
+    """One request's draft cache: entries for the request's first `synced` tokens (root included;
+    a request's committed tokens only ever grow), then one entry per fed tree node of this step."""
 
     cache: PositionIndexedCache
-    committed: list[int] = field(default_factory=list)
+    synced: int = 0
     root_logprobs: Tensor | None = None  # [vocab] the draft's next-token log-probs after the root
     slots: dict[int, int] = field(default_factory=dict)  # tree node id -> cache row, this step
     logprobs: dict[int, Tensor] = field(default_factory=dict)  # tree node id -> [vocab] after it, this step
@@ -161,14 +161,10 @@ class DraftModelDrafter:
         """Syncs the draft cache with the committed tokens; returns log-probs [vocab] after the root."""
         session: DraftSession = state.stage_state[self]
         tokens = state.tokens
-        shared = 0
-        limit = min(len(session.committed), len(tokens))
-        while shared < limit and session.committed[shared] == tokens[shared]:
-            shared += 1
-        if shared == len(tokens) and session.root_logprobs is not None:
-            session.cache.crop(shared)  # only this step's tree entries go
+        if session.synced == len(tokens) and session.root_logprobs is not None:
+            session.cache.crop(session.synced)  # only this step's tree entries go
         else:
-            shared = min(shared, len(tokens) - 1)  # the root is always fed again: its log-probs are needed
+            shared = min(session.synced, len(tokens) - 1)  # the root is always fed again: its log-probs are needed
             session.cache.crop(shared)
             new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
             q = int(new.shape[0])
@@ -176,7 +172,7 @@ class DraftModelDrafter:
             mask[:, shared:] = torch.ones(q, q, dtype=torch.bool).tril()
             out = self.runner.forward_masked(new, torch.arange(shared, shared + q), mask, session.cache)
             session.root_logprobs = torch.log_softmax(out.logits[-1], dim=-1)
-        session.committed = list(tokens)
+        session.synced = len(tokens)
         session.slots, session.logprobs = {}, {}
         return session.root_logprobs
 
@@ -210,7 +206,7 @@ class DraftModelDrafter:
             order.extend(reversed(path))
         if not order:
             return
-        committed = len(session.committed)
+        committed = session.synced
         cached = session.cache.get_seq_length()
         for row, node in enumerate(order):
             session.slots[node] = cached + row
