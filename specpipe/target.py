@@ -7,6 +7,7 @@ forked and no module attribute carries the tree.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.stages.base import LookaheadRows
 from specpipe.types import DraftTree
 
 TREE_ATTENTION = "specpipe_tree"
@@ -89,6 +91,7 @@ def resolve_attention(choice: str, device: torch.device) -> str:
 class ForwardOutput:
     logits: Tensor  # [q, vocab] fp32
     hidden: Tensor  # [q, hidden]
+    lookahead_logits: tuple[Tensor, ...] = ()  # per lookahead block [1 + r, vocab]: root row, then its rows
 
 
 class TargetModel:
@@ -125,27 +128,51 @@ class TargetModel:
         return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0, -1:])
 
     @torch.inference_mode()
-    def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> ForwardOutput:
-        """One forward over the root (last committed token) and every tree node.
+    def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,
+                     lookahead: Sequence[LookaheadRows] = ()) -> ForwardOutput:
+        """One forward over the root (last committed token), every tree node, then each block of
+        lookahead rows.
 
-        Appends q = 1 + n entries to the cache (the caller keeps the accepted ones) and
-        returns rows in that order: row 0 = root, row i + 1 = node i.
+        Appends q = 1 + n + r entries to the cache in that order (the caller keeps the accepted
+        ones; the lookahead rows come last, so keeping the root and a path drops them) and returns
+        logits/hidden for rows 0..n only (row 0 = root, row i + 1 = node i): what a verifier reads.
+        `lookahead_logits[b]` is [1 + r_b, vocab]: the root's row, then block b's rows.
+        A lookahead row sees the whole cache plus what its block's mask allows in [root | block];
+        tree nodes and lookahead rows never see each other, nor do two blocks.
         """
         committed = cache.get_seq_length()  # the cache covers every committed token but the root
         n = len(tree)
-        input_ids = torch.empty(n + 1, dtype=torch.long)  # [q]
+        sizes = [len(block) for block in lookahead]
+        q = 1 + n + sum(sizes)
+        input_ids = torch.empty(q, dtype=torch.long)  # [q]
         input_ids[0] = root_token
-        input_ids[1:] = tree.tokens
-        position_ids = torch.empty(n + 1, dtype=torch.long)  # [q]
+        input_ids[1:n + 1] = tree.tokens
+        position_ids = torch.empty(q, dtype=torch.long)  # [q]
         position_ids[0] = committed
-        position_ids[1:] = tree.depth + (committed + 1)
-        if n == 0:
+        position_ids[1:n + 1] = tree.depth + (committed + 1)
+        if q == 1:
             mask = None  # a plain decoding step: one query sees everything
         else:
-            mask = torch.ones(n + 1, committed + n + 1, dtype=torch.bool)  # [q, kv]
-            mask[0, committed + 1:] = False  # the root sees only the cache and itself
-            mask[1:, committed + 1:] = tree.mask  # nodes see their ancestors and themselves
-        return self.forward_masked(input_ids, position_ids, mask, cache)
+            mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
+            mask[:, :committed + 1] = True  # every row sees the committed cache and the root
+            mask[1:n + 1, committed + 1:committed + n + 1] = tree.mask  # nodes see their ancestors and themselves
+            start = n + 1  # row of the current block's first token
+            for block, size in zip(lookahead, sizes):
+                end = start + size
+                input_ids[start:end] = block.tokens
+                position_ids[start:end] = block.positions
+                mask[start:end, committed] = block.mask[:, 0]
+                mask[start:end, committed + start:committed + end] = block.mask[:, 1:]
+                start = end
+        out = self.forward_masked(input_ids, position_ids, mask, cache)
+        blocks: list[Tensor] = []
+        start = n + 1
+        for size in sizes:  # each block's logits with the root's row first: [1 + r, vocab]
+            blocks.append(torch.cat([out.logits[:1], out.logits[start:start + size]]))
+            start += size
+        if not sizes:
+            return out
+        return ForwardOutput(out.logits[:n + 1], out.hidden[:n + 1], tuple(blocks))
 
     @torch.inference_mode()
     def forward_masked(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None,

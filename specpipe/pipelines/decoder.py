@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from specpipe.pipelines.stopping import StopCondition
-from specpipe.stages.base import Proposer, StepDrafter, TreeBuilder, Verifier
+from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, DraftTree, SamplingConfig, StepStats
@@ -52,9 +52,12 @@ class SpeculativeDecoder:
         result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
-                            hidden=first.hidden[-1], logits=first.logits[-1], documents=documents)
+                            hidden=first.hidden[-1], logits=first.logits[-1], documents=documents,
+                            rng=rng)
         yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
         stages = [*self.proposers, *self.drafters]
+        # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.
+        branches = [stage for stage in stages if isinstance(stage, LookaheadBranch)]
         for stage in stages:
             stage.reset(state)
         while not finished:
@@ -69,8 +72,19 @@ class SpeculativeDecoder:
             seconds["tree"] = clock() - mark
 
             mark = clock()
-            forward = self.target.forward_tree(state.tokens[-1], tree, cache)
+            riding = [(branch, branch.lookahead_rows(state)) for branch in branches]
+            riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
+            lookahead_seconds = clock() - mark
+
+            mark = clock()
+            forward = self.target.forward_tree(state.tokens[-1], tree, cache, [rows for _, rows in riding])
             seconds["forward"] = clock() - mark
+
+            mark = clock()
+            for (branch, _), logits in zip(riding, forward.lookahead_logits):
+                branch.on_lookahead(state, logits)  # before the commit: the rows were built on this root
+            if branches:  # pipelines without a lookahead branch report the same stages as before
+                seconds["lookahead"] = lookahead_seconds + clock() - mark
 
             mark = clock()
             result = self.verifier.accept(tree, forward.logits, rng, sampling)

@@ -1,6 +1,7 @@
 """The stage protocols of one decoding step: Retrieve/Draft -> TreeBuild -> Verify -> Commit."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -40,11 +41,51 @@ class StepDrafter(Proposer, Protocol):
     def start(self, state: DecodeState) -> Tensor:
         """Catches up with the committed tokens; returns the draft's log-probs [vocab] after the root."""
 
-    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]
-             ) -> tuple[Tensor, Tensor]:
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
         """tokens, parents [n]: the tree so far (-1 = child of the root); frontier [m]: node ids to
-        expand (-1 = the root). Returns each frontier node's top-k next tokens [m, k] and their
-        log-probs [m, k]."""
+        expand (-1 = the root). Returns the draft's next-token log-probs [m, vocab] after each
+        frontier node; the tree builder takes the top children or samples them."""
+
+
+@dataclass(frozen=True)
+class LookaheadRows:
+    """Query rows a stage adds to the verify forward, after the root and the tree nodes.
+
+    Every row sees the whole committed cache, never a tree node, and no tree node (nor the
+    root) sees any of these rows; within [root | these rows] the stage chooses with `mask`.
+    So the rows cannot change the verify logits, and their cache entries, appended after
+    the tree's, are dropped by the commit like any rejected node's.
+    """
+
+    tokens: Tensor  # [r] int64 token ids
+    positions: Tensor  # [r] int64 absolute position ids (the root sits at len(state.tokens) - 1)
+    mask: Tensor  # [r, 1 + r] bool over [root | these rows]: mask[i, 0] = row i sees the root
+
+    def __post_init__(self) -> None:
+        r = int(self.tokens.shape[0])
+        if self.positions.shape != (r,) or self.mask.shape != (r, 1 + r):
+            raise ValueError(f"lookahead rows: tokens [r], positions [r] and mask [r, 1 + r] expected; got "
+                             f"{tuple(self.tokens.shape)}, {tuple(self.positions.shape)}, {tuple(self.mask.shape)}")
+        if r and not bool(self.mask[:, 1:].diagonal().all()):
+            raise ValueError("lookahead rows: every row must see itself (an all-masked row has no softmax)")
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@runtime_checkable
+class LookaheadBranch(Protocol):
+    """A stage that rides its own query rows along in the verify forward (Lookahead Decoding's
+    lookahead branch): the decoder asks for the rows after the tree is built and hands back
+    their logits after the forward, before the commit (`state.tokens` still ends with the
+    root the rows were built on). The verifier never sees these rows."""
+
+    def lookahead_rows(self, state: DecodeState) -> LookaheadRows | None:
+        """This step's rows, or None for none."""
+
+    def on_lookahead(self, state: DecodeState, logits: Tensor) -> None:
+        """logits [1 + r, vocab]: row 0 = the root's (shared with the verify branch), then row i + 1 =
+        the stage's row i."""
 
 
 @runtime_checkable
