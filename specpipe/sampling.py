@@ -33,3 +33,25 @@ def sample(probs: Tensor, rng: torch.Generator | None) -> int:
 
 def uniform(rng: torch.Generator | None) -> float:
     return float(torch.rand((), generator=rng))
+
+
+def draw_without_replacement(probs: Tensor, count: int, rng: torch.Generator | None) -> tuple[list[int], Tensor]:
+    """Up to `count` distinct tokens drawn one after another from probs [vocab], each from probs with
+    the earlier draws removed, renormalised; fewer where probs has fewer tokens. Returns the tokens
+    and those conditional distributions [drawn, vocab]: what recursive rejection sampling must test
+    each draft against for the output to follow the target exactly."""
+    tokens: list[int] = []
+    conditionals: list[Tensor] = []
+    remaining = probs.float()
+    for _ in range(count):
+        total = float(remaining.sum())
+        if total <= 0.0:
+            break
+        remaining = remaining / total
+        token = sample(remaining, rng)
+        tokens.append(token)
+        conditionals.append(remaining)
+        remaining = remaining.clone()
+        remaining[token] = 0.0
+    empty = probs.new_empty(0, probs.shape[-1], dtype=torch.float32)
+    return tokens, torch.stack(conditionals) if conditionals else empty

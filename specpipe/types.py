@@ -25,10 +25,15 @@ class Proposal:
     parents: Tensor  # [n] int64, index of the parent node in this proposal, -1 = child of the root
     scores: Tensor  # [n] float, estimated probability that the node is accepted (cumulative along its path)
     source: str
+    # [n, vocab] sampled drafts (temperature > 0): the distribution node i was drawn from, given the
+    # siblings drawn before it; None = deterministic drafts. Which sampled nodes exist may depend on
+    # what was drawn before them, never on their own tokens, so tree builders keep them whole.
+    draft_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        if self.parents.shape != (n,) or self.scores.shape != (n,):
+        if self.parents.shape != (n,) or self.scores.shape != (n,) or (
+                self.draft_probs is not None and self.draft_probs.shape[0] != n):
             raise ValueError(
                 f"Proposal from {self.source!r}: tokens, parents and scores must all be [n]; got "
                 f"{tuple(self.tokens.shape)}, {tuple(self.parents.shape)}, {tuple(self.scores.shape)}"
@@ -170,6 +175,8 @@ class DecodeState:
     stage_state: dict = field(default_factory=dict)
     # Token ids of the documents retrieved for this request (RAG), for stages that draft from them.
     documents: tuple[tuple[int, ...], ...] = ()
+    # The request's seeded generator: drafters that sample draw from the verifier's own stream.
+    rng: torch.Generator | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -44,7 +44,7 @@ def test_a_self_draft_is_accepted_whole_and_stays_lossless(tiny_mixed, self_draf
     child per node: the random tiny model's flat distributions would spread a wider tree's
     budget over siblings.)"""
     cfg = tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={self_draft_dir}", "pipeline.tree.depth=4",
-                            "pipeline.tree.min_score=0", "pipeline.tree.top_k=1", "pipeline.drafters.model.top_k=1")
+                            "pipeline.tree.min_score=0", "pipeline.tree.top_k=1", "pipeline.tree.children=1")
     pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
     for prompt in random_prompts(4, seed=21):
         tokens, steps = run_steps(pipe, prompt, 24)
@@ -71,17 +71,17 @@ def test_sps_chain_under_the_trie_builder_is_lossless(tiny_mixed, self_draft_dir
 
 def test_tree_nodes_see_exactly_their_path(tiny_mixed):
     """Each expanded node's draft log-probs equal a causal forward over committed text + its path."""
-    drafter = drafter_for(tiny_mixed, tiny_draft_dir(), top_k=3)
+    drafter = drafter_for(tiny_mixed, tiny_draft_dir())
     prompt = random_prompts(1, seed=23)[0][:40]
     state = DecodeState(tokens=list(prompt), prompt_length=len(prompt))
     drafter.reset(state)
     root = drafter.start(state)
     torch.testing.assert_close(root, causal_logprobs(drafter, prompt), atol=1e-4, rtol=1e-4)
     tokens, parents = [], []
-    children, _ = drafter.step(state, tokens, parents, [ROOT])  # [1, 3]
+    children = drafter.step(state, tokens, parents, [ROOT]).topk(3).indices  # [1, 3]
     tokens += children[0].tolist()
     parents += [ROOT] * 3
-    grandchildren, _ = drafter.step(state, tokens, parents, [2, 0])  # [2, 3]: two siblings in one forward
+    grandchildren = drafter.step(state, tokens, parents, [2, 0]).topk(3).indices  # [2, 3]: siblings in one forward
     tokens += grandchildren.flatten().tolist()
     parents += [2] * 3 + [0] * 3
     drafter.step(state, tokens, parents, [len(tokens) - 1, 3])  # depth 3, two different branches
@@ -129,9 +129,9 @@ class ScriptedDrafter:
 
     name = "scripted"
 
-    def __init__(self, distributions: list[dict[int, float]], top_k: int) -> None:
+    def __init__(self, distributions: list[dict[int, float]], vocab: int = 10) -> None:
         self.distributions = distributions
-        self.top_k = top_k
+        self.vocab = vocab
         self.expanded: list[list[int]] = []
 
     def reset(self, state): ...
@@ -141,29 +141,33 @@ class ScriptedDrafter:
     def on_commit(self, state, result): ...
 
     def start(self, state):
-        return torch.full((10,), -math.inf)
+        return self._logprobs(0)
 
     def step(self, state, tokens, parents, frontier):
         self.expanded.append(list(frontier))
-        rows_tokens, rows_logprobs = [], []
+        rows = []
         for node in frontier:
             depth = 0
             walk = node
             while walk != ROOT:
                 depth += 1
                 walk = parents[walk]
-            ranked = sorted(self.distributions[depth].items(), key=lambda item: -item[1])[: self.top_k]
-            rows_tokens.append([token for token, _ in ranked])
-            rows_logprobs.append([math.log(p) for _, p in ranked])
-        return torch.tensor(rows_tokens), torch.tensor(rows_logprobs)
+            rows.append(self._logprobs(depth))
+        return torch.stack(rows)  # [m, vocab]
+
+    def _logprobs(self, depth: int) -> torch.Tensor:
+        probs = torch.zeros(self.vocab)
+        for token, p in self.distributions[depth].items():
+            probs[token] = p
+        return probs.log()
 
 
 def test_eagle2_expands_the_best_frontier_and_keeps_the_best_nodes_closed_under_ancestors():
     distributions = [{1: 0.6, 2: 0.3, 3: 0.1}, {4: 0.9, 5: 0.1}, {6: 0.5, 7: 0.5}]
-    drafter = ScriptedDrafter(distributions, top_k=2)
-    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, max_nodes=5, min_score=0.0)
+    drafter = ScriptedDrafter(distributions)
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, children=2, max_nodes=5, min_score=0.0)
     state = DecodeState(tokens=[0], prompt_length=1)
-    grown = builder.grow(state, drafter)
+    grown, _ = builder.grow(state, drafter)
     # depth 1: the root's top 2 (tokens 1, 2); depth 2: both expanded; depth 3: the best two of
     # the four grandchildren by cumulative probability (1-4: 0.54, 2-4: 0.27)
     assert drafter.expanded[0] == [ROOT] and drafter.expanded[1] == [0, 1]
@@ -181,8 +185,8 @@ def test_eagle2_expands_the_best_frontier_and_keeps_the_best_nodes_closed_under_
 
 
 def test_eagle2_stops_expanding_below_min_score():
-    drafter = ScriptedDrafter([{1: 0.2, 2: 0.1}, {3: 0.2}, {4: 0.9}], top_k=2)
-    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, min_score=0.1)
+    drafter = ScriptedDrafter([{1: 0.2, 2: 0.1}, {3: 0.2}, {4: 0.9}])
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, children=2, min_score=0.1)
     builder.grow(DecodeState(tokens=[0], prompt_length=1), drafter)
     assert len(drafter.expanded) == 2  # depth 2's best path (0.04) is below 0.1: no third expansion
 

@@ -83,3 +83,21 @@ def test_bad_layer_choices_are_clear(three_layers):
                             ([0, 1, 2], "keeps all 3 layers")):
         with pytest.raises(ConfigError, match=message):
             load_layer_skip(target, three_layers.tokenizer, layers)
+
+
+def test_a_measured_draft_cost_curve_runs_on_the_drafts_own_cache(three_layers, tmp_path, monkeypatch):
+    """cost_curve=measured also measures the drafter (its forwards are not free on a CPU), through
+    the layer subset's own cache (layer 2 of the target is row 1 there), and stays lossless."""
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
+    pipe = build_pipeline(layer_skip_config("pipeline.drafters.skip.layers=[0,2]", "cost_curve=measured"))
+    drafter = pipe.decoder.drafters[0]
+    assert drafter.cost_curve is not None and 0 < drafter.cost_curve(1) <= drafter.cost_curve(64)
+    assert list((tmp_path / "cost").glob("*layer_skip-2L*V-*.json")), "the draft's curve is cached under its own shape"
+    reference = copy.deepcopy(three_layers.model)
+    prompt = random_prompts(1, seed=33)[0]
+    tokens, _ = run_steps(pipe, prompt, 16)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                      eos_token_id=sorted(pipe.eos_token_ids), pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens == expected

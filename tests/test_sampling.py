@@ -16,11 +16,13 @@ from specpipe.cost import CostCurve
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.sampling import target_probs
+from specpipe.stages.draft.draft_model import DraftModelDrafter
+from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.stages.verify.rejection import RejectionSamplingVerifier
 from specpipe.stages.verify.typical import TypicalAcceptanceVerifier
 from specpipe.target import TargetModel
-from specpipe.types import DraftTree, Proposal, SamplingConfig
+from specpipe.types import DecodeState, DraftTree, Proposal, SamplingConfig
 
 SEED = int(os.environ.get("SPECPIPE_SAMPLING_SEED", "0"))  # vary it to re-run the statistics
 VOCAB = 8
@@ -259,3 +261,100 @@ def test_typical_acceptance_hand_crafted():
     assert verifier.lossless is False
     greedy = verifier.accept(tree, logits, None, SamplingConfig(temperature=0.0))
     assert greedy.accepted == [] and greedy.bonus == 1
+
+
+# ---- sampled model drafts (SpecInfer): drafters draw their tokens and hand over their distributions --------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_draft(small_vocab_target):
+    """A different random model over the same 12 tokens: its drafts are often, not always, accepted."""
+    torch.manual_seed(1)
+    config = LlamaConfig(**{**small_vocab_target.model.config.to_dict(), "num_hidden_layers": 1})
+    return LlamaForCausalLM(config).eval()
+
+
+class TopTokensClaimedSampled(Eagle2TreeBuilder):
+    """Broken on purpose: takes the draft's most likely tokens but claims they were sampled."""
+
+    @staticmethod
+    def _draw(probs, count, rng):
+        tokens = probs.topk(count).indices.tolist()
+        rows = []
+        remaining = probs.clone()
+        for token in tokens:
+            rows.append(remaining / remaining.sum())
+            remaining[token] = 0.0
+        return tokens, torch.stack(rows)
+
+
+@torch.inference_mode()
+def exact_second_and_third(target, prompt, sampling):
+    """P(t2, t3) of plain sampling (t1 summed out): [vocab * vocab]."""
+    model = target.model
+
+    def next_probs(tokens):
+        return target_probs(model(torch.tensor([tokens])).logits[0, -1:], sampling)[0]
+
+    first = next_probs(prompt)
+    joint = torch.zeros(12, 12)
+    for t1 in range(12):
+        second = next_probs(prompt + [t1])
+        joint += first[t1] * second[:, None] * torch.stack([next_probs(prompt + [t1, t2]) for t2 in range(12)])
+    return joint.flatten()
+
+
+@pytest.mark.parametrize("layout", ["eagle2", "eagle2_and_deterministic", "sps_chain"])
+def test_sampled_model_drafts_reproduce_the_target(small_vocab_target, small_vocab_draft, layout):
+    """t2 and t3 are decided by the first speculative step: the draft model's sampled tree (alone, or
+    beside deterministic drafts), or its sampled chain under the trie builder. Their joint must be
+    plain sampling's; the same tree with the draft's top tokens passed off as samples must fail."""
+    target = small_vocab_target
+    prompt = [3, 7, 1, 3, 7, 1, 3, 7, 1, 3, 7]
+    sampling = SamplingConfig(temperature=0.9)
+    exact = exact_second_and_third(target, prompt, sampling)
+
+    def decoder(tree_class=Eagle2TreeBuilder):
+        drafter = DraftModelDrafter(target, None, small_vocab_draft, chain_length=3, min_score=0.0)
+        if layout == "sps_chain":
+            return SpeculativeDecoder(target, [drafter], TrieTreeBuilder(CostCurve.flat(), max_nodes=8),
+                                      RejectionSamplingVerifier())
+        proposers = [ModelGreedyDrafter(target.model, length=2)] if layout == "eagle2_and_deterministic" else []
+        tree = tree_class(CostCurve.flat(), depth=2, top_k=2, children=3, max_nodes=12, min_score=0.0)
+        return SpeculativeDecoder(target, proposers, tree, RejectionSamplingVerifier(), drafters=[drafter])
+
+    def sample_pairs(speculative, samples):
+        counts = torch.zeros_like(exact)
+        drafted = sampled_nodes = 0
+        for i in range(samples):
+            run = SamplingConfig(sampling.temperature, seed=SEED * 100000 + i)
+            tokens = []
+            for step in speculative.decode(prompt, StopCondition(3), run):
+                tokens += step.tokens
+                drafted += step.drafted
+                sampled_nodes += step.stats.drafted_by_source.get("draft_model", 0)
+            counts[tokens[1] * 12 + tokens[2]] += 1
+        return counts / samples, drafted, sampled_nodes
+
+    samples = 1500
+    got, drafted, sampled_nodes = sample_pairs(decoder(), samples)
+    assert sampled_nodes > samples // 4, "sampled drafts must be accepted for the test to mean anything"
+    bound = tv_bound(exact, samples)
+    assert tv(got, exact) < bound
+    if layout == "eagle2":
+        broken, _, _ = sample_pairs(decoder(TopTokensClaimedSampled), samples)
+        assert tv(broken, exact) > bound
+
+
+def test_sampled_trees_keep_sampled_nodes_whole_and_first():
+    """A sampled proposal is never merged or cut; deterministic nodes follow it as one-hot drafts."""
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.6, 0.4, 0.0]])
+    sampled = Proposal(torch.tensor([0, 1]), torch.tensor([-1, -1]), torch.tensor([0.5, 0.01]), "model",
+                       draft_probs=probs)
+    deterministic = Proposal(torch.tensor([0, 3]), torch.tensor([-1, 0]), torch.tensor([0.9, 0.8]), "ngram")
+    tree = TrieTreeBuilder(CostCurve.flat(), max_nodes=3).build(DecodeState(tokens=[0], prompt_length=1),
+                                                                [deterministic, sampled])
+    assert tree.tokens.tolist() == [0, 1, 0]  # both sampled nodes (one unlikely), then the best deterministic
+    assert tree.parents.tolist() == [-1, -1, -1]  # token 0 twice under the root: never merged
+    torch.testing.assert_close(tree.draft_probs[:2], probs)
+    assert tree.draft_probs[2].tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -82,6 +82,10 @@ def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeli
     if (proposers or drafters) and pipeline_cfg.get("tree") is not None:
         make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
         tree_builder = make_tree(cost_curve=_cost_curve(cfg, target))
+        if cfg.get("cost_curve", "measured") == "measured":
+            for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
+                if getattr(drafter, "runner", None) is not None:
+                    drafter.cost_curve = cached_cost_curve(drafter.runner)
     if drafters and not getattr(tree_builder, "expands_drafters", False):
         raise ConfigError(f"pipeline.drafters ({', '.join(pipeline_cfg.drafters)}) are grown into a tree by a tree "
                           f"builder that expands drafters (tree=eagle2), not by {type(tree_builder).__name__}; or "

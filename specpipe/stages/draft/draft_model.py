@@ -9,6 +9,7 @@ committed text and its own ancestors (an explicit mask), and are dropped by that
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +22,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.sampling import sample, target_probs
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -100,17 +103,19 @@ class DraftSession:
 class DraftModelDrafter:
     """Drafts with `draft` (a causal LM sharing the target's tokenizer).
 
-    `propose` returns one greedy chain of up to `chain_length` tokens scored by the draft's own
-    cumulative probability (speculative sampling's draft, for `tree=trie`); `step` expands tree
-    nodes for `tree=eagle2`, `top_k` children each.
+    `propose` returns one chain of up to `chain_length` tokens scored by the draft's own cumulative
+    probability (speculative sampling's draft, for `tree=trie`): greedy, or under temperature > 0
+    sampled from the draft's distribution warped as the target's is, which it hands to the
+    verifier. `step` gives the tree builder (`tree=eagle2`) the draft's distributions after
+    any tree nodes; the builder picks or samples the children.
     """
 
     def __init__(self, target: TargetModel, tokenizer: PreTrainedTokenizerBase, draft: PreTrainedModel,
                  draft_tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft_model",
-                 chain_length: int = 5, top_k: int = 8, min_score: float = 0.05,
+                 chain_length: int = 5, min_score: float = 0.05,
                  new_cache: Callable[[], PositionIndexedCache] | None = None) -> None:
-        if chain_length < 1 or top_k < 1:
-            raise ConfigError(f"{name}: chain_length and top_k must be >= 1, got {chain_length}, {top_k}")
+        if chain_length < 1:
+            raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
         draft_vocab = int(draft.config.vocab_size)
         if draft_vocab != target.vocab_size:
             raise ConfigError(f"{name}: the draft model's vocabulary has {draft_vocab} entries and the target's "
@@ -118,13 +123,15 @@ class DraftModelDrafter:
         self.name = name
         self.tokenizer = draft_tokenizer or tokenizer  # the builder checks it against the target's
         self.chain_length = chain_length
-        self.top_k = top_k
         self.min_score = min_score  # a chain stops once the draft's own probability of it falls below
         # The draft runs through the same runner as the target (tree masks through the attention
         # plug-in point, a position-indexed cache), on CPU always SDPA.
-        self.runner = TargetModel(draft, name=f"{target.name}-{name}", attention="sdpa",
+        self.runner = TargetModel(draft, name=f"{target.name}-{name}-{_shape_name(draft)}", attention="sdpa",
                                   engine=getattr(draft, "specpipe_engine", "hf"))
-        self.new_cache = new_cache or self.runner.new_cache
+        self.cost_curve: CostCurve | None = None  # ms per draft forward of q rows; set by the pipeline builder
+        if new_cache is not None:  # a draft with its own cache layout (layer_skip); measuring its cost uses it too
+            self.runner.new_cache = new_cache
+        self.new_cache = self.runner.new_cache
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:
@@ -132,23 +139,36 @@ class DraftModelDrafter:
 
     def propose(self, state: DecodeState) -> Proposal:
         logprobs = self.start(state)  # [vocab]
+        sampled = not state.sampling.greedy
         tokens: list[int] = []
-        parents: list[int] = []
         scores: list[float] = []
-        cumulative = 0.0
+        draft_probs: list[Tensor] = []  # [vocab] per sampled node
+        cumulative = 1.0
         for depth in range(self.chain_length):
-            token = int(logprobs.argmax())
-            cumulative += float(logprobs[token])
-            score = math.exp(cumulative)
-            if score < self.min_score:
-                break
+            if sampled:
+                # Whether to draw one more is decided before drawing it: a node kept or dropped for
+                # its own token would bias the drafts the verifier tests (and so the output).
+                probs = target_probs(logprobs[None], state.sampling)[0]  # [vocab]
+                if cumulative * float(probs.max()) < self.min_score:
+                    break
+                token = sample(probs, state.rng)
+                draft_probs.append(probs)
+                cumulative *= float(probs[token])
+            else:
+                token = int(logprobs.argmax())
+                if cumulative * math.exp(float(logprobs[token])) < self.min_score:
+                    break
+                cumulative *= math.exp(float(logprobs[token]))
             tokens.append(token)
-            parents.append(depth - 1)
-            scores.append(score)
+            scores.append(cumulative)
             if depth + 1 < self.chain_length:
-                self._feed(state, tokens, parents, [depth])
+                self._feed(state, tokens, list(range(-1, depth)), [depth])
                 logprobs = state.stage_state[self].logprobs[depth]
-        return Proposal.chain(tokens, scores, self.name)
+        chain = Proposal.chain(tokens, scores, self.name)
+        if sampled:
+            empty = logprobs.new_empty(0, logprobs.shape[-1], dtype=torch.float32)
+            chain = dataclasses.replace(chain, draft_probs=torch.stack(draft_probs) if draft_probs else empty)
+        return chain
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
         pass  # the next step's `start` cuts the cache back to the committed text
@@ -176,9 +196,8 @@ class DraftModelDrafter:
         session.slots, session.logprobs = {}, {}
         return session.root_logprobs
 
-    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]
-             ) -> tuple[Tensor, Tensor]:
-        """Top-`top_k` children of each frontier node: tokens [m, k] and log-probs [m, k].
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
+        """The draft's next-token log-probs [m, vocab] after each frontier node.
 
         `tokens`/`parents` are the whole tree so far (node ids in order, parents before children,
         -1 = the root); `frontier` [m] the node ids to expand (ROOT for the root). `start` must
@@ -187,10 +206,8 @@ class DraftModelDrafter:
         """
         session: DraftSession = state.stage_state[self]
         self._feed(state, tokens, parents, [node for node in frontier if node != ROOT])
-        logprobs = torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
-                                for node in frontier])  # [m, vocab]
-        top = logprobs.topk(self.top_k, dim=-1)
-        return top.indices, top.values
+        return torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
+                            for node in frontier])  # [m, vocab]
 
     def _feed(self, state: DecodeState, tokens: list[int], parents: list[int], nodes: list[int]) -> None:
         """Feeds every node of `nodes` not fed yet this step, and its unfed ancestors, through the
@@ -228,8 +245,16 @@ class DraftModelDrafter:
             session.logprobs[node] = logprobs[row]
 
 
+def _shape_name(draft: PreTrainedModel) -> str:
+    """Layers and output width, which set a draft forward's cost (its cost curve is cached by name)."""
+    layers = len(getattr(getattr(draft, "model", draft), "layers", ()))
+    head = draft.get_output_embeddings()
+    width = int(head.ids.shape[0]) if isinstance(head, ReducedVocabHead) else int(draft.config.vocab_size)
+    return f"{layers}L{width}V"
+
+
 def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
-                 name: str = "draft_model", chain_length: int = 5, top_k: int = 8,
+                 name: str = "draft_model", chain_length: int = 5,
                  min_score: float = 0.05, vocab_top_k: int = 0,
                  vocab_counts: str | None = None) -> DraftModelDrafter:
     """The drafter `drafter=draft_model` configures: `path` = a local Hugging Face model directory
@@ -248,7 +273,7 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
         draft, draft_tokenizer = _load_local(path, target, name)
     reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
     return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
-                             top_k=top_k, min_score=min_score)
+                             min_score=min_score)
 
 
 def reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int,

@@ -62,11 +62,11 @@ def layer_subset_model(target: PreTrainedModel, layers: Sequence[int]) -> PreTra
 
 
 def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, layers: Sequence[int],
-                    name: str = "layer_skip", chain_length: int = 5, top_k: int = 8, min_score: float = 0.05,
+                    name: str = "layer_skip", chain_length: int = 5, min_score: float = 0.05,
                     vocab_top_k: int = 0, vocab_counts: str | None = None) -> DraftModelDrafter:
     """The drafter `drafter=layer_skip` configures (see DraftModelDrafter for chain/tree drafting)."""
     draft = layer_subset_model(target.model, layers)
     reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
     kept = list(draft.kept_layers)
-    return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length, top_k=top_k,
+    return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length,
                              min_score=min_score, new_cache=lambda: LayerSubsetCache(kept))

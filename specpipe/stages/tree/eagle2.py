@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from specpipe.cost import CostCurve
+from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
@@ -17,25 +19,35 @@ class Eagle2TreeBuilder:
     """Grows each drafter's tree depth by depth, then keeps the best nodes of all sources.
 
     Expansion (EAGLE-2): at every depth the `top_k` newest nodes with the highest cumulative
-    draft log-probability (the product of the draft's probabilities along the path, which tracks
-    the chance that the target accepts the path) are expanded into their `top_k` most likely
-    children, in one draft forward. Expansion stops after `depth` levels, or once no frontier
-    node is at least `min_score` likely.
+    draft probability (the product of the draft's probabilities along the path, which tracks the
+    chance that the target accepts the path) are expanded into their `children` most likely
+    children, in one draft forward. Expansion stops after `depth` levels, once no frontier node is
+    at least `min_score` likely, or once even the best case of one more level (all of the
+    frontier's probability accepted) cannot pay for its draft forward (the drafter's measured
+    `cost_curve`, where it has one) and the larger verify forward.
 
     Reranking: every drafted node, with the other sources' proposals, goes to the trie builder's
     selection: nodes best first (a child never outscores its parent, so every prefix of that
     order is a tree closed under ancestors), as many as maximise expected tokens per
-    millisecond on the measured cost curve.
+    millisecond on the measured cost curve, drafting time included.
+
+    Sampling (temperature > 0): children are drawn without replacement from the draft's
+    distribution warped as the target's is, and handed to the verifier with the distribution
+    each was drawn from (SpecInfer's multi-draft rejection sampling). How many children each
+    frontier node gets is decided before drawing them, from the same expected-tokens-per-
+    millisecond rule, and every drawn node is kept: a node kept or dropped for its own token
+    would bias the output.
     """
 
     expands_drafters = True
 
-    def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, max_nodes: int = 48,
-                 min_gain: float = 1.0, min_score: float = 0.02) -> None:
-        if depth < 1 or top_k < 1:
-            raise ValueError(f"tree=eagle2: depth and top_k must be >= 1, got {depth}, {top_k}")
+    def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
+                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02) -> None:
+        if depth < 1 or top_k < 1 or children < 1:
+            raise ValueError(f"tree=eagle2: depth, top_k and children must be >= 1, got {depth}, {top_k}, {children}")
         self.depth = depth
         self.top_k = top_k
+        self.children = children
         self.min_score = min_score
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
 
@@ -48,29 +60,133 @@ class Eagle2TreeBuilder:
         return self.selector.last_expected_tokens
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
-        grown = [self.grow(state, drafter) for drafter in drafters]
-        return self.selector.build(state, [*proposals, *grown])
+        grown, drafting_ms = [], 0.0
+        for drafter in drafters:
+            proposal, milliseconds = self.grow(state, drafter)
+            grown.append(proposal)
+            drafting_ms += milliseconds
+        return self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
 
-    def grow(self, state: DecodeState, drafter: StepDrafter) -> Proposal:
-        """The drafter's whole expanded tree as one proposal, scored by cumulative draft probability."""
+    def grow(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
+        """The drafter's expanded tree as one proposal (scores: cumulative draft probability), and the
+        estimated milliseconds its draft forwards took."""
+        if state.sampling.greedy:
+            return self._grow_top(state, drafter)
+        return self._grow_sampled(state, drafter)
+
+    def _grow_top(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
         drafter.start(state)
+        draft_cost = getattr(drafter, "cost_curve", None)
         tokens: list[int] = []
         parents: list[int] = []
         log_scores: list[float] = []
         frontier, frontier_scores = [ROOT], [0.0]
-        for _ in range(self.depth):
-            child_tokens, child_logprobs = drafter.step(state, tokens, parents, frontier)  # [m, k] each
-            cumulative = torch.tensor(frontier_scores)[:, None] + child_logprobs.float()  # [m, k]
+        drafting_ms = 0.0
+        for depth in range(self.depth):
+            if depth > 0:
+                step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
+                if not self._worth_expanding([math.exp(s) for s in log_scores],
+                                             [math.exp(s) for s in frontier_scores], drafting_ms, step_ms):
+                    break
+                drafting_ms += step_ms
+            logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab]
+            top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
+            cumulative = torch.tensor(frontier_scores)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
             for row, node in enumerate(frontier):
-                tokens.extend(child_tokens[row].tolist())
-                parents.extend([node] * child_tokens.shape[1])
+                tokens.extend(top.indices[row].tolist())
+                parents.extend([node] * top.indices.shape[1])
                 log_scores.extend(cumulative[row].tolist())
-            width = min(self.top_k, len(tokens) - first_new)
-            best = cumulative.flatten().topk(width)
+            best = cumulative.flatten().topk(min(self.top_k, len(tokens) - first_new))
             if math.exp(float(best.values[0])) < self.min_score:
                 break
             frontier = [first_new + int(i) for i in best.indices]
             frontier_scores = best.values.tolist()
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                        scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
+        proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                            scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
+        return proposal, drafting_ms
+
+    def _grow_sampled(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
+        sampling = state.sampling
+        draft_cost = getattr(drafter, "cost_curve", None)
+        frontier_probs = target_probs(drafter.start(state)[None], sampling)  # [1, vocab]
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        draft_probs: list[Tensor] = []  # [vocab] per node: what it was drawn from
+        frontier, frontier_scores = [ROOT], [1.0]
+        expected, drafting_ms = 1.0, 0.0
+        for depth in range(self.depth):
+            if depth > 0:
+                step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
+                if not self._worth_expanding(scores, frontier_scores, drafting_ms, step_ms):
+                    break
+                drafting_ms += step_ms
+                frontier_probs = target_probs(drafter.step(state, tokens, parents, frontier), sampling)  # [m, vocab]
+            counts, expected = self._allot_children(frontier_probs, frontier_scores, expected, len(tokens), drafting_ms)
+            if depth == 0 and not self._beats_plain_step(expected, sum(counts), drafting_ms):
+                counts = [0] * len(counts)
+            if not any(counts):
+                break
+            first_new = len(tokens)
+            for row, count in enumerate(counts):
+                drawn, conditionals = self._draw(frontier_probs[row], count, state.rng)
+                for token, conditional in zip(drawn, conditionals):
+                    tokens.append(token)
+                    parents.append(frontier[row])
+                    scores.append(frontier_scores[row] * float(frontier_probs[row, token]))
+                    draft_probs.append(conditional)
+            ranked = sorted(range(first_new, len(tokens)), key=lambda node: -scores[node])[: self.top_k]
+            frontier, frontier_scores = ranked, [scores[node] for node in ranked]
+        vocab = frontier_probs.shape[-1]
+        proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                            scores=torch.tensor(scores, dtype=torch.float32), source=getattr(drafter, "name", "draft"),
+                            draft_probs=torch.stack(draft_probs) if draft_probs else torch.empty(0, vocab))
+        return proposal, drafting_ms
+
+    def _allot_children(self, probs: Tensor, frontier_scores: list[float], expected: float, nodes: int,
+                        drafting_ms: float) -> tuple[list[int], float]:
+        """How many children to draw for each frontier node (probs [m, vocab]), before drawing any.
+
+        The j-th draw of a node is valued as its j-th most likely token would be under top-k
+        drafting (path probability): slots are taken best first while they raise expected tokens
+        per millisecond. Returns the counts [m] and the expected tokens with them."""
+        top = probs.topk(min(self.children, probs.shape[-1]), dim=-1).values  # [m, c]
+        values = torch.tensor(frontier_scores)[:, None] * top  # [m, c]
+        counts = [0] * len(frontier_scores)
+        for flat in values.flatten().argsort(descending=True).tolist():
+            value = float(values.flatten()[flat])
+            taken = nodes + sum(counts)
+            if value < self.min_score or value <= 0.0 or taken >= self.selector.max_nodes:
+                break
+            rate_now = expected / (self.cost_curve(taken + 1) + drafting_ms)
+            if (expected + value) / (self.cost_curve(taken + 2) + drafting_ms) < rate_now:
+                break
+            counts[flat // values.shape[1]] += 1
+            expected += value
+        return counts, expected
+
+    def _beats_plain_step(self, expected: float, nodes: int, drafting_ms: float) -> bool:
+        one_step = self.cost_curve(1)
+        return nodes > 0 and expected / (self.cost_curve(nodes + 1) + drafting_ms) * one_step >= self.selector.min_gain
+
+    def _worth_expanding(self, scores: list[float], frontier_scores: list[float], drafting_ms: float,
+                         step_ms: float) -> bool:
+        """Whether one more level could raise expected tokens per millisecond: at best it turns all
+        of the frontier's probability into accepted tokens, with one more node per frontier node."""
+        ranked = sorted(scores, reverse=True)[: self.selector.max_nodes]
+        expected, best_expected, best_size = 1.0, 1.0, 0
+        best_rate = 1.0 / (self.cost_curve(1) + drafting_ms)
+        for size, score in enumerate(ranked, start=1):
+            expected += score
+            rate = expected / (self.cost_curve(size + 1) + drafting_ms)
+            if rate > best_rate:
+                best_rate, best_expected, best_size = rate, expected, size
+        optimistic = (best_expected + sum(frontier_scores)) / (
+            self.cost_curve(best_size + len(frontier_scores) + 1) + drafting_ms + step_ms)
+        return optimistic > best_rate
+
+    @staticmethod
+    def _draw(probs: Tensor, count: int, rng: torch.Generator | None) -> tuple[list[int], Tensor]:
+        """`count` children from probs [vocab], and the distribution each was drawn from [count, vocab]."""
+        return draw_without_replacement(probs, count, rng)

@@ -25,37 +25,71 @@ class TrieTreeBuilder:
         self.min_gain = min_gain
         self.last_expected_tokens = 1.0
 
-    def build(self, state: DecodeState, proposals: list[Proposal], drafters: list = ()) -> DraftTree:
-        tokens, parents, scores, sources = self._merge(proposals)
-        if not tokens or self.max_nodes == 0:
-            self.last_expected_tokens = 1.0
-            return DraftTree.empty()
-        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.max_nodes]
-        size = self._best_size([scores[i] for i in order])
-        self.last_expected_tokens = 1.0 + sum(scores[i] for i in order[:size])
-        if size == 0:
+    def build(self, state: DecodeState, proposals: list[Proposal], drafters: list = (),
+              overhead_ms: float = 0.0) -> DraftTree:
+        """`overhead_ms`: time this step already spent drafting, for the tokens-per-millisecond choice.
+
+        Sampled proposals (with `draft_probs`) are kept whole, first: which sampled nodes exist was
+        decided by their drafter before each was drawn, and choosing among them by their tokens
+        would bias what rejection sampling emits. The deterministic nodes are merged and chosen
+        after them, under the budget they leave.
+        """
+        sampled = [proposal for proposal in proposals if proposal.draft_probs is not None and len(proposal)]
+        fixed_tokens, fixed_parents, fixed_sources, fixed_expected = self._concatenate(sampled)
+        tokens, parents, scores, sources = self._merge([p for p in proposals if p.draft_probs is None])
+        budget = max(0, self.max_nodes - len(fixed_tokens))
+        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
+        size = self._best_size([scores[i] for i in order], overhead_ms, len(fixed_tokens), fixed_expected)
+        self.last_expected_tokens = 1.0 + fixed_expected + sum(scores[i] for i in order[:size])
+        if size == 0 and not fixed_tokens:
             return DraftTree.empty()
         kept = sorted(order[:size])  # node order stays topological
-        new_index = {old: new for new, old in enumerate(kept)}
+        offset = len(fixed_tokens)
+        new_index = {old: offset + new for new, old in enumerate(kept)}
+        all_tokens = torch.tensor(fixed_tokens + [tokens[i] for i in kept], dtype=torch.long)  # [n]
+        draft_probs = None
+        if sampled:
+            deterministic = torch.zeros(len(kept), sampled[0].draft_probs.shape[1])  # [kept, vocab] one-hot
+            deterministic[torch.arange(len(kept)), all_tokens[offset:]] = 1.0
+            draft_probs = torch.cat([*(proposal.draft_probs.float() for proposal in sampled), deterministic])
         return DraftTree.from_parents(
-            torch.tensor([tokens[i] for i in kept], dtype=torch.long),
-            torch.tensor([new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept], dtype=torch.long),
-            sources=tuple(sources[i] for i in kept),
+            all_tokens,
+            torch.tensor(fixed_parents + [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+                         dtype=torch.long),
+            sources=tuple(fixed_sources + [sources[i] for i in kept]),
+            draft_probs=draft_probs,
         )
 
-    def _best_size(self, ranked_scores: list[float]) -> int:
-        """The number of nodes maximising expected tokens per unit of cost (0 = plain step)."""
+    def _best_size(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
+                   fixed_expected: float = 0.0) -> int:
+        """The number of nodes maximising expected tokens per unit of cost (0 = none), after
+        `fixed_nodes` nodes already in the tree that are expected to yield `fixed_expected` tokens."""
         one_step = self.cost_curve(1)
-        best_size, best_rate = 0, 1.0 / one_step
-        expected = 1.0
+        expected = 1.0 + fixed_expected
+        best_size, best_rate = 0, expected / (self.cost_curve(fixed_nodes + 1) + overhead_ms)
         for size, score in enumerate(ranked_scores, start=1):
             expected += score
-            rate = expected / self.cost_curve(size + 1)
+            rate = expected / (self.cost_curve(fixed_nodes + size + 1) + overhead_ms)
             if rate > best_rate:
                 best_size, best_rate = size, rate
-        if best_rate * one_step < self.min_gain:
+        if not fixed_nodes and best_rate * (one_step + overhead_ms) < self.min_gain:
             return 0
         return best_size
+
+    @staticmethod
+    def _concatenate(proposals: list[Proposal]) -> tuple[list[int], list[int], list[str], float]:
+        """Proposals side by side, unmerged: tokens, parents, sources, and the sum of their scores."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        sources: list[str] = []
+        expected = 0.0
+        for proposal in proposals:
+            offset = len(tokens)
+            tokens += proposal.tokens.tolist()
+            parents += [parent + offset if parent >= 0 else -1 for parent in proposal.parents.tolist()]
+            sources += [proposal.source] * len(proposal)
+            expected += float(proposal.scores.sum())
+        return tokens, parents, sources, expected
 
     @staticmethod
     def _merge(proposals: list[Proposal]) -> tuple[list[int], list[int], list[float], list[str]]:
