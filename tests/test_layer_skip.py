@@ -28,6 +28,14 @@ def layer_skip_config(*overrides: str):
                            "pipeline.drafters.skip.vocab_top_k=0", "pipeline.tree.min_score=0", *overrides])
 
 
+@torch.inference_mode()
+def stock_greedy(reference, prompt: list[int], max_new_tokens: int, eos_token_ids) -> list[int]:
+    """Plain greedy decoding by HF generate on a stock copy of the model."""
+    ids = torch.tensor([prompt])
+    return reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=sorted(eos_token_ids), pad_token_id=0)[0, len(prompt):].tolist()
+
+
 def test_the_subset_shares_the_targets_modules_and_leaves_the_target_whole(three_layers):
     target = three_layers.model
     draft = layer_subset_model(target, [0, 2])
@@ -68,11 +76,7 @@ def test_layer_skip_is_lossless_as_a_tree_and_as_a_chain(three_layers, where):
     drafted = 0
     for prompt in random_prompts(6, seed=32):
         tokens, steps = run_steps(pipe, prompt, 20)
-        with torch.inference_mode():
-            ids = torch.tensor([prompt])
-            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                                          eos_token_id=sorted(pipe.eos_token_ids), pad_token_id=0)[0, len(prompt):].tolist()
-        assert tokens == expected
+        assert tokens == stock_greedy(reference, prompt, 20, pipe.eos_token_ids)
         drafted += sum(step.drafted for step in steps)
     assert drafted > 0  # the stock tiny model copies its last token, and so does its subset
 
@@ -96,8 +100,4 @@ def test_a_measured_draft_cost_curve_runs_on_the_drafts_own_cache(three_layers, 
     reference = copy.deepcopy(three_layers.model)
     prompt = random_prompts(1, seed=33)[0]
     tokens, _ = run_steps(pipe, prompt, 16)
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                      eos_token_id=sorted(pipe.eos_token_ids), pad_token_id=0)[0, len(prompt):].tolist()
-    assert tokens == expected
+    assert tokens == stock_greedy(reference, prompt, 16, pipe.eos_token_ids)
