@@ -19,6 +19,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "build_store": ("specpipe.tasks.build_store", "run_build_store"),
     "distill_corpus": ("specpipe.tasks.distill_corpus", "run_distill_corpus"),
     "distill_draft": ("specpipe.tasks.distill_draft", "run_distill_draft"),
+    "search_layers": ("specpipe.tasks.search_layers", "run_search_layers"),
 }
 
 

@@ -32,7 +32,7 @@ class LayerSubsetCache(PositionIndexedCache):
         return super().update(key_states, value_states, self.local[layer_idx], *args, **kwargs)
 
 
-def _shallow(module: nn.Module) -> nn.Module:
+def share_modules(module: nn.Module) -> nn.Module:
     """A copy of `module` that shares every parameter, buffer and child, with its own child table."""
     clone = copy.copy(module)
     clone._modules = dict(module._modules)
@@ -54,17 +54,31 @@ def layer_subset_model(target: PreTrainedModel, layers: Sequence[int]) -> PreTra
                           f"(0..{count - 1}), got {layers}")
     if len(layers) == count:
         raise ConfigError(f"drafter.layers keeps all {count} layers: the draft would cost what the target costs")
-    draft = _shallow(target)
-    draft.model = _shallow(decoder)
+    draft = share_modules(target)
+    draft.model = share_modules(decoder)
     draft.model.layers = nn.ModuleList([blocks[layer] for layer in layers])
     draft.kept_layers = layers
     return draft
 
 
-def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, layers: Sequence[int],
+def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, layers: Sequence[int] | str,
                     name: str = "layer_skip", chain_length: int = 5, min_score: float = 0.05,
-                    vocab_top_k: int = 0, vocab_counts: str | None = None) -> DraftModelDrafter:
-    """The drafter `drafter=layer_skip` configures (see DraftModelDrafter for chain/tree drafting)."""
+                    vocab_top_k: int = 0, vocab_counts: str | None = None, keep: int | None = None,
+                    search: str | None = None) -> DraftModelDrafter:
+    """The drafter `drafter=layer_skip` configures (see DraftModelDrafter for chain/tree drafting).
+
+    `layers`: target layer indices, or "searched": the set of `keep` layers that `task=search_layers`
+    found for this model (read from `search`, default data/layer_skip/<model>_layers.json)."""
+    if isinstance(layers, str):
+        if layers != "searched":
+            raise ConfigError(f"drafter.layers must be a list of layer indices or 'searched', got {layers!r}")
+        if keep is None:
+            raise ConfigError("drafter.layers=searched needs drafter.keep: how many layers the draft keeps")
+        from specpipe.distill.layer_search import read_searched_layers, searched_layers_path
+        from specpipe.stores.manifest import tokenizer_fingerprint
+
+        layers = read_searched_layers(search or searched_layers_path(target.name), target.name,
+                                      tokenizer_fingerprint(tokenizer)["vocab_sha256"], int(keep))
     draft = layer_subset_model(target.model, layers)
     reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
     kept = list(draft.kept_layers)
