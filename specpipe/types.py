@@ -177,6 +177,9 @@ class DecodeState:
     documents: tuple[tuple[int, ...], ...] = ()
     # The request's seeded generator: drafters that sample draw from the verifier's own stream.
     rng: torch.Generator | None = None
+    # Query rows a lookahead branch (drafter=jacobi) adds to this step's verify forward beside the
+    # tree: tree builders count them in the forward's cost.
+    lookahead_rows: int = 0
 
     @property
     def generated(self) -> list[int]:

@@ -287,6 +287,18 @@ def test_trie_builder_sizes_by_expected_tokens_per_cost():
         assert len(tree) == best, (scores, rates)
 
 
+def test_trie_builder_counts_lookahead_rows_in_the_forwards_cost():
+    """Rows a lookahead branch adds to the same forward shift every size along the curve: a node that
+    does not pay for the jump from 1 to 2 queries pays once 9 rows are verified anyway."""
+    curve = CostCurve((1, 2, 64), (10.0, 20.0, 26.2))  # +10 ms for the second query, +0.1 ms per query after
+    proposals = [chain([7, 8], [0.5, 0.3])]
+    assert len(TrieTreeBuilder(curve, max_nodes=8).build(state_of([1]), proposals)) == 0
+    riding = DecodeState(tokens=[1], prompt_length=1, lookahead_rows=9)
+    builder = TrieTreeBuilder(curve, max_nodes=8)
+    assert builder.build(riding, proposals).tokens.tolist() == [7, 8]
+    assert builder.best_cut([0.5, 0.3], extra_rows=9) == (2, 1.8, 1.8 / curve(12))
+
+
 def test_trie_builder_no_proposals():
     assert len(TrieTreeBuilder(FLAT).build(state_of([1]), [])) == 0
     assert len(TrieTreeBuilder(FLAT).build(state_of([1]), [Proposal.empty("x")])) == 0

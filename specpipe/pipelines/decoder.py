@@ -67,14 +67,15 @@ class SpeculativeDecoder:
             seconds["propose"] = clock() - mark
 
             mark = clock()
+            riding = [(branch, branch.lookahead_rows(state)) for branch in branches]
+            riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
+            state.lookahead_rows = sum(len(rows) for _, rows in riding)
+            lookahead_seconds = clock() - mark
+
+            mark = clock()
             tree = self.tree_builder.build(state, proposals, self.drafters) \
                 if self.tree_builder and (proposals or self.drafters) else DraftTree.empty()
             seconds["tree"] = clock() - mark
-
-            mark = clock()
-            riding = [(branch, branch.lookahead_rows(state)) for branch in branches]
-            riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
-            lookahead_seconds = clock() - mark
 
             mark = clock()
             forward = self.target.forward_tree(state.tokens[-1], tree, cache, [rows for _, rows in riding])

@@ -175,13 +175,7 @@ class Eagle2TreeBuilder:
         """Whether one more level could raise expected tokens per millisecond: at best it turns all
         of the frontier's probability into accepted tokens, with one more node per frontier node."""
         ranked = sorted(scores, reverse=True)[: self.selector.max_nodes]
-        expected, best_expected, best_size = 1.0, 1.0, 0
-        best_rate = 1.0 / (self.cost_curve(1) + drafting_ms)
-        for size, score in enumerate(ranked, start=1):
-            expected += score
-            rate = expected / (self.cost_curve(size + 1) + drafting_ms)
-            if rate > best_rate:
-                best_rate, best_expected, best_size = rate, expected, size
+        best_size, best_expected, best_rate = self.selector.best_cut(ranked, drafting_ms)
         optimistic = (best_expected + sum(frontier_scores)) / (
             self.cost_curve(best_size + len(frontier_scores) + 1) + drafting_ms + step_ms)
         return optimistic > best_rate

@@ -39,7 +39,8 @@ class TrieTreeBuilder:
         tokens, parents, scores, sources = self._merge([p for p in proposals if p.draft_probs is None])
         budget = max(0, self.max_nodes - len(fixed_tokens))
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
-        size = self._best_size([scores[i] for i in order], overhead_ms, len(fixed_tokens), fixed_expected)
+        size = self._best_size([scores[i] for i in order], overhead_ms, len(fixed_tokens), fixed_expected,
+                               state.lookahead_rows)
         self.last_expected_tokens = 1.0 + fixed_expected + sum(scores[i] for i in order[:size])
         if size == 0 and not fixed_tokens:
             return DraftTree.empty()
@@ -60,21 +61,30 @@ class TrieTreeBuilder:
             draft_probs=draft_probs,
         )
 
-    def _best_size(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
-                   fixed_expected: float = 0.0) -> int:
-        """The number of nodes maximising expected tokens per unit of cost (0 = none), after
-        `fixed_nodes` nodes already in the tree that are expected to yield `fixed_expected` tokens."""
-        one_step = self.cost_curve(1)
+    def best_cut(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
+                 fixed_expected: float = 0.0, extra_rows: int = 0) -> tuple[int, float, float]:
+        """(size, expected tokens, expected tokens per ms) of the best prefix of `ranked_scores` (best
+        first) to verify after `fixed_nodes` nodes already in the tree that are expected to yield
+        `fixed_expected` tokens; size 0 = none of them. `overhead_ms` is added to every size's cost,
+        and `extra_rows` (lookahead rows riding in the same forward) to every size's query count."""
         expected = 1.0 + fixed_expected
-        best_size, best_rate = 0, expected / (self.cost_curve(fixed_nodes + 1) + overhead_ms)
+        base = fixed_nodes + extra_rows + 1
+        best = (0, expected, expected / (self.cost_curve(base) + overhead_ms))
         for size, score in enumerate(ranked_scores, start=1):
             expected += score
-            rate = expected / (self.cost_curve(fixed_nodes + size + 1) + overhead_ms)
-            if rate > best_rate:
-                best_size, best_rate = size, rate
-        if not fixed_nodes and best_rate * (one_step + overhead_ms) < self.min_gain:
+            rate = expected / (self.cost_curve(base + size) + overhead_ms)
+            if rate > best[2]:
+                best = (size, expected, rate)
+        return best
+
+    def _best_size(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
+                   fixed_expected: float = 0.0, extra_rows: int = 0) -> int:
+        """The number of nodes maximising expected tokens per unit of cost (0 = none), after
+        `fixed_nodes` nodes already in the tree that are expected to yield `fixed_expected` tokens."""
+        size, _, rate = self.best_cut(ranked_scores, overhead_ms, fixed_nodes, fixed_expected, extra_rows)
+        if not fixed_nodes and rate * (self.cost_curve(1 + extra_rows) + overhead_ms) < self.min_gain:
             return 0
-        return best_size
+        return size
 
     @staticmethod
     def _concatenate(proposals: list[Proposal]) -> tuple[list[int], list[int], list[str], float]:
