@@ -7,6 +7,7 @@ search over single removals, and the task end to end, down to the drafter readin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,17 @@ def test_the_task_writes_a_search_the_drafter_reads(tmp_path):
         read_searched_layers(out, "tiny_random", vocab, 1)
     with pytest.raises(ConfigError, match="needs drafter.keep"):
         load_layer_skip(target, loaded.tokenizer, "searched")
+
+
+@pytest.mark.embedded
+def test_the_shipped_search_drafts_losslessly_for_the_embedded_model(embedded):
+    """data/layer_skip/ holds the search for the embedded model: `layers=searched keep=20` builds the
+    drafter on that row's layers, and decoding through it stays plain greedy."""
+    search = json.loads((Path(__file__).resolve().parents[1] / "data" / "layer_skip" /
+                         "smollm2_135m_layers.json").read_text())
+    row = next(r for r in search["rows"] if r["kept"] == 20)
+    pipe = embedded.pipeline("draft_model", "~pipeline.drafters.model", "+drafter@pipeline.drafters.skip=layer_skip",
+                             "pipeline.drafters.skip.layers=searched", "pipeline.drafters.skip.keep=20", fresh=True)
+    assert list(pipe.decoder.drafters[0].runner.model.kept_layers) == row["layers"]
+    prompt_ids = pipe.encode("Explain what a Python decorator is.")
+    assert pipe.generate(prompt_ids, max_new_tokens=24).token_ids == embedded.greedy_hf(prompt_ids, 24)
