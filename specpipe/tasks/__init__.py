@@ -6,6 +6,8 @@ matplotlib; a store build pulls in FAISS).
 from __future__ import annotations
 
 import importlib
+import shlex
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -21,6 +23,28 @@ TASKS: dict[str, tuple[str, str]] = {
     "distill_draft": ("specpipe.tasks.distill_draft", "run_distill_draft"),
     "search_layers": ("specpipe.tasks.search_layers", "run_search_layers"),
 }
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def repo_path(value: str) -> Path:
+    """Relative paths are taken from the repository root, wherever the command runs."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else REPO / path
+
+
+def hydra_overrides() -> list[str]:
+    """The command-line overrides of this run (none when called outside `run.py`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def task_command(task: str) -> str:
+    """The command that reproduces this run of `task=NAME`, for the sidecars a task writes."""
+    overrides = [o for o in hydra_overrides() if o != f"task={task}"]
+    return " ".join([f"python run.py task={task}", *(shlex.quote(o) for o in overrides)])
 
 
 def run_task(cfg: DictConfig) -> None:

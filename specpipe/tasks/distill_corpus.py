@@ -15,7 +15,6 @@ distill.merge_only=true`. Throughput of batch sizes and dtypes on this machine:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -23,25 +22,12 @@ from omegaconf import DictConfig
 from specpipe.distill.corpus import BatchedGreedy, ShardFolder, distill, merge_shards
 from specpipe.distill.prompts import build_prompt_source
 from specpipe.errors import ConfigError
-from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
+from specpipe.tasks import hydra_overrides, repo_path
 
-REPO = CONFIG_DIR.parent
 LINEARS = ("onednn", "torch")
 COMMAND = "OMP_WAIT_POLICY=PASSIVE nice -n 19 python run.py task=distill_corpus"
-
-
-def _path(value: str) -> Path:
-    """Relative paths are taken from the repository root, wherever the command runs."""
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else REPO / path
-
-
-def _overrides() -> list[str]:
-    """The command-line overrides of this run (none when called outside `run.py`)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def run_distill_corpus(cfg: DictConfig) -> dict | None:
@@ -52,7 +38,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         torch.set_num_threads(int(cfg.threads))
     source = build_prompt_source(seed=int(d.seed))
     prompts = source.prompts[: int(d.limit)] if d.get("limit") else source.prompts
-    shards = ShardFolder(_path(d.shards))
+    shards = ShardFolder(repo_path(d.shards))
     loaded = load_model(cfg.model)
     settings = {
         "model": loaded.name, "dtype": str(cfg.model.dtype), "linears": str(d.linears),
@@ -72,7 +58,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         print(f"distill_corpus: {len(prompts)} prompts, batch {d.batch_size}, {settings['dtype']}/{d.linears}, "
               f"token budget {budget}, shards in {shards.folder}", file=sys.stderr, flush=True)
         # A start line and an end line: a killed run (the usual way one ends) still leaves its start.
-        shards.log_run({"event": "start", "overrides": _overrides(), "batch_size": int(d.batch_size)})
+        shards.log_run({"event": "start", "overrides": hydra_overrides(), "batch_size": int(d.batch_size)})
         stats = distill(generator, prompts, shards, int(d.batch_size), budget, progress=bool(d.progress))
         shards.log_run({"event": "end", "new_prompts": stats.new_prompts, "new_tokens": stats.new_tokens,
                         "seconds": round(stats.seconds, 1)})
@@ -95,7 +81,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         "command": COMMAND,
         "runs": shards.runs(),  # every generation run into these shards: overrides, tokens, seconds
     }
-    info = merge_shards(shards, _path(d.out), prompts, metadata)
-    print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {_path(d.out)} "
+    info = merge_shards(shards, repo_path(d.out), prompts, metadata)
+    print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {repo_path(d.out)} "
           f"({info['bytes'] / 1e6:.2f} MB)", file=sys.stderr)
     return info

@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -45,27 +44,11 @@ from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata, write
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
-from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.tasks import repo_path, task_command
 
-REPO = CONFIG_DIR.parent
 TEACHER_VERSION = 1
-
-
-def _path(value: str) -> Path:
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else REPO / path
-
-
-def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
-def _command() -> str:
-    overrides = [o for o in _overrides() if o != "task=distill_draft"]
-    return " ".join(["python run.py task=distill_draft", *(shlex.quote(o) for o in overrides)])
 
 
 def _log(message: str) -> None:
@@ -488,7 +471,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                           f"model.dtype={cfg.model.dtype}: use model.dtype=fp32")
     layers = [int(layer) for layer in d.layers]
     draft = build_draft(target, layers)  # checks the layers before any long stage
-    corpus = _path(d.corpus)
+    corpus = repo_path(d.corpus)
     corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
     if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
@@ -502,7 +485,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")
-    folder = _path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
+    folder = repo_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
@@ -537,7 +520,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         _log(f"resumed from step {trainer.step} ({trainer.tokens} tokens trained)")
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
-    out = _path(d.out) if d.get("out") else REPO / "data" / "draft" / f"{loaded.name}_draft.safetensors"
+    out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
 
     def run_eval(export: bool) -> dict:
         result = evaluate(draft, held_out, teacher, d, pad_id, bool(d.progress))
@@ -545,12 +528,13 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                       train_seconds=round(trainer.seconds, 1))
         _log(format_eval(result, trainer.step))
         report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
-        report.update(layers=layers, model=loaded.name, command=_command(), settings=OmegaConf.to_container(d))
+        report.update(layers=layers, model=loaded.name, command=task_command("distill_draft"),
+                      settings=OmegaConf.to_container(d))
         _write_json(report_path, report)
         if export:
             sidecar = save_draft(draft, out, {
                 "base_model": loaded.name, "target_layers": layers, "tokenizer": fingerprint,
-                "command": _command(),
+                "command": task_command("distill_draft"),
                 "corpus": {"file": str(d.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
                            "held_out_answers": len(held_out), "eval_fraction": float(d.eval_fraction)},
                 "training": {"steps": trainer.step, "input_tokens": trainer.tokens,

@@ -9,7 +9,6 @@ drafter.keep=K` reads it) and a plot into the run's output folder.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -20,28 +19,15 @@ from specpipe.distill.corpus import read_corpus_metadata, write_atomically
 from specpipe.distill.layer_search import (FORMAT, AgreementProbe, ProbeSequence, agreement_interval,
                                            backward_elimination, elimination_forwards, searched_layers_path)
 from specpipe.errors import ConfigError
-from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import frequent_tokens
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import is_eval, load_examples
-
-REPO = CONFIG_DIR.parent
-
-
-def _path(value: str) -> Path:
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else REPO / path
 
 
 def _log(message: str) -> None:
     print(f"search_layers: {message}", file=sys.stderr, flush=True)
-
-
-def _command() -> str:
-    from hydra.core.hydra_config import HydraConfig
-
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    return " ".join(["python run.py", *(shlex.quote(o) for o in overrides)])
 
 
 def probe_sequences(examples, positions: int) -> list[ProbeSequence]:
@@ -84,15 +70,15 @@ def run_search_layers(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
-    corpus = _path(s.corpus)
+    corpus = repo_path(s.corpus)
     if not corpus.is_file():
         raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set "
                           f"search_layers.corpus")
     fingerprint = tokenizer_fingerprint(tokenizer)
-    recorded = read_corpus_metadata(corpus).get("tokenizer", {})
-    if recorded.get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
+    corpus_info = read_corpus_metadata(corpus)
+    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
         raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
-    system_prompt = read_corpus_metadata(corpus).get("system_prompt", cfg.get("system_prompt"))
+    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
     examples = [e for e in load_examples(corpus, tokenizer, int(s.max_seq_len), system_prompt)
                 if is_eval(e.prompt_id, float(s.eval_fraction))]
     sequences = probe_sequences(examples, int(s.positions))
@@ -119,7 +105,8 @@ def run_search_layers(cfg: DictConfig) -> dict:
     rows = []
     for row in searched:
         kept = len(row.layers)
-        early = probe.agreement(list(range(kept)))
+        # The first `kept` layers: already scored when the search kept exactly those.
+        early = row.agreement if row.layers == tuple(range(kept)) else probe.agreement(list(range(kept)))
         rows.append({"kept": kept, "layers": list(row.layers), "agreement": row.agreement, "dropped": row.dropped,
                      "early_exit_agreement": early})
     half_width = max(agreement_interval(r["agreement"], probe.positions) for r in rows)
@@ -132,20 +119,17 @@ def run_search_layers(cfg: DictConfig) -> dict:
               f"{'' if r['dropped'] is None else r['dropped']} | {r['layers']} |")
 
     result = {"format": FORMAT, "format_version": 1, "model": loaded.name, "tokenizer": fingerprint,
-              "dtype": str(model.dtype).removeprefix("torch."), "command": _command(),
+              "dtype": str(model.dtype).removeprefix("torch."), "command": task_command("search_layers"),
               "corpus": {"file": str(s.corpus), "sha256": sha256_file(corpus), "eval_fraction": float(s.eval_fraction)},
               "positions": probe.positions, "answers": len(sequences),
               "vocab_top_k": int(s.vocab_top_k), "rows": rows}
-    out = _path(s.out) if s.get("out") else searched_layers_path(loaded.name)
+    out = repo_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
     _log(f"wrote {out}")
-    try:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
-        folder = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else out.parent
-    except ValueError:
-        folder = out.parent
+    folder = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else out.parent
     _plot(rows, folder / "layer_search.png", loaded.name)
     _log(f"plot: {folder / 'layer_search.png'}")
     return result
