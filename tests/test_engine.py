@@ -12,12 +12,13 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaModel
 
 from conftest import DRAFTING_PIPELINES, near_tie_divergence, random_prompts, run_steps
 from specpipe.engine import cpu, onednn
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
+from specpipe.engine.lean_model import LeanLlamaModel
 from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
@@ -110,6 +111,78 @@ def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
         assert torch.equal(expected, got)
     for expected, got in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, rows):
+    """The lean LlamaModel loop against transformers' own over the same rewritten modules: bitwise
+    equal logits, last hidden state and cache, for a prefill, a tree verify and a one-token step."""
+    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine(lean_forward=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
+    prompt = random_prompts(1, seed=rows)[0]
+    tree = DraftTree.from_parents(torch.arange(300, 300 + rows), torch.tensor([-1, 0, 0, 1, 2][:rows]))
+    outputs, caches = [], []
+    for model in (stock, lean):
+        target = TargetModel(model, engine="fast")
+        cache = target.new_cache()
+        prefill = target.prefill(prompt, cache)
+        verify = target.forward_tree(prompt[-1], tree, cache)
+        cache.crop(len(prompt))
+        step = target.forward_tree(prompt[-1], DraftTree.empty(), cache)
+        outputs.append((prefill.logits, prefill.hidden, verify.logits, verify.hidden, step.logits, step.hidden))
+        caches.append(cache)
+    for expected, got in zip(*outputs):
+        assert torch.equal(expected, got)
+    for expected, got in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
+
+
+def test_lean_model_serves_plain_calls_and_leaves_the_rest_to_transformers():
+    """Every hidden state, padded batches through generate, and the calls it hands back (attention
+    weights, training) give what transformers' forward gives."""
+    stock, lean = fresh_tiny(), fresh_tiny()
+    OneDNNEngine(lean_forward=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    input_ids = torch.tensor([prompt[:30] for prompt in random_prompts(2, seed=5)])  # [2, 30]
+    padding = torch.ones_like(input_ids)
+    padding[1, :3] = 0  # left padding on the second row
+    with torch.inference_mode():
+        expected, got = (model(input_ids=input_ids, attention_mask=padding, output_hidden_states=True)
+                         for model in (stock, lean))
+        assert len(got.hidden_states) == stock.config.num_hidden_layers + 1
+        for a, b in zip((expected.logits, *expected.hidden_states), (got.logits, *got.hidden_states)):
+            assert torch.equal(a, b)
+        generated = [model.generate(input_ids, attention_mask=padding, max_new_tokens=6, do_sample=False)
+                     for model in (stock, lean)]
+        assert torch.equal(*generated)
+    # attention weights: transformers' own blocks return them (the lean blocks do not)
+    stock_blocks, lean_loop = fresh_tiny(), fresh_tiny()
+    OneDNNEngine(lean_blocks=False, lean_forward=False).apply(stock_blocks)
+    OneDNNEngine(lean_blocks=False).apply(lean_loop)
+    assert type(lean_loop.model) is LeanLlamaModel
+    with torch.inference_mode():
+        for model in (stock_blocks, lean_loop):
+            model.set_attn_implementation("eager")
+        expected, got = (model(input_ids=input_ids, output_attentions=True) for model in (stock_blocks, lean_loop))
+    assert len(got.attentions) == len(expected.attentions) == stock.config.num_hidden_layers
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+    lean.train()
+    assert torch.equal(lean(input_ids=input_ids).logits, stock.train()(input_ids=input_ids).logits)
+
+
+def test_a_model_with_forward_hooks_keeps_transformers_forward():
+    """A user's hook on a layer would be skipped by the lean loop, so that model is not swapped."""
+    model = fresh_tiny()
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(1))
+    OneDNNEngine().apply(model)
+    assert type(model.model) is LlamaModel
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [1]
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -394,7 +467,7 @@ def test_split_linear_equals_f_linear(threads, out_features, rows):
     torch.set_num_threads(threads)
     try:
         for b in (None, bias):
-            out = cpu.split_linear(x, weight, b)
+            out = cpu.split_linear(x, cpu.row_blocks(weight, threads), b)
             assert out.shape == (2, rows, out_features) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
     finally:

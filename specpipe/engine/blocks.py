@@ -14,6 +14,8 @@ plug-in point (`AttentionInterface`) stay transformers' own.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import SiLUActivation
@@ -54,8 +56,11 @@ class FusedQKVAttention(nn.Module):
         self.kv_heads = qkv.splits[1] // self.head_dim
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
-                attention_mask: Tensor | None = None, past_key_values=None, **kwargs) -> tuple[Tensor, None]:
-        # hidden_states [batch, q, hidden]; cos, sin [batch, q, head_dim]
+                attention_mask: Tensor | None = None, past_key_values=None,
+                attention_function: Callable | None = None, **kwargs) -> tuple[Tensor, None]:
+        # hidden_states [batch, q, hidden]; cos, sin [batch, q, head_dim]. `attention_function`: the
+        # attention implementation when the caller has looked it up (the lean model forward does, once
+        # per forward: reading config._attn_implementation costs ~20 us, 30 times per step)
         batch, q, _ = hidden_states.shape
         rotated_heads = self.query_heads + self.kv_heads
         qkv = self.qkv.product(hidden_states).view(batch, q, rotated_heads + self.kv_heads, self.head_dim)
@@ -68,7 +73,8 @@ class FusedQKVAttention(nn.Module):
         value = qkv[:, :, rotated_heads:].transpose(1, 2)  # [batch, kv_heads, q, head_dim]
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = attention_function or ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                                eager_attention_forward)
         out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(batch, q, -1)), None  # out [batch, q, heads, head_dim]
 

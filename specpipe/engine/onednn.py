@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpipe.engine.base import ENGINE_ATTRIBUTE, LINEAR_PATH_ATTRIBUTE, claim_model
-from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, split_linear
+from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, row_blocks, split_linear
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class PackedWeight(nn.Module):
         # Products of at most `split_rows` rows in the weight's own dtype run split_linear on it.
         self.split_rows = split_rows if self.compute_dtype == weight.dtype else 0
         self.plain = weight.contiguous() if self.split_rows else None  # [sum out, in]
+        self._blocked: tuple[int, Tensor] | None = None  # (threads, row_blocks(plain, threads)), made on first use
         biases = [linear.bias.detach() if linear.bias is not None else None for linear in linears]
         if all(bias is None for bias in biases):
             self.bias = None
@@ -71,11 +72,18 @@ class PackedWeight(nn.Module):
         # x [..., in] -> [..., sum out], in x's dtype
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
-                return split_linear(x, self.plain, self.bias)
+                return split_linear(x, self._row_blocks(), self.bias)
             return packed_linear(x, self.packed, self.bias)
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
         return packed_linear(x.to(self.compute_dtype), self.packed, self.bias).to(x.dtype)
+
+    def _row_blocks(self) -> Tensor:
+        # [blocks, sum out / blocks, in]: one block per thread of the current thread count
+        threads = torch.get_num_threads()
+        if self._blocked is None or self._blocked[0] != threads:
+            self._blocked = (threads, row_blocks(self.plain, threads))
+        return self._blocked[1]
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
@@ -134,6 +142,7 @@ class OneDNNEngine:
 
     fuse: bool = True
     lean_blocks: bool = True  # swap Llama attention/MLP blocks for lean ones over the fused products
+    lean_forward: bool = True  # run LlamaModel's layers in one lean loop (specpipe.engine.lean_model)
     # bf16 models: "auto" = oneDNN's native bf16 kernels where the CPU has them, else weights packed
     # in fp32 (inputs upcast); "fp32" = always the latter.
     bf16_compute: str = "auto"
@@ -177,7 +186,13 @@ class OneDNNEngine:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
             lean = swap_lean_blocks(model)
-        log.info("engine=%s: %s; %d attention/MLP blocks lean", self.name, path.describe(), lean)
+        lean_models = 0
+        if self.lean_forward:
+            from specpipe.engine.lean_model import swap_lean_model
+
+            lean_models = swap_lean_model(model)
+        log.info("engine=%s: %s; %d attention/MLP blocks lean, %d model forward%s lean", self.name, path.describe(),
+                 lean, lean_models, "" if lean_models == 1 else "s")
         return model
 
     def _linear_path(self, model: nn.Module) -> LinearPath | str:

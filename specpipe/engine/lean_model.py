@@ -1,0 +1,120 @@
+"""A lean forward for transformers' LlamaModel under engine=fast: the same modules and weights,
+the same expressions in the same order, without the per-layer machinery around them.
+
+Why: with the linears prepacked and the attention/MLP blocks lean, a one-token fp32 step of
+SmolLM2-135M on a 2-core AVX2 CPU still took ~42 ms for ~24 ms of matrix products. The rest was
+mostly fixed cost per layer: module calls (each decoder layer also runs transformers' output
+capturing hook), the decoder layer's keyword plumbing, and eight small ops per RMSNorm behind a
+module call. A throwaway loop over the same products measured 33 ms, bit-identical logits.
+
+`swap_lean_model` turns a `LlamaModel` instance into a `LeanLlamaModel` (a subclass that only
+overrides `forward`), so its modules, state dict and `isinstance` checks stay transformers' own.
+It is swapped only where every decoder layer and norm runs transformers' own forward and no
+module carries a forward hook the lean loop would skip (transformers' output-capturing hooks
+aside: the lean forward records hidden states itself). Calls it does not cover (training,
+attention weights, a selection of hidden states, tuple outputs) run the stock forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
+                                                      eager_attention_forward)
+
+from specpipe.engine.blocks import FusedQKVAttention
+
+try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+except ImportError:  # releases that read the class attribute instead, which LeanLlamaModel inherits
+    _CAN_RECORD_REGISTRY = None
+
+# Keyword arguments the lean forward serves; any other (attention weights, packed-sequence
+# lengths, ...) goes to the stock forward.
+LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"})
+TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' own hook; inert unless it collects
+
+
+def rms_norm(norm: LlamaRMSNorm, hidden: Tensor) -> Tensor:
+    """LlamaRMSNorm.forward's expressions without the module call. hidden [..., hidden_size]."""
+    dtype = hidden.dtype
+    if dtype != torch.float32:
+        hidden = hidden.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
+
+
+class LeanLlamaModel(LlamaModel):
+    """LlamaModel whose forward runs each decoder layer's expressions inline (see module doc)."""
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
+                use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
+        # input_ids [batch, q]; attention_mask [batch, kv] or [batch, 1, q, kv]; position_ids [batch, q]
+        output_hidden_states = kwargs.get("output_hidden_states")
+        if (self.training or not LEAN_KWARGS.issuperset(kwargs) or kwargs.get("return_dict") is False
+                or output_hidden_states not in (None, True, False) or (input_ids is None) == (inputs_embeds is None)):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, **kwargs)
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [batch, q, hidden]
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + seen).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=past_key_values, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        lean_attention = {"attention_function": ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward)}
+        recorded = [hidden] if output_hidden_states else None
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            # LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its input
+            attention = layer.self_attn
+            attended, _ = attention.forward(
+                hidden_states=rms_norm(layer.input_layernorm, hidden), attention_mask=mask,
+                position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                position_embeddings=position_embeddings, **(lean_attention if type(attention) is FusedQKVAttention else {}))
+            hidden = hidden + attended
+            hidden = hidden + layer.mlp.forward(rms_norm(layer.post_attention_layernorm, hidden))
+            if recorded is not None:
+                recorded.append(hidden)
+        hidden = rms_norm(self.norm, hidden)
+        if recorded is not None:
+            recorded[-1] = hidden  # transformers ties the last recorded state to the normed output
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
+                                       hidden_states=tuple(recorded) if recorded is not None else None)
+
+
+def _hooked(module: nn.Module) -> bool:
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return any(getattr(hook, "__name__", "") != TRANSFORMERS_HOOK for hook in hooks)
+
+
+def lean_model_applies(model: nn.Module) -> bool:
+    """True when `model` is a LlamaModel the lean forward computes exactly (see module doc)."""
+    if type(model) is not LlamaModel:  # exactly: a subclass may compute something else
+        return False
+    layers = list(model.layers)
+    norms = [model.norm] + [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    return (all(type(layer).forward is LlamaDecoderLayer.forward for layer in layers)
+            and all(type(norm).forward is LlamaRMSNorm.forward for norm in norms)
+            and not any(_hooked(module) for module in model.modules()))
+
+
+def swap_lean_model(model: nn.Module) -> int:
+    """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many."""
+    swapped = 0
+    for module in list(model.modules()):
+        if lean_model_applies(module):
+            module.__class__ = LeanLlamaModel
+            if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
+                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+            swapped += 1
+    return swapped
