@@ -39,12 +39,17 @@ TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' own hook; inert unl
 
 
 def rms_norm(norm: LlamaRMSNorm, hidden: Tensor) -> Tensor:
-    """LlamaRMSNorm.forward's expressions without the module call. hidden [..., hidden_size]."""
+    """LlamaRMSNorm.forward without the module call. hidden [..., hidden_size].
+
+    fp32 runs torch.rms_norm, which computes the same ops in C++ (bitwise equal: tested); other
+    dtypes keep transformers' order (normalize in fp32, round, then scale), which rms_norm does not.
+    """
+    if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return torch.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
     dtype = hidden.dtype
-    if dtype != torch.float32:
-        hidden = hidden.to(torch.float32)
+    hidden = hidden.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
+    return norm.weight * hidden.to(dtype)
 
 
 class LeanLlamaModel(LlamaModel):
