@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specpipe.engine.base import LINEAR_PATH_ATTRIBUTE
+from specpipe.engine.base import REWRITE_ATTRIBUTE
 from specpipe.engine.cpu import cpu_description
 from specpipe.models import cache_root
 from specpipe.types import DraftTree
@@ -110,7 +110,7 @@ def _machine_key(target, kv_length: int) -> str:
     else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
         description = cpu_description()
         parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"]),
-                  str(getattr(getattr(target, "model", None), LINEAR_PATH_ATTRIBUTE, ""))]
+                  str(getattr(getattr(target, "model", None), REWRITE_ATTRIBUTE, ""))]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -514,12 +514,12 @@ def test_fp32_split_rows_auto_takes_split_gemms_only_without_avx512(monkeypatch,
             OneDNNEngine(fp32_split_rows=bad)
 
 
-def test_the_split_rows_are_part_of_the_cost_curve_key(tmp_path):
+def test_split_rows_and_the_lean_forward_are_part_of_the_cost_curve_key(tmp_path):
     from specpipe.cost import cost_curve_path
 
     paths = set()
-    for split_rows in (0, 1):
+    for split_rows, lean_forward in ((0, True), (1, True), (1, False)):
         model = fresh_tiny()
-        OneDNNEngine(fp32_split_rows=split_rows).apply(model)
+        OneDNNEngine(fp32_split_rows=split_rows, lean_forward=lean_forward).apply(model)
         paths.add(cost_curve_path(TargetModel(model, name="tiny", engine="fast"), cache_dir=tmp_path))
-    assert len(paths) == 2
+    assert len(paths) == 3

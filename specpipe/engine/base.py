@@ -12,9 +12,9 @@ from torch import nn
 from specpipe.errors import ConfigError
 
 ENGINE_ATTRIBUTE = "specpipe_engine"
-# What an engine did to the linears, in words (part of the cost-curve cache key: one engine name
-# can run different kernels by config or by CPU).
-LINEAR_PATH_ATTRIBUTE = "specpipe_linear_path"
+# What an engine did to the model, in words: linear kernels, lean blocks, lean forward (part of the
+# cost-curve cache key: one engine name can run different code by config or by CPU).
+REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.engine.base import ENGINE_ATTRIBUTE, LINEAR_PATH_ATTRIBUTE, claim_model
+from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model
 from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, row_blocks, split_linear
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,6 @@ class OneDNNEngine:
                         self.name, str(error).splitlines()[0])
             return model
         claim_model(model, self.name)
-        setattr(model, LINEAR_PATH_ATTRIBUTE, path.describe())
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
         lean = 0
@@ -191,8 +190,10 @@ class OneDNNEngine:
             from specpipe.engine.lean_model import swap_lean_model
 
             lean_models = swap_lean_model(model)
-        log.info("engine=%s: %s; %d attention/MLP blocks lean, %d model forward%s lean", self.name, path.describe(),
-                 lean, lean_models, "" if lean_models == 1 else "s")
+        rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
+                   f"forward{'' if lean_models == 1 else 's'} lean")
+        setattr(model, REWRITE_ATTRIBUTE, rewrite)
+        log.info("engine=%s: %s", self.name, rewrite)
         return model
 
     def _linear_path(self, model: nn.Module) -> LinearPath | str:
