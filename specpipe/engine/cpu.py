@@ -25,9 +25,11 @@ PACKING_ROWS_HINT = 16
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # engine.fp32_split_rows=auto on CPUs where split GEMMs pay (see `_prefers_split_gemm`): measured in
-# SmolLM2-135M's whole forward on a 2-core AVX2 EPYC (KV 256, 15 interleaved rounds), split GEMMs
-# vs oneDNN prepacked: 1 row 58 vs 68 ms, 2-4 rows even, 8 rows 131 vs 91, 16 rows 146 vs 120.
-AUTO_SPLIT_ROWS = 1
+# SmolLM2-135M's whole forward with the lean model forward on a 2-core AVX2 EPYC (KV 256, 11
+# interleaved rounds), split GEMMs for up to 1 / 8 rows, ms: q=1 37.5 / 36.7, q=2 47.0 / 44.1,
+# q=4 53.4 / 46.3, q=5 53.6 / 53.1, q=8 60.4 / 64.8, q=12 67.0 / 68.8 (16 rows: 107 at q=12).
+# Before the lean forward they won for 1 row only.
+AUTO_SPLIT_ROWS = 4
 
 
 def onednn_available() -> bool:
@@ -70,7 +72,7 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
     and oneDNN's AVX2 kernel reaches ~13 GB/s; a batch of one block per thread keeps every core
     streaming its own block. Measured on a 2-core AVX2 EPYC over SmolLM2-135M's 121 fp32 linears
     back to back: 1 row 24 ms (oneDNN prepacked 31, F.linear 39), 4 rows 30 (40), 16 rows 51 (51);
-    inside the whole forward it wins for 1 row only (AUTO_SPLIT_ROWS).
+    inside the whole forward it wins up to 4 rows (AUTO_SPLIT_ROWS).
     """
     blocks, block_rows, in_features = blocked_weight.shape
     out_features = blocks * block_rows
@@ -87,7 +89,7 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
 
 def _prefers_split_gemm(onednn_kernel: str) -> bool:
     """engine.fp32_split_rows=auto: split GEMMs on x86 CPUs whose oneDNN fp32 kernel is not AVX-512/AMX
-    (measured faster than oneDNN there for one row, see split_linear); on AVX-512 CPUs oneDNN's
+    (measured faster than oneDNN there for up to 4 rows, see AUTO_SPLIT_ROWS); on AVX-512 CPUs oneDNN's
     prepacked kernels measured 2x+ faster than transformers' own forward, and split GEMMs were not
     measured."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -173,7 +175,7 @@ def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, sma
     if dtype == torch.float32:
         if split_rows == "auto":
             split_rows = AUTO_SPLIT_ROWS if _prefers_split_gemm(kernel) else 0
-            why = (f"split GEMMs outran oneDNN's {kernel} for one row on such CPUs" if split_rows
+            why = (f"split GEMMs outran oneDNN's {kernel} for up to {split_rows} rows on such CPUs" if split_rows
                    else f"oneDNN {kernel} for every product")
         else:
             why = f"engine.fp32_split_rows={split_rows}"
