@@ -8,6 +8,8 @@ collections (a few dozen chunks, never the full Python documentation).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from specpipe.errors import ConfigError, InvalidRequest, ModelNotAvailable, StoreError
 from specpipe.stores import document_store as ds
@@ -288,6 +291,27 @@ def test_every_index_kind_round_trips_through_disk(kind, tmp_path):
     if kind == "hnsw":
         assert store.index.hnsw.efSearch == 128
         assert DocumentStore.load(tmp_path / "store", embedder, ef_search=16).index.hnsw.efSearch == 16
+
+
+def test_faiss_leaves_torch_with_its_threads(tmp_path):
+    """faiss-cpu and torch share one OpenMP runtime: importing the store, building an index and
+    searching it must leave torch's thread count as it was (one thread halves a target forward)."""
+    script = ("import torch; torch.set_num_threads(3); import specpipe.stores.document_store; "
+              "print(torch.get_num_threads())")
+    imported = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "3"
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        sentences = [f"Record {i} mentions topic{i % 50}." for i in range(100)]
+        (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences))
+        store = build(tmp_path / "store", [tmp_path / "few.jsonl"], embedder=HashingEmbedder(dim=64), index="ivf",
+                      unit="chars", chunk_size=200, overlap=0, embed_titles=False)
+        assert torch.get_num_threads() == 3
+        store.search("topic7", 2)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_unknown_index_kind_is_refused():

@@ -19,7 +19,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +45,28 @@ INDEX_FILE = "index.faiss"
 CHUNKS_FILE = "chunks.parquet"
 DEFAULT_STORE_NAME = "pydoc_docs"
 INDEX_KINDS = ("flat", "ivf", "hnsw")
-# faiss-cpu wheels bundle their own OpenMP runtime: after a parallel search its worker threads spin
-# and starve torch's pool, so the next embedding (or target forward) crawls. Measured here under load:
-# question embedding + search 280 ms with FAISS's default threads, 35 ms with one. Searches run on one
-# thread; index builds (after all embedding is done) use every core.
-faiss.omp_set_num_threads(1)
+
+
+@contextmanager
+def faiss_threads(threads: int) -> Iterator[None]:
+    """FAISS runs on `threads` OpenMP threads inside the block; the count before is restored after.
+
+    Why restore: faiss-cpu and torch load one shared OpenMP runtime (the same libgomp soname), so
+    FAISS's thread count is torch's too. Setting it to 1 once at import, as this module did, left
+    every target forward of a RAG pipeline on one of this machine's two cores (measured: the
+    products of a one-token step 49 ms instead of 25). Searches run on one thread: after a parallel
+    search the runtime's workers spin and starve the next embedding or forward (question embedding
+    + search measured 280 ms with FAISS's default threads, 35 ms with one, under load). OpenMP keeps
+    the count per calling thread, so searches from several request threads each restore their own.
+    """
+    previous = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(previous)
+
+
 _CHUNK_SCHEMA = pa.schema([("chunk_id", pa.int64()), ("source", pa.string()), ("title", pa.string()),
                            ("start", pa.int64()), ("end", pa.int64()), ("text", pa.string()),
                            ("metadata", pa.string())])  # metadata: a JSON object
@@ -93,11 +111,8 @@ class IndexSettings:
 
     def build(self, vectors: np.ndarray, progress: bool = False) -> tuple[faiss.Index, dict]:
         """vectors [n, dim] float32 unit rows -> (index holding them in row order, its parameters)."""
-        faiss.omp_set_num_threads(os.cpu_count() or 1)
-        try:
+        with faiss_threads(os.cpu_count() or 1):
             return self._build(vectors, progress)
-        finally:
-            faiss.omp_set_num_threads(1)
 
     def _build(self, vectors: np.ndarray, progress: bool) -> tuple[faiss.Index, dict]:
         count, dim = vectors.shape
@@ -193,7 +208,8 @@ class DocumentStore:
         if not queries or any(not isinstance(query, str) or not query.strip() for query in queries):
             raise InvalidRequest("document search needs non-empty query strings")
         vectors = self.embedder.encode(queries)  # [q, dim]
-        scores, ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)  # [q, k] each
+        with faiss_threads(1):
+            scores, ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)  # [q, k] each
         return [[self._retrieved(int(i), float(s)) for s, i in zip(row_scores, row_ids) if i >= 0]
                 for row_scores, row_ids in zip(scores, ids)]
 
