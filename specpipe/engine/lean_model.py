@@ -82,10 +82,11 @@ class LeanLlamaModel(LlamaModel):
         for layer in self.layers[: self.config.num_hidden_layers]:
             # LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its input
             attention = layer.self_attn
+            looked_up = lean_attention if type(attention) is FusedQKVAttention else {}
             attended, _ = attention.forward(
                 hidden_states=rms_norm(layer.input_layernorm, hidden), attention_mask=mask,
                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                position_embeddings=position_embeddings, **(lean_attention if type(attention) is FusedQKVAttention else {}))
+                position_embeddings=position_embeddings, **looked_up)
             hidden = hidden + attended
             hidden = hidden + layer.mlp.forward(rms_norm(layer.post_attention_layernorm, hidden))
             if recorded is not None:
@@ -93,7 +94,8 @@ class LeanLlamaModel(LlamaModel):
         hidden = rms_norm(self.norm, hidden)
         if recorded is not None:
             recorded[-1] = hidden  # transformers ties the last recorded state to the normed output
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
+        return BaseModelOutputWithPast(last_hidden_state=hidden,
+                                       past_key_values=past_key_values if use_cache else None,
                                        hidden_states=tuple(recorded) if recorded is not None else None)
 
 
@@ -107,7 +109,8 @@ def lean_model_applies(model: nn.Module) -> bool:
     if type(model) is not LlamaModel:  # exactly: a subclass may compute something else
         return False
     layers = list(model.layers)
-    norms = [model.norm] + [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms = [model.norm, *(layer.input_layernorm for layer in layers),
+             *(layer.post_attention_layernorm for layer in layers)]
     return (all(type(layer).forward is LlamaDecoderLayer.forward for layer in layers)
             and all(type(norm).forward is LlamaRMSNorm.forward for norm in norms)
             and not any(_hooked(module) for module in model.modules()))
