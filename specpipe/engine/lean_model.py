@@ -11,8 +11,9 @@ module call. A throwaway loop over the same products measured 33 ms, bit-identic
 overrides `forward`), so its modules, state dict and `isinstance` checks stay transformers' own.
 It is swapped only where every decoder layer and norm runs transformers' own forward and no
 module carries a forward hook the lean loop would skip (transformers' output-capturing hooks
-aside: the lean forward records hidden states itself). Calls it does not cover (training,
-attention weights, a selection of hidden states, tuple outputs) run the stock forward.
+aside: the lean forward records hidden states itself); a hook registered on a layer after the
+swap is not run by the lean loop (the engine owns the model from then on). Calls it does not cover
+(training, attention weights, a selection of hidden states, tuple outputs) run the stock forward.
 """
 from __future__ import annotations
 
