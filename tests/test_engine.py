@@ -90,38 +90,9 @@ def test_blocks_whose_forward_is_not_llamas_keep_transformers_forward():
     assert isinstance(model.model.layers[1].self_attn, FusedQKVAttention)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
-    """The same fused products through the lean and the stock blocks: bitwise equal outputs and cache."""
-    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
-    OneDNNEngine(lean_blocks=False).apply(stock)
-    OneDNNEngine().apply(lean)
-    target_stock, target_lean = TargetModel(stock, engine="fast"), TargetModel(lean, engine="fast")
-    prompt = random_prompts(1, seed=rows)[0]
-    tree = DraftTree.from_parents(torch.arange(300, 300 + rows), torch.tensor([-1, 0, 0, 1, 2][:rows]))
-    outputs, caches = [], []
-    for target in (target_stock, target_lean):
-        cache = target.new_cache()
-        prefill = target.prefill(prompt, cache)
-        out = target.forward_tree(prompt[-1], tree, cache)
-        outputs.append((prefill.logits, out.logits, out.hidden))
-        caches.append(cache)
-    for expected, got in zip(*outputs):
-        assert torch.equal(expected, got)
-    for expected, got in zip(caches[0].layers, caches[1].layers):
-        assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, rows):
-    """The lean LlamaModel loop against transformers' own over the same rewritten modules: bitwise
-    equal logits, last hidden state and cache, for a prefill, a tree verify and a one-token step."""
-    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
-    OneDNNEngine(lean_forward=False).apply(stock)
-    OneDNNEngine().apply(lean)
-    assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
+def assert_same_forwards(stock: nn.Module, lean: nn.Module, rows: int) -> None:
+    """A prefill, a verify of a `rows`-node tree and a one-token step through both models: bitwise
+    equal logits, last hidden states and cache."""
     prompt = random_prompts(1, seed=rows)[0]
     tree = DraftTree.from_parents(torch.arange(300, 300 + rows), torch.tensor([-1, 0, 0, 1, 2][:rows]))
     outputs, caches = [], []
@@ -138,6 +109,27 @@ def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, r
         assert torch.equal(expected, got)
     for expected, got in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
+    """The same fused products through the lean and the stock blocks: bitwise equal outputs and cache."""
+    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine(lean_blocks=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    assert_same_forwards(stock, lean, rows)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, rows):
+    """The lean LlamaModel loop against transformers' own over the same rewritten modules."""
+    stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine(lean_forward=False).apply(stock)
+    OneDNNEngine().apply(lean)
+    assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
+    assert_same_forwards(stock, lean, rows)
 
 
 def test_lean_model_serves_plain_calls_and_leaves_the_rest_to_transformers():
@@ -470,6 +462,9 @@ def test_split_linear_equals_f_linear(threads, out_features, rows):
             out = cpu.split_linear(x, cpu.row_blocks(weight, threads), b)
             assert out.shape == (2, rows, out_features) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+            one_row = x[:1, :1]  # [1, 1, in]: the one-token step's shape, which skips the transposed copy
+            torch.testing.assert_close(cpu.split_linear(one_row, cpu.row_blocks(weight, threads), b),
+                                       torch.nn.functional.linear(one_row, weight, b), atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(saved)
 

@@ -83,7 +83,7 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
     product = torch.bmm(blocked_weight, columns)  # [blocks, out / blocks, rows]
     out = product.view(1, out_features) if rows == 1 else product.view(out_features, rows).t().contiguous()
     if bias is not None:
-        out = out + bias
+        out += bias  # out is a fresh tensor: bmm's output or its contiguous copy
     return out.view(*x.shape[:-1], out_features)  # [..., out]
 
 
