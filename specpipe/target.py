@@ -120,12 +120,13 @@ class TargetModel:
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> ForwardOutput:
-        """Runs the whole prompt; returns logits and hidden state of its last token only."""
+        """Runs the whole prompt; returns the logits of its last token [1, vocab] and the last hidden
+        states of all its tokens [L, hidden]."""
         self._use_attention()
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=True, logits_to_keep=1)
-        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0, -1:])
+        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0])
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,

@@ -170,6 +170,9 @@ class DecodeState:
     # the token before it, whose logits chose the root (heads and EAGLE drafters read them).
     hidden: Tensor | None = None  # [hidden] target's last hidden state at tokens[-2]
     logits: Tensor | None = None  # [vocab] target logits at tokens[-2]
+    # The target's last hidden states over the prompt [prompt_length, hidden] (EAGLE drafters
+    # build their own cache from them).
+    prompt_hidden: Tensor | None = None
     # Each stage's per-sequence state (n-gram index, last trie, calibration), keyed by the stage
     # object: stages are shared by concurrent requests and keep nothing per request themselves.
     stage_state: dict = field(default_factory=dict)

@@ -53,7 +53,11 @@ DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla" and name n
 # Pipelines with a draft model: their default draft is the one distilled for the embedded model, so
 # on the tiny models they run a tiny draft of the same vocabulary (`draft_overrides`).
 DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
+# Pipelines with an EAGLE head: on the tiny models (and on the embedded one until its trained head
+# ships) they run the identity head of `eagle_head_dir`.
+EAGLE_PIPELINES = ["eagle"]
 _TINY_DRAFT_DIRS: dict[str, Path] = {}
+_EAGLE_HEAD_DIRS: dict[tuple, Path] = {}
 
 
 def tiny_draft_dir(dtype: str = "fp32") -> Path:
@@ -76,11 +80,54 @@ def save_model_dir(model, tokenizer, name: str) -> Path:
     return folder
 
 
+def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
+    """An EAGLE-1 head for a model of `config`, saved once per session in the released layout.
+
+    kind "identity": fc passes the feature through and the layer's output projections are zero, so
+    the head predicts the feature it reads: it drafts the root token again at every depth (the
+    stock tiny model's greedy output repeats its last token, so there every draft is accepted).
+    kind "random": a seeded random head (drafts that disagree; tree masks matter)."""
+    from transformers import LlamaConfig
+
+    from specpipe.stages.draft.eagle import EagleNet, save_eagle
+
+    key = (config.hidden_size, config.vocab_size, config.num_attention_heads, kind, seed)
+    if key not in _EAGLE_HEAD_DIRS:
+        import tempfile
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+        torch.manual_seed(seed)
+        net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}))
+        if kind == "identity":
+            with torch.no_grad():
+                hidden = config.hidden_size
+                net.fc.weight.zero_()
+                net.fc.weight[:, hidden:] = torch.eye(hidden)  # [embedding | feature] -> feature
+                net.fc.bias.zero_()
+                net.layers[0].self_attn.o_proj.weight.zero_()
+                net.layers[0].mlp.down_proj.weight.zero_()
+        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-eagle-{kind}-"))
+        save_eagle(net, folder, dtype=torch.float32)
+        _EAGLE_HEAD_DIRS[key] = folder
+    return _EAGLE_HEAD_DIRS[key]
+
+
 def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
-    """Config overrides that give a draft-model pipeline the tiny draft (nothing for other pipelines)."""
+    """Config overrides that give a draft-model pipeline the tiny draft, and an EAGLE pipeline a head
+    for the tiny model (nothing for other pipelines)."""
+    if pipeline in EAGLE_PIPELINES:
+        config = load_model(compose_config(["model=tiny_random"]).model).model.config
+        return [f"pipeline.drafters.eagle.path={eagle_head_dir(config)}", "pipeline.drafters.eagle.vocab_top_k=0",
+                "pipeline.tree.min_score=0"]
     if pipeline not in DRAFT_MODEL_PIPELINES:
         return []
     return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}", "pipeline.drafters.model.vocab_top_k=0"]
+
+
+def shipped_eagle_head() -> Path:
+    from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
+
+    return REPO / DEFAULT_EAGLE_DIR
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -117,6 +164,9 @@ class ModelUnderTest:
         drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
             else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
+        if pipeline in EAGLE_PIPELINES and (self.name != "embedded" or not shipped_eagle_head().is_dir()):
+            drafts = [f"pipeline.drafters.eagle.path={eagle_head_dir(self.loaded.model.config)}",
+                      "pipeline.drafters.eagle.vocab_top_k=0", "pipeline.tree.min_score=0"]
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
                                *drafts, *overrides])
 

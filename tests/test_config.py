@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, config_groups, config_options, draft_overrides, run_cli, tiny_draft_dir
+from conftest import CONF_DIR, config_groups, config_options, draft_overrides, eagle_head_dir, run_cli, tiny_draft_dir
 from specpipe.cost import CostCurve
 from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
@@ -126,7 +126,9 @@ def test_store_options_instantiate_a_builder(option, tiny, tmp_path):
 def test_stage_options_instantiate(group, option, tiny):
     # drafters fitted to the tiny model: the default draft is the embedded model's, layer_skip's layers its
     fitted = {("drafter", "draft_model"): [f"drafter.path={tiny_draft_dir()}"],
-              ("drafter", "layer_skip"): ["drafter.layers=[0]"]}.get((group, option), [])
+              ("drafter", "layer_skip"): ["drafter.layers=[0]"],
+              ("drafter", "eagle"): [f"drafter.path={eagle_head_dir(tiny.loaded.model.config)}",
+                                     "drafter.vocab_top_k=0"]}.get((group, option), [])
     cfg = compose_config(["model=tiny_random", override(group, option), *fitted])
     stage = complete_partial(instantiate(cfg[group]), tiny)
     protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter}.get(group, Proposer)

@@ -52,8 +52,8 @@ class SpeculativeDecoder:
         result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
-                            hidden=first.hidden[-1], logits=first.logits[-1], documents=documents,
-                            rng=rng)
+                            hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
+                            documents=documents, rng=rng)
         yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
         stages = [*self.proposers, *self.drafters]
         # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.

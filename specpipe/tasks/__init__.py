@@ -22,6 +22,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "distill_corpus": ("specpipe.tasks.distill_corpus", "run_distill_corpus"),
     "distill_draft": ("specpipe.tasks.distill_draft", "run_distill_draft"),
     "search_layers": ("specpipe.tasks.search_layers", "run_search_layers"),
+    "train_heads": ("specpipe.tasks.train_heads", "run_train_heads"),
 }
 
 

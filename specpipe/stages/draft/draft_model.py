@@ -296,17 +296,23 @@ def _reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     vocab = int(draft.config.vocab_size)
     if not 0 < count < vocab:
         raise ConfigError(f"{name}: vocab_top_k must be between 1 and the vocabulary size {vocab} (0 = off), got {count}")
-    head = draft.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if weight is None and draft.config.tie_word_embeddings:
-        weight = draft.get_input_embeddings().weight  # the output layer was rewritten by an engine
-    if weight is None:
-        raise ConfigError(f"{name}: vocab_top_k needs the draft's output weights, which its output layer "
-                          f"({type(head).__name__}) does not expose")
+    weight = output_weight(draft, name)
     ids, coverage = frequent_tokens(corpus, tokenizer, count)
     draft.set_output_embeddings(ReducedVocabHead(weight, ids, vocab))
     log.info("%s: drafting over the %d most frequent tokens of %s (%.1f%% of its tokens; the rest are never "
              "drafted)", name, count, corpus, 100 * coverage)
+
+
+def output_weight(model: PreTrainedModel, name: str) -> Tensor:
+    """The output layer's weight [vocab, hidden], also after an engine rewrote that layer (tied models)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None and model.config.tie_word_embeddings:
+        weight = model.get_input_embeddings().weight  # the output layer was rewritten by an engine
+    if weight is None:
+        raise ConfigError(f"{name}: vocab_top_k needs the model's output weights, which its output layer "
+                          f"({type(head).__name__}) does not expose")
+    return weight
 
 
 def _load_local(path: str, target: TargetModel, name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

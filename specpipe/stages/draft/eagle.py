@@ -1,0 +1,405 @@
+"""EAGLE: a one-layer draft network on the target's own features (EAGLE-1, Li et al. 2024).
+
+Notation: x_p is the token at position p and f_p the target's feature there (its last hidden
+state, the input of its output layer, which chose x_{p+1}). The draft's row for position p reads
+[embedding(x_{p+1}), f_p] through `fc` and its decoder layer(s), and predicts f_{p+1}; the target's
+own (frozen) output layer turns that prediction into the draft's distribution of x_{p+2}.
+
+Per request the draft keeps its own KV cache with one row per committed position. The target's
+features arrive with the prompt's prefill (`DecodeState.prompt_hidden`) and with every verify
+forward (`VerifyResult.hidden`: the root's and the accepted nodes' rows); they are fed in one
+causal forward at the start of the next step. Tree nodes have no target feature yet: a node's
+row reads the feature the draft predicted at its parent, attends to the committed rows, its
+ancestors and itself, and is dropped when the next step cuts the cache back to the committed
+rows.
+
+Checkpoints: a directory with `config.json` (Llama fields of the draft layer) and
+`model.safetensors` (or `pytorch_model.bin` / `.pt`, read with `torch.load(weights_only=True)`)
+in the layout of the released EAGLE-1 heads: `fc.weight` [hidden, 2 * hidden] (and `fc.bias`),
+`layers.N.*` Llama decoder layers whose first has no input norm; `embed_tokens.weight` and
+`lm_head.weight`, where present, are the base model's and are not used (the target's own are).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.cost import CostCurve
+from specpipe.errors import ConfigError
+from specpipe.kv_cache import PositionIndexedCache
+from specpipe.stages.draft.draft_model import DEFAULT_VOCAB_COUNTS, ReducedVocabHead, frequent_tokens, output_weight
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
+
+log = logging.getLogger(__name__)
+ROOT = -1
+DEFAULT_EAGLE_DIR = "data/eagle/smollm2_135m"  # the head trained for the embedded model (task=train_heads)
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "pytorch_model.pt")
+# Keys of released EAGLE-1 checkpoints that belong to the base model, not the head.
+BASE_MODEL_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+class EagleNet(nn.Module):
+    """fc over [token embedding, feature] then Llama decoder layers (the first without its input
+    norm, as released EAGLE-1 heads have it); returns the predicted next features."""
+
+    def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
+        super().__init__()
+        config._attn_implementation = "sdpa"  # tree masks go through SDPA as in the target runner
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=index)
+                                    for index in range(config.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    def forward(self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
+                cache: PositionIndexedCache | None) -> Tensor:
+        """embeds, features [q, hidden]; positions [q]; mask [q, kv] bool (True = attend) over the
+        cached rows then these, or None for plain causal attention without a cache. Appends q rows
+        to `cache`; returns the predicted features [q, hidden]."""
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))[None]  # [1, q, hidden]
+        position_ids = positions[None]  # [1, q]
+        rotary = self.rotary_emb(hidden, position_ids)
+        attention_mask = mask[None, None] if mask is not None else None  # [1, 1, q, kv]
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
+        return hidden[0]
+
+
+@dataclass
+class EagleSession:
+    """One request's draft cache: rows for positions 0..synced-1 (committed), then this step's
+    tree nodes. `pending_*` are committed rows whose target features came in but were not fed."""
+
+    cache: PositionIndexedCache
+    synced: int = 0
+    rows: int = 0  # committed rows accounted for: synced + pending
+    pending_features: list[Tensor] = field(default_factory=list)  # [k, hidden] each
+    pending_tokens: list[int] = field(default_factory=list)
+    root_feature: Tensor | None = None  # [hidden] the draft's predicted feature at the root
+    root_logprobs: Tensor | None = None  # [vocab]
+    slots: dict[int, int] = field(default_factory=dict)  # tree node id -> cache row, this step
+    features: dict[int, Tensor] = field(default_factory=dict)  # node -> predicted feature at it [hidden]
+    logprobs: dict[int, Tensor] = field(default_factory=dict)  # node -> [vocab] after it
+
+
+class EagleDrafter:
+    """EAGLE-1 as a StepDrafter (`pipeline.drafters`, grown by `tree=eagle2`), or one greedy chain
+    per step as a Proposer (`pipeline.proposers`, `tree=trie`)."""
+
+    def __init__(self, target: TargetModel, net: EagleNet, head: nn.Module, name: str = "eagle",
+                 chain_length: int = 5, min_score: float = 0.05) -> None:
+        if chain_length < 1:
+            raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
+        self.name = name
+        self.target = target
+        self.net = net.to(target.dtype).eval()
+        self.embed = target.model.get_input_embeddings()  # the target's own, frozen
+        self.head = head  # the target's output layer, or a ReducedVocabHead over its weights
+        self.chain_length = chain_length
+        self.min_score = min_score
+        self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
+        self.cost_curve: CostCurve | None = None
+
+    # ---- Proposer ---------------------------------------------------------------------------
+    def reset(self, state: DecodeState) -> None:
+        if state.prompt_hidden is None:
+            raise ConfigError(f"{self.name}: the decoder gave no prompt features (DecodeState.prompt_hidden); "
+                              f"an EAGLE head drafts from the target's own hidden states")
+        session = EagleSession(PositionIndexedCache())
+        session.rows = min(state.prompt_length, len(state.tokens) - 1)  # the root has no feature yet
+        session.pending_features.append(state.prompt_hidden[:session.rows])  # rows 0..rows-1
+        session.pending_tokens.extend(state.tokens[1:session.rows + 1])
+        state.stage_state[self] = session
+
+    def propose(self, state: DecodeState) -> Proposal:
+        logprobs = self.start(state)
+        tokens: list[int] = []
+        scores: list[float] = []
+        cumulative = 1.0
+        for depth in range(self.chain_length):
+            token = int(logprobs.argmax())
+            cumulative *= math.exp(float(logprobs[token]))
+            if cumulative < self.min_score:
+                break
+            tokens.append(token)
+            scores.append(cumulative)
+            if depth + 1 < self.chain_length:
+                logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
+        return Proposal.chain(tokens, scores, self.name)
+
+    def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
+        session: EagleSession = state.stage_state[self]
+        if result.hidden is None:
+            raise ConfigError(f"{self.name}: the verify step gave no hidden states; an EAGLE head needs them")
+        new = len(state.tokens) - 1 - session.rows  # committed rows this step: the root, then each kept node
+        kept = [0] + [node + 1 for node in result.accepted[: new - 1]]  # rows of the verify forward
+        session.pending_features.append(result.hidden[kept])  # [new, hidden]
+        session.pending_tokens.extend(state.tokens[-new:])
+        session.rows += new
+
+    def on_finish(self, state: DecodeState) -> None:
+        state.stage_state.pop(self, None)
+
+    # ---- StepDrafter ------------------------------------------------------------------------
+    def start(self, state: DecodeState) -> Tensor:
+        """Feeds the committed rows not fed yet; returns the draft's log-probs [vocab] after the root."""
+        session: EagleSession = state.stage_state[self]
+        session.cache.crop(session.synced)  # this step's tree rows go
+        if session.pending_tokens:
+            features = torch.cat(session.pending_features).to(self.target.dtype)  # [q, hidden]
+            q = features.shape[0]
+            mask = torch.ones(q, session.synced + q, dtype=torch.bool)  # [q, kv]: cached rows, then causal
+            mask[:, session.synced:] = torch.ones(q, q, dtype=torch.bool).tril()
+            tokens = torch.tensor(session.pending_tokens, dtype=torch.long)  # [q]
+            predicted = self._forward(features, tokens, torch.arange(session.synced, session.synced + q), mask,
+                                      session.cache)
+            session.root_feature = predicted[-1]
+            session.root_logprobs = self._logprobs(predicted[-1:])[0]
+            session.synced += q
+            session.pending_features, session.pending_tokens = [], []
+        session.slots, session.features, session.logprobs = {}, {}, {}
+        return session.root_logprobs
+
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
+        """The draft's log-probs [m, vocab] after each frontier node (ROOT = the root). Nodes are fed
+        once, when first expanded, with their unfed ancestors first."""
+        session: EagleSession = state.stage_state[self]
+        unfed: list[int] = []
+        for node in frontier:
+            walk, path = node, []
+            while walk != ROOT and walk not in session.slots and walk not in unfed and walk not in path:
+                path.append(walk)
+                walk = parents[walk]
+            unfed.extend(reversed(path))
+        while unfed:  # a node's input is its parent's predicted feature: feed level by level
+            ready = [node for node in unfed if parents[node] == ROOT or parents[node] in session.features]
+            self._feed(session, tokens, parents, ready)
+            unfed = [node for node in unfed if node not in session.features]
+        return torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
+                            for node in frontier])  # [m, vocab]
+
+    def _feed(self, session: EagleSession, tokens: list[int], parents: list[int], nodes: list[int]) -> None:
+        cached = session.cache.get_seq_length()
+        for row, node in enumerate(nodes):
+            session.slots[node] = cached + row
+        q = len(nodes)
+        mask = torch.zeros(q, cached + q, dtype=torch.bool)  # [q, kv]
+        mask[:, :session.synced] = True
+        positions = torch.empty(q, dtype=torch.long)  # [q]
+        for row, node in enumerate(nodes):
+            walk, depth = node, 0
+            while walk != ROOT:
+                mask[row, session.slots[walk]] = True
+                walk = parents[walk]
+                depth += 1
+            positions[row] = session.synced - 1 + depth  # a child of the root reads the root's row position + 1
+        features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
+                                for node in nodes])  # [q, hidden]
+        ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
+        predicted = self._forward(features, ids, positions, mask, session.cache)  # [q, hidden]
+        logprobs = self._logprobs(predicted)  # [q, vocab]
+        for row, node in enumerate(nodes):
+            session.features[node] = predicted[row]
+            session.logprobs[node] = logprobs[row]
+
+    @torch.inference_mode()
+    def _forward(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor,
+                 cache: PositionIndexedCache) -> Tensor:
+        device = self.target.device
+        return self.net(self.embed(tokens.to(device)), features.to(device), positions.to(device), mask.to(device),
+                        cache)
+
+    @torch.inference_mode()
+    def _logprobs(self, features: Tensor) -> Tensor:
+        return torch.log_softmax(self.head(features).float(), dim=-1)  # [q, vocab]
+
+
+class EagleRunner:
+    """The draft forward as the cost-curve measurement sees a model (`new_cache`, `prefill`,
+    `forward_tree`): rows of the head plus its output layer, with zero features."""
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        self.drafter = drafter
+        target = drafter.target
+        layers = drafter.net.config.num_hidden_layers
+        width = int(drafter.head.ids.shape[0]) if isinstance(drafter.head, ReducedVocabHead) else target.vocab_size
+        self.name = f"{target.name}-{drafter.name}-{layers}L{width}V"
+        self.model = drafter.net
+        self.engine = getattr(drafter.net, "specpipe_engine", "hf")
+        self.attn_implementation = "sdpa"
+        self.vocab_size = target.vocab_size
+        self.dtype = target.dtype
+        self.device = target.device
+
+    def new_cache(self) -> PositionIndexedCache:
+        return PositionIndexedCache()
+
+    def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> None:
+        q = len(prompt)
+        features = torch.zeros(q, self.drafter.net.config.hidden_size, dtype=self.dtype)
+        self.drafter._forward(features, torch.tensor(prompt), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(),
+                              cache)
+
+    def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> Tensor:
+        committed = cache.get_seq_length()
+        q = 1 + len(tree)
+        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
+        mask[:, :committed + 1] = True
+        mask[1:, committed + 1:] = tree.mask
+        tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
+        positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
+        features = torch.zeros(q, self.drafter.net.config.hidden_size, dtype=self.dtype)
+        return self.drafter._logprobs(self.drafter._forward(features, tokens, positions, mask, cache))
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def read_checkpoint(folder: Path, name: str) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json as a dict, tensors) of a head checkpoint directory; never unpickles."""
+    if not folder.is_dir():
+        raise ConfigError(f"{name}: drafter.path={folder} is not a directory: give the local directory of an "
+                          f"EAGLE head (config.json and model.safetensors or pytorch_model.bin)")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{name}: {folder} has no config.json: an EAGLE head directory holds its config.json "
+                          f"beside its weights")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{name}: cannot read {config_path}: {error}") from None
+    weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
+    if weights is None:
+        raise ConfigError(f"{name}: {folder} holds no weights (looked for {', '.join(WEIGHT_FILES)})")
+    try:
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(weights)
+        else:
+            tensors = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated files, pickles with code in them, foreign formats
+        raise ConfigError(f"{name}: cannot read the weights {weights}: {str(error).splitlines()[0]}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
+        raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
+    return config, tensors
+
+
+def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> EagleNet:
+    """An EagleNet from an EAGLE-1 checkpoint, checked against the target (sizes, vocabulary)."""
+    keys = set(tensors)
+    if any(key.startswith("midlayer.") for key in keys) or "d2t" in keys:
+        raise ConfigError(f"{name}: this is an EAGLE-3 checkpoint (midlayer.*, d2t); drafter=eagle reads the "
+                          f"EAGLE-1 layout (fc.weight, layers.N.*)")
+    if any("medusa" in key or key.split(".")[0].isdigit() for key in keys):
+        raise ConfigError(f"{name}: this looks like a Medusa checkpoint; drafter=eagle reads the EAGLE-1 layout "
+                          f"(fc.weight, layers.N.*)")
+    if "fc.weight" not in keys:
+        raise ConfigError(f"{name}: no fc.weight in the checkpoint: not an EAGLE head (keys: "
+                          f"{', '.join(sorted(keys)[:6])}...)")
+    target_config = target.model.config
+    hidden = int(target_config.hidden_size)
+    if tuple(tensors["fc.weight"].shape) != (hidden, 2 * hidden):
+        raise ConfigError(f"{name}: the head's fc.weight is {tuple(tensors['fc.weight'].shape)}, the target's hidden "
+                          f"size {hidden} needs ({hidden}, {2 * hidden}): this head is for another model")
+    if int(config.get("hidden_size", hidden)) != hidden:
+        raise ConfigError(f"{name}: the head's hidden_size is {config['hidden_size']}, the target's {hidden}")
+    vocab = config.get("vocab_size")
+    if vocab is not None and int(vocab) != target.vocab_size:
+        raise ConfigError(f"{name}: the head was trained for a vocabulary of {vocab} tokens, the target has "
+                          f"{target.vocab_size}: it is for another model")
+    layer_ids = {int(key.split(".")[1]) for key in keys if key.startswith("layers.")}
+    declared = int(config.get("num_hidden_layers", len(layer_ids)))
+    if layer_ids != set(range(declared)):
+        raise ConfigError(f"{name}: config.json declares {declared} layer(s), the weights hold layers "
+                          f"{sorted(layer_ids)}")
+    fields = {key: value for key, value in config.items() if key not in ("architectures", "model_type", "specpipe")}
+    llama_config = LlamaConfig(**{**fields, "num_hidden_layers": declared, "vocab_size": target.vocab_size})
+    net = EagleNet(llama_config, fc_bias="fc.bias" in keys)
+    state = {key: value for key, value in tensors.items() if key not in BASE_MODEL_KEYS}
+    expected = set(net.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ConfigError(f"{name}: the checkpoint does not fit an EAGLE-1 head of {declared} layer(s): "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, value in state.items():
+        wanted = net.state_dict()[key].shape
+        if value.shape != wanted:
+            raise ConfigError(f"{name}: {key} is {tuple(value.shape)}, the config makes it {tuple(wanted)}")
+    net.load_state_dict(state)
+    return net
+
+
+def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors), atomically."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = net.config.to_dict()
+    for key in ("_attn_implementation_autoset", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(key, None)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", bias=net.fc.bias is not None,
+                  specpipe=extra or {})
+    tensors = {key: value.detach().to(dtype).contiguous() for key, value in net.state_dict().items()}
+    for file, write in (("model.safetensors", lambda path: save_file(tensors, str(path))),
+                        ("config.json", lambda path: path.write_text(json.dumps(config, indent=1, default=str)))):
+        staging = folder / f".{file}.tmp"
+        write(staging)
+        staging.replace(folder / file)
+
+
+def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_top_k: int, vocab_counts: str | None,
+                name: str) -> nn.Module:
+    """The target's output layer, or with `vocab_top_k` > 0 a ReducedVocabHead over its most frequent
+    tokens (counted in `vocab_counts`; None = the shipped chat corpus where it is this tokenizer's)."""
+    model: PreTrainedModel = target.model
+    if not vocab_top_k:
+        return model.get_output_embeddings()
+    if not 0 < vocab_top_k < target.vocab_size:
+        raise ConfigError(f"{name}: vocab_top_k must be between 1 and {target.vocab_size} (0 = off), got {vocab_top_k}")
+    try:
+        ids, coverage = frequent_tokens(vocab_counts or DEFAULT_VOCAB_COUNTS, tokenizer, vocab_top_k)
+    except ConfigError as error:
+        if vocab_counts is not None:
+            raise
+        log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+        return model.get_output_embeddings()
+    log.info("%s: drafting over the %d most frequent tokens (%.1f%% of the counted answers' tokens)", name,
+             vocab_top_k, 100 * coverage)
+    return ReducedVocabHead(output_weight(model, name), ids, target.vocab_size)
+
+
+def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
+               name: str = "eagle", chain_length: int = 5, min_score: float = 0.05, vocab_top_k: int = 8192,
+               vocab_counts: str | None = None) -> EagleDrafter:
+    """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
+    the head trained for the embedded model (data/eagle/). Never downloads."""
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / DEFAULT_EAGLE_DIR
+    if path is None and not folder.is_dir():
+        raise ConfigError(f"{name}: no EAGLE head ships for this model at {folder}: train one with "
+                          f"`python run.py task=train_heads`, or set drafter.path=DIR to a released EAGLE "
+                          f"checkpoint's local directory")
+    config, tensors = read_checkpoint(folder, name)
+    recorded = (config.get("specpipe") or {}).get("vocab_sha256")
+    if recorded is not None:
+        from specpipe.stores.manifest import tokenizer_fingerprint
+
+        if recorded != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
+            raise ConfigError(f"{name}: the head at {folder} was trained for another tokenizer "
+                              f"({(config.get('specpipe') or {}).get('target')}): it would draft other text")
+    net = build_eagle_net(config, tensors, target, name)
+    head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
+    return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)

@@ -1,0 +1,513 @@
+"""`task=train_heads`: an EAGLE head for the target, trained on the target's own answers.
+
+Data: the self-distilled chat corpus (data/self_distill/: the target's greedy answers to chat
+prompts assembled from subject lists, never the benchmark sets), split by a hash of the prompt id
+exactly as `task=distill_draft` splits it. Stages, each resumable (kill the run at any time and
+start it again):
+
+a. features: the target, in `model.dtype` (the dtype the head will draft under), over prompt +
+   answer; the last hidden state (the input of the output layer) of every position goes to .npy
+   shards in `<checkpoint_dir>/features/` (fp32; a finished shard is skipped).
+b. train: the head's row p reads [embedding(s_{p+1}), f_p] and predicts f_{p+1}; the loss on the
+   answer positions is EAGLE-1's: SmoothL1 to the target's next feature plus `class_weight` times
+   the cross-entropy from the target's next-token distribution, both distributions taken over
+   the `vocab_top_k` most frequent tokens (the reduced output layer the head drafts with).
+   AdamW, warmup + cosine decay, a checkpoint every `checkpoint_every` steps.
+c. eval on the held-out answers: top-1 agreement with the target's greedy token from the true
+   features (depth 1), and greedy chain acceptance per depth drafted the way the pipeline drafts
+   (from the head's own predicted features after the first token), with the vocabulary miss rate.
+d. export: the head in the released EAGLE-1 layout (config.json + model.safetensors, bf16) to `out`,
+   the command and the eval in config.json's `specpipe` entry.
+
+Run it niced in the background (progress in the log):
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=train_heads \\
+        >> ~/.cache/specpipe/train_heads/smollm2_135m/train.log 2>&1 &
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from transformers import LlamaConfig
+
+from specpipe.distill.corpus import read_corpus_metadata
+from specpipe.errors import ConfigError
+from specpipe.models import cache_root
+from specpipe.pipelines.builder import load_model
+from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
+from specpipe.stages.draft.eagle import EagleNet, save_eagle
+from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.tasks import repo_path, task_command
+from specpipe.tasks.distill_draft import (Example, _bar, _lock, _save_npy, _write_json, is_eval, load_examples,
+                                          lr_at, token_batches)
+
+FEATURES_VERSION = 1
+HEAD_KINDS = ("eagle",)
+
+
+def _log(message: str) -> None:
+    print(f"train_heads: {message}", file=sys.stderr, flush=True)
+
+
+# ---- a. features --------------------------------------------------------------------------------
+class FeatureCache:
+    """The target's last hidden state at every input position, in shards of whole examples:
+    `features-NNNNNN.{feat,len,pid}.npy` = features [n, hidden] fp32, rows per example [m],
+    prompt ids [m]. The pid file is written last: a shard without it is unfinished and ignored."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def pin(self, settings: dict) -> None:
+        path = self.folder / "settings.json"
+        if path.is_file() and self.shards():
+            pinned = json.loads(path.read_text())
+            if pinned != settings:
+                differing = sorted(k for k in set(pinned) | set(settings) if pinned.get(k) != settings.get(k))
+                raise ConfigError(f"the features in {self.folder} were extracted with other settings "
+                                  f"({', '.join(differing)}): delete that folder, or set train_heads.checkpoint_dir")
+        _write_json(path, settings)
+
+    def shards(self) -> list[str]:
+        return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob("features-*.pid.npy"))
+
+    def done(self) -> set[str]:
+        done: set[str] = set()
+        for shard in self.shards():
+            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
+        return done
+
+    def write(self, index: int, examples: list[Example], features: np.ndarray) -> None:
+        stem = self.folder / f"features-{index:06d}"
+        _save_npy(stem.with_name(stem.name + ".feat.npy"), features.astype(np.float32))
+        _save_npy(stem.with_name(stem.name + ".len.npy"), np.asarray([len(e.tokens) for e in examples], np.int64))
+        _save_npy(stem.with_name(stem.name + ".pid.npy"), np.asarray([e.prompt_id for e in examples]))
+
+    def load(self) -> dict[str, np.ndarray]:
+        """prompt id -> features [len(tokens), hidden] (memory-mapped)."""
+        out = {}
+        for shard in self.shards():
+            features = np.load(self.folder / f"{shard}.feat.npy", mmap_mode="r", allow_pickle=False)
+            lengths = np.load(self.folder / f"{shard}.len.npy", allow_pickle=False)
+            pids = np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            if offsets[-1] != len(features):
+                raise ConfigError(f"feature shard {self.folder / shard} is inconsistent; delete its files and rerun")
+            for i, pid in enumerate(pids.tolist()):
+                out[pid] = features[offsets[i]:offsets[i + 1]]
+        return out
+
+
+def extract_features(target, examples: list[Example], cache: FeatureCache, batch_tokens: int, pad_id: int,
+                     progress: bool) -> None:
+    done = cache.done()
+    todo = [e for e in examples if e.prompt_id not in done]
+    if not todo:
+        return
+    for path in cache.folder.glob(".tmp-*"):
+        path.unlink(missing_ok=True)
+    next_index = max((int(s.split("-")[1]) for s in cache.shards()), default=-1) + 1
+    total = sum(len(e.tokens) for e in todo)
+    _log(f"features: {len(todo)} answers ({total} tokens; {len(done)} cached)")
+    bar = _bar(progress, total=total, unit="tok", desc="features")
+    started, seen = time.perf_counter(), 0
+    try:
+        for batch in token_batches(todo, batch_tokens):
+            chunk = [todo[i] for i in batch]
+            width = max(len(e.tokens) for e in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, T] right-padded
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, example in enumerate(chunk):
+                ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
+                mask[row, :len(example.tokens)] = 1
+            with torch.inference_mode():
+                hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+            rows = [hidden[row, :len(example.tokens)].float().numpy() for row, example in enumerate(chunk)]
+            cache.write(next_index, chunk, np.concatenate(rows))
+            next_index += 1
+            tokens = sum(len(e.tokens) for e in chunk)
+            seen += tokens
+            if bar is not None:
+                bar.update(tokens)
+                bar.set_postfix(tok_s=f"{seen / (time.perf_counter() - started):.0f}", refresh=False)
+    finally:
+        if bar is not None:
+            bar.close()
+    _log(f"features: {seen} tokens in {time.perf_counter() - started:.0f} s")
+
+
+# ---- b. train -----------------------------------------------------------------------------------
+class HeadBatch:
+    """Padded training rows of a batch of examples. Row p of example e reads [embedding(s_{p+1}), f_p]
+    (s = prompt + answer, f = the target's features) and is scored on predicting f_{p+1} and
+    s_{p+2} where s_{p+2} is an answer token."""
+
+    def __init__(self, examples: list[Example], features: dict[str, np.ndarray], pad_id: int) -> None:
+        rows = [len(e.tokens) - 1 for e in examples]  # rows p = 0 .. len - 2
+        width = max(rows)
+        hidden = features[examples[0].prompt_id].shape[1]
+        self.tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [b, T]: s_{p+1}
+        self.features = torch.zeros(len(examples), width, hidden)  # [b, T, H]: f_p
+        self.next_features = torch.zeros(len(examples), width, hidden)  # [b, T, H]: f_{p+1}
+        self.labels = torch.full((len(examples), width), -1, dtype=torch.long)  # [b, T]: s_{p+2}, -1 = not scored
+        self.valid = torch.zeros(len(examples), width, dtype=torch.bool)  # [b, T]: real rows (attention)
+        for row, (example, n) in enumerate(zip(examples, rows)):
+            sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]])
+            f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [len, H] (a copy of the memory map)
+            self.tokens[row, :n] = torch.from_numpy(sequence[1:n + 1])
+            self.features[row, :n] = f[:n]
+            self.next_features[row, :n] = f[1:n + 1]
+            self.valid[row, :n] = True
+            labels = torch.from_numpy(sequence[2:n + 2])
+            scored = torch.arange(n) + 2 >= example.prompt_len  # s_{p+2} is an answer token
+            self.labels[row, :n] = torch.where(scored, labels, torch.full_like(labels, -1))
+
+    def attention_mask(self) -> torch.Tensor:
+        """[b, 1, T, T] bool: causal within each example's real rows (a padded row sees itself only)."""
+        width = self.tokens.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = causal[None] & self.valid[:, None, :]
+        mask |= torch.eye(width, dtype=torch.bool)[None]
+        return mask[:, None]
+
+
+def run_net(net: EagleNet, embed: torch.nn.Module, tokens: torch.Tensor, features: torch.Tensor,
+            mask: torch.Tensor) -> torch.Tensor:
+    """Batched rows without a cache: tokens [b, T], features [b, T, H], mask [b, 1, T, T] -> [b, T, H]."""
+    hidden = net.fc(torch.cat([embed(tokens), features], dim=-1))
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    rotary = net.rotary_emb(hidden, positions)
+    for layer in net.layers:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+    return hidden
+
+
+def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tensor, class_weight: float,
+              to_reduced: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1's loss over the scored rows: SmoothL1(predicted, f_{p+1}) + class_weight * CE(target's
+    next-token distribution, the head's), both over the reduced vocabulary (head_weight [K, H]).
+    to_reduced [vocab]: reduced index of each token, -1 outside; a label outside counts as a miss."""
+    scored = batch.labels >= 0  # [b, T]
+    predicted, truth = predicted[scored], batch.next_features[scored]  # [n, H]
+    regression = F.smooth_l1_loss(predicted, truth)  # mean over positions and feature dimensions, as EAGLE-1
+    target_log_p = F.log_softmax(truth @ head_weight.T, dim=-1)  # [n, K]
+    draft_log_q = F.log_softmax(predicted @ head_weight.T, dim=-1)  # [n, K]
+    classification = -(target_log_p.exp() * draft_log_q).sum(-1).mean()
+    labels = to_reduced[batch.labels[scored]]  # [n]
+    inside = labels >= 0
+    stats = {"positions": int(scored.sum()), "top1": int((draft_log_q.argmax(-1) == labels)[inside].sum()),
+             "misses": int((~inside).sum()), "regression": float(regression.detach()),
+             "classification": float(classification.detach())}
+    return regression + class_weight * classification, stats
+
+
+class HeadTrainer:
+    def __init__(self, net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+                 examples: list[Example], features: dict, cfg: DictConfig, folder: Path, pad_id: int) -> None:
+        self.net, self.embed, self.head_weight, self.to_reduced = net, embed, head_weight, to_reduced
+        self.examples, self.features, self.cfg, self.folder, self.pad_id = examples, features, cfg, folder, pad_id
+        self.params = list(net.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
+                                           weight_decay=float(cfg.weight_decay))
+        self.step, self.positions, self.seconds = 0, 0, 0.0
+        self._epoch_cache: tuple[int, list] | None = None
+
+    def batch_at(self, step: int) -> list[Example]:
+        """The order of every step is a function of (seed, step) alone: a resumed run sees what it would have."""
+        epoch, index = 0, step
+        while True:
+            batches = self._epoch(epoch)
+            if index < len(batches):
+                return [self.examples[i] for i in batches[index]]
+            index -= len(batches)
+            epoch += 1
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        rng = np.random.default_rng([int(self.cfg.seed), epoch])
+        order = rng.permutation(len(self.examples))
+        shuffled = [self.examples[i] for i in order]
+        batches = [[int(order[i]) for i in batch] for batch in token_batches(shuffled, int(self.cfg.batch))]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def epochs(self) -> float:
+        return self.step / max(1, len(self._epoch(0)))
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.folder.glob("checkpoint-*.pt"))
+
+    def resume(self) -> bool:
+        for path in reversed(self.checkpoints()):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # a truncated file: fall back to the one before
+                _log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
+                continue
+            self.net.load_state_dict(state["net"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.positions, self.seconds = int(state["step"]), int(state["positions"]), float(state["seconds"])
+            return True
+        return False
+
+    def save(self) -> Path:
+        from specpipe.distill.corpus import write_atomically
+
+        path = self.folder / f"checkpoint-{self.step:06d}.pt"
+        state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "positions": self.positions, "seconds": self.seconds}
+        write_atomically(path, lambda tmp: torch.save(state, tmp))
+        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        batch = HeadBatch(self.batch_at(self.step), self.features, self.pad_id)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, float(cfg.lr), int(cfg.warmup), int(cfg.steps), float(cfg.min_lr_ratio))
+        self.net.train()
+        features = batch.features
+        if float(cfg.feature_noise):  # EAGLE's augmentation: the head drafts from its own, imperfect features
+            features = features + (torch.rand_like(features) * 2 - 1) * float(cfg.feature_noise)
+        predicted = run_net(self.net, self.embed, batch.tokens, features, batch.attention_mask())
+        loss, stats = head_loss(predicted, batch, self.head_weight, float(cfg.class_weight), self.to_reduced)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, float(cfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.net.eval()
+        self.step += 1
+        self.positions += stats["positions"]
+        stats["loss"] = float(loss.detach())
+        return stats
+
+
+# ---- c. eval ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch.Tensor, to_reduced: torch.Tensor,
+             examples: list[Example], features: dict, cfg: DictConfig, pad_id: int, progress: bool) -> dict:
+    """Depth-1 top-1 agreement with the target's greedy token over every held-out answer position
+    (true features), and greedy chain acceptance per depth on `eval_chains` sampled positions: the
+    head drafts `chain_depth` tokens after the context from its own predicted features, as the
+    pipeline does, and depth d counts when its first d tokens all equal the target's answer."""
+    from specpipe.kv_cache import PositionIndexedCache
+
+    net.eval()
+    positions = top1 = misses = 0
+    loss_sum = 0.0
+    for batch_ids in token_batches(examples, int(cfg.batch)):
+        batch = HeadBatch([examples[i] for i in batch_ids], features, pad_id)
+        predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
+        loss, stats = head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
+        positions += stats["positions"]
+        top1 += stats["top1"]
+        misses += stats["misses"]
+        loss_sum += float(loss) * stats["positions"]
+    depth = int(cfg.chain_depth)
+    rng = np.random.default_rng(int(cfg.seed) + 1)
+    # context = prompt + answer[:t] (t >= 1: the root is an answer token); the chain drafts answer[t:t + depth]
+    candidates = [(e, t) for e in examples for t in range(1, e.n_pred) if t + depth <= len(e.answer)]
+    picks = [candidates[i] for i in sorted(rng.choice(len(candidates), size=min(int(cfg.eval_chains), len(candidates)),
+                                                      replace=False))]
+    accepted = np.zeros(depth + 1, np.int64)
+    bar = _bar(progress, total=len(picks), unit="chain", desc="eval")
+    for example, t in picks:
+        context_len = example.prompt_len + t  # tokens s_0 .. s_{L-1}; the root is s_{L-1}
+        sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:]])
+        f = torch.from_numpy(np.array(features[example.prompt_id][:context_len - 1], dtype=np.float32))
+        cache = PositionIndexedCache()
+        rows = context_len - 1
+        ids = torch.from_numpy(sequence[1:context_len])  # [rows]: s_{p+1}
+        mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+        out = net(embed(ids), f, torch.arange(rows), mask, cache)
+        feature = out[-1]
+        chain = []
+        for step in range(depth):
+            token = int(reduced_ids[(feature @ head_weight.T).argmax()])
+            chain.append(token)
+            if step + 1 < depth:
+                position = rows + step
+                mask = torch.ones(1, position + 1, dtype=torch.bool)
+                feature = net(embed(torch.tensor([token])), feature[None], torch.tensor([position]), mask, cache)[0]
+        matched = int(np.cumprod(np.asarray(chain) == example.answer[t:t + depth]).sum())
+        accepted[: matched + 1] += 1
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    chains = max(1, len(picks))
+    per_depth = {str(d): float(accepted[d] / chains) for d in range(1, depth + 1)}
+    return {"positions": positions, "held_out_answers": len(examples), "chains": len(picks),
+            "top1": top1 / max(1, positions), "vocab_miss_rate": misses / max(1, positions),
+            "loss": loss_sum / max(1, positions), "acceptance_per_depth": per_depth,
+            "mean_accepted_per_chain": float(sum(per_depth.values())), "chain_depth": depth}
+
+
+def format_eval(result: dict, step: int) -> str:
+    lines = [f"eval at step {step}: {result['positions']} held-out answer positions, {result['chains']} chains",
+             f"  top-1 agreement with the target (true features) {result['top1']:.3f}; tokens outside the reduced "
+             f"vocabulary {result['vocab_miss_rate']:.3f}; loss {result['loss']:.3f}",
+             "  depth  chain acceptance"]
+    lines += [f"  {d:>5}  {value:.3f}" for d, value in result["acceptance_per_depth"].items()]
+    lines.append(f"  mean accepted tokens per chain of {result['chain_depth']}: {result['mean_accepted_per_chain']:.3f}")
+    return "\n".join(lines)
+
+
+# ---- the task -----------------------------------------------------------------------------------
+def new_head(target, init_layer: int | None) -> EagleNet:
+    """A 1-layer EAGLE-1 head shaped like the target's layers; with `init_layer`, its decoder layer
+    starts from that target layer's weights (the input norm excepted: the head's first layer has none)."""
+    config = copy.deepcopy(target.config)
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+    net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}), fc_bias=True)
+    if init_layer is not None:
+        layers = target.model.layers
+        if not 0 <= init_layer < len(layers):
+            raise ConfigError(f"train_heads.init_layer={init_layer}: the target has layers 0..{len(layers) - 1}")
+        state = {k: v for k, v in layers[init_layer].state_dict().items() if not k.startswith("input_layernorm")}
+        net.layers[0].load_state_dict(state)
+    return net.float()
+
+
+def run_train_heads(cfg: DictConfig) -> dict:
+    h = cfg.train_heads
+    if h.kind not in HEAD_KINDS:
+        raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(h.seed))
+    loaded = load_model(cfg.model)
+    target, tokenizer = loaded.model.eval(), loaded.tokenizer
+    corpus = repo_path(h.corpus)
+    corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
+        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
+    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
+    examples = [e for e in load_examples(corpus, tokenizer, int(h.max_seq_len), system_prompt) if e.n_pred >= 2]
+    if h.get("limit"):
+        examples = examples[: int(h.limit)]
+    held_out = [e for e in examples if is_eval(e.prompt_id, float(h.eval_fraction))]
+    train = [e for e in examples if not is_eval(e.prompt_id, float(h.eval_fraction))]
+    if not train or not held_out:
+        raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
+                          f"(eval_fraction={h.eval_fraction}): both must be non-empty")
+    folder = repo_path(h.checkpoint_dir) if h.get("checkpoint_dir") else cache_root() / "train_heads" / loaded.name
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    dtype = str(cfg.model.dtype)
+    _log(f"{len(train)} training / {len(held_out)} held-out answers "
+         f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
+         f"features in {dtype}; checkpoints in {folder}")
+    lock = _lock(folder)  # noqa: F841 (held until the run ends)
+
+    # a. features
+    cache = FeatureCache(folder / f"features-{dtype}")
+    cache.pin({"version": FEATURES_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
+               "dtype": dtype, "max_seq_len": int(h.max_seq_len), "system_prompt": system_prompt})
+    extract_features(target, examples, cache, int(h.feature_batch), pad_id, bool(h.progress))
+    features = cache.load()
+    for e in examples:
+        if e.prompt_id not in features or len(features[e.prompt_id]) != len(e.tokens):
+            raise ConfigError(f"the features in {cache.folder} do not match the corpus (answer {e.prompt_id}); "
+                              f"delete that folder and rerun")
+
+    # b. train (c. and d. along the way)
+    vocab = int(target.config.vocab_size)
+    top_k = int(h.vocab_top_k)
+    if not 0 < top_k <= vocab:
+        raise ConfigError(f"train_heads.vocab_top_k must be between 1 and {vocab}, got {top_k}")
+    reduced_ids = torch.arange(vocab) if top_k == vocab else frequent_tokens(str(corpus), tokenizer, top_k)[0]
+    to_reduced = torch.full((vocab,), -1, dtype=torch.long)
+    to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
+    head_weight = output_weight(target, "train_heads").detach().float()[reduced_ids]  # [K, H]
+    embed = target.get_input_embeddings()
+    embed.requires_grad_(False)
+    net = new_head(target, None if h.get("init_layer") is None else int(h.init_layer))
+    run_folder = folder / f"{h.kind}-{dtype}"
+    run_folder.mkdir(parents=True, exist_ok=True)
+    trainer = HeadTrainer(net, embed, head_weight, to_reduced, train, features, h, run_folder, pad_id)
+    if trainer.resume():
+        _log(f"resumed from step {trainer.step}")
+    report_path = run_folder / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
+    out = repo_path(h.out) if h.get("out") else repo_path(f"data/{h.kind}/{loaded.name}")
+
+    def run_eval(export: bool) -> dict:
+        started = time.perf_counter()
+        result = evaluate(net, embed, head_weight, reduced_ids, to_reduced, held_out, features, h, pad_id,
+                          bool(h.progress))
+        result.update(step=trainer.step, epochs=round(trainer.epochs(), 3), positions_trained=trainer.positions,
+                      train_seconds=round(trainer.seconds, 1), eval_seconds=round(time.perf_counter() - started, 1))
+        _log(format_eval(result, trainer.step))
+        report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
+        report.update(kind=h.kind, model=loaded.name, command=task_command("train_heads"),
+                      settings=OmegaConf.to_container(h))
+        _write_json(report_path, report)
+        if export:
+            save_eagle(net, out, {
+                "target": loaded.name, "vocab_sha256": fingerprint["vocab_sha256"], "feature_dtype": dtype,
+                "command": task_command("train_heads"),
+                "corpus": {"file": str(h.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
+                           "held_out_answers": len(held_out), "eval_fraction": float(h.eval_fraction)},
+                "training": {"steps": trainer.step, "epochs": round(trainer.epochs(), 3),
+                             "answer_positions": trainer.positions, "seconds": round(trainer.seconds, 1),
+                             "loss": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens",
+                             "lr": float(h.lr), "batch_tokens": int(h.batch), "init_layer": h.get("init_layer"),
+                             "feature_noise": float(h.feature_noise)},
+                "eval": {k: result[k] for k in ("top1", "vocab_miss_rate", "loss", "acceptance_per_depth",
+                                                "mean_accepted_per_chain", "chains", "positions")},
+            })
+            _log(f"exported the head at step {trainer.step} to {out}")
+        return result
+
+    if h.eval_init and trainer.step == 0 and not any(r["step"] == 0 for r in report["evals"]):
+        run_eval(export=False)
+    steps, every, eval_every = int(h.steps), int(h.checkpoint_every), int(h.eval_every)
+    bar = _bar(bool(h.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
+    window: list[dict] = []
+    window_start = time.perf_counter()
+    try:
+        while trainer.step < steps:
+            started = time.perf_counter()
+            stats = trainer.train_step()
+            trainer.seconds += time.perf_counter() - started
+            window.append(stats)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{np.mean([s['loss'] for s in window[-20:]]):.3f}", refresh=False)
+            if trainer.step % every == 0 or trainer.step == steps:
+                trainer.save()
+                positions = sum(s["positions"] for s in window)
+                entry = {"step": trainer.step, "loss": float(np.mean([s["loss"] for s in window])),
+                         "top1": sum(s["top1"] for s in window) / max(1, positions),
+                         "positions_s": round(positions / max(1e-9, time.perf_counter() - window_start), 1)}
+                _log(f"step {trainer.step}: loss {entry['loss']:.4f}, train top-1 {entry['top1']:.3f}, "
+                     f"{entry['positions_s']:.0f} positions/s, checkpoint saved")
+                report.setdefault("train_log", []).append(entry)
+                _write_json(report_path, report)
+                window, window_start = [], time.perf_counter()
+            if eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
+                run_eval(export=True)
+                window_start = time.perf_counter()
+    finally:
+        if bar is not None:
+            bar.close()
+    final = next((r for r in report["evals"] if r["step"] == trainer.step), None)
+    exported = {}
+    if (out / "config.json").is_file():
+        exported = (json.loads((out / "config.json").read_text()).get("specpipe") or {}).get("training", {})
+    if final is None or exported.get("steps") != trainer.step:
+        final = run_eval(export=True)
+    return {"step": trainer.step, "out": str(out), "report": str(report_path), "eval": final,
+            "train_log": report.get("train_log", [])}

@@ -1,0 +1,297 @@
+"""drafter=eagle: an EAGLE-1 head on the target's features, its cache, the tree it grows, the released
+checkpoint layout, and the errors.
+
+Lossless runs of the `eagle` pipeline are in the generic tests (test_lossless.py, with the identity
+head of conftest.eagle_head_dir on the tiny models); here: what the head computes for each tree
+node, its cache after commits, acceptance where its drafts are right, and loading.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import eagle_head_dir, random_prompts, run_steps
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline
+from specpipe.stages.draft.eagle import ROOT, EagleDrafter, load_eagle
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState
+
+
+def drafter_for(model, kind: str = "random", **kwargs) -> EagleDrafter:
+    return load_eagle(TargetModel(model.loaded.model, name=model.name), model.tokenizer,
+                      path=str(eagle_head_dir(model.loaded.model.config, kind)), vocab_top_k=0, **kwargs)
+
+
+def target_features(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), hidden] the target's last hidden states from a plain causal forward (no cache)."""
+    with torch.inference_mode():
+        out = model.reference(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True)
+    return out.hidden_states[-1][0]
+
+
+def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
+    """[vocab] the head's log-probs after `path` drafted past the root, recomputed with no cache: every
+    row again through a causal forward, the path's rows reading the previous row's prediction."""
+    rows_features = [features[p] for p in range(len(tokens) - 1)]  # f_p for p = 0 .. L-2
+    rows_tokens = list(tokens[1:])  # s_{p+1}
+    with torch.inference_mode():
+        def predict() -> torch.Tensor:
+            q = len(rows_tokens)
+            out = drafter.net(drafter.embed(torch.tensor(rows_tokens)), torch.stack(rows_features), torch.arange(q),
+                              torch.ones(q, q, dtype=torch.bool).tril(), None)
+            return out[-1]
+        feature = predict()
+        for token in path:
+            rows_features.append(feature)
+            rows_tokens.append(token)
+            feature = predict()
+        return torch.log_softmax(drafter.head(feature[None]).float(), dim=-1)[0]
+
+
+def test_tree_nodes_see_exactly_their_path(tiny_mixed):
+    """Each expanded node's log-probs equal a cache-free recomputation over the committed rows and
+    its own path (the root's children first, then siblings expanded in one forward, then two
+    branches at depth 3)."""
+    drafter = drafter_for(tiny_mixed)
+    prompt = random_prompts(1, seed=31)[0][:30]
+    tokens = prompt + [777]  # the root: a committed token the target has not seen yet
+    features = target_features(tiny_mixed, prompt)
+    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt), prompt_hidden=features)
+    drafter.reset(state)
+    root = drafter.start(state)
+    torch.testing.assert_close(root, reference_logprobs(drafter, features, tokens, []), atol=1e-4, rtol=1e-4)
+    tree, parents = [], []
+    children = drafter.step(state, tree, parents, [ROOT]).topk(3).indices  # [1, 3]
+    tree += children[0].tolist()
+    parents += [ROOT] * 3
+    grandchildren = drafter.step(state, tree, parents, [2, 0]).topk(3).indices  # [2, 3]
+    tree += grandchildren.flatten().tolist()
+    parents += [2] * 3 + [0] * 3
+    drafter.step(state, tree, parents, [len(tree) - 1, 3])  # depth 3, two branches
+    session = state.stage_state[drafter]
+    for node in (0, 2, 3, len(tree) - 1):
+        path, walk = [], node
+        while walk != ROOT:
+            path.append(tree[walk])
+            walk = parents[walk]
+        expected = reference_logprobs(drafter, features, tokens, path[::-1])
+        torch.testing.assert_close(session.logprobs[node], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny_mixed):
+    """After a generation (accepted paths of several lengths, rejected branches) the head's cache
+    holds exactly the rows of the committed text: keys and values equal a fresh causal forward over
+    [target feature f_p, token s_{p+1}] for every committed position."""
+    cfg = tiny_mixed.config("eagle", f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random')}")
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    drafter = pipe.decoder.drafters[0]
+    captured = {}
+
+    def capture_finish(state):
+        drafter.start(state)  # catch up with the last commit, as the next step would
+        captured["tokens"] = list(state.tokens)
+        captured["cache"] = [(layer.keys.clone(), layer.values.clone()) for layer in state.stage_state[drafter].cache.layers]
+
+    drafter.on_finish = capture_finish
+    try:
+        tokens, steps = run_steps(pipe, random_prompts(3, seed=32)[2], 24)
+    finally:
+        del drafter.on_finish
+    assert sum(step.stats.tree_size for step in steps) > 0
+    committed = captured["tokens"]
+    features = target_features(tiny_mixed, committed[:-1])
+    fresh = drafter.runner.new_cache()
+    q = len(committed) - 1
+    with torch.inference_mode():
+        drafter.net(drafter.embed(torch.tensor(committed[1:])), features, torch.arange(q),
+                    torch.ones(q, q, dtype=torch.bool).tril(), fresh)
+    for (keys, values), layer in zip(captured["cache"], fresh.layers):
+        assert keys.shape == layer.keys.shape == (1, keys.shape[1], q, keys.shape[-1])
+        torch.testing.assert_close(keys, layer.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=1e-4)
+
+
+def test_right_drafts_are_accepted_whole_and_stay_lossless(tiny):
+    """The stock tiny model repeats its last token, and the identity head drafts exactly that: every
+    drafted chain is accepted (the pipeline verifies the head's tree for real), output = greedy."""
+    cfg = tiny.config("eagle", "pipeline.tree.top_k=1", "pipeline.tree.children=1", "pipeline.tree.depth=4")
+    pipe = build_pipeline(cfg, loaded=tiny.loaded)
+    for prompt in random_prompts(3, seed=33):
+        tokens, steps = run_steps(pipe, prompt, 20)
+        assert tokens == tiny.greedy_hf(prompt, 20)
+        decode_steps = steps[1:-1]
+        # chains of 4 (the 4th node's score can vanish in float rounding on this random model's flat
+        # distributions), every node accepted
+        assert all(step.stats.tree_size >= 3 for step in decode_steps)
+        assert all(len(step.tokens) == step.stats.tree_size + 1 for step in decode_steps)
+
+
+def test_chain_under_the_trie_builder_is_lossless(tiny_mixed):
+    from specpipe.pipelines.builder import compose_config
+
+    head = eagle_head_dir(tiny_mixed.loaded.model.config, "random")
+    cfg = compose_config([*tiny_mixed.overrides, "pipeline=eagle", "cost_curve=flat", "~pipeline.drafters.eagle",
+                          "+drafter@pipeline.proposers.eagle=eagle", f"pipeline.proposers.eagle.path={head}",
+                          "tree@pipeline.tree=trie", "pipeline.proposers.eagle.min_score=0",
+                          "pipeline.proposers.eagle.vocab_top_k=0"])
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    assert len(pipe.decoder.proposers) == 1 and not pipe.decoder.drafters
+    for prompt in random_prompts(3, seed=34):
+        tokens, steps = run_steps(pipe, prompt, 20)
+        assert tokens == tiny_mixed.greedy_hf(prompt, 20)
+        # chains drafted and verified (the 4th and 5th nodes' scores vanish in float rounding on
+        # this random model's flat distributions)
+        assert all(step.stats.tree_size >= 3 for step in steps[1:-1])
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def released_eagle1(folder, config, *, bias: bool = True, layers: int = 1, hidden: int | None = None,
+                    vocab: int | None = None, fmt: str = "bin") -> dict:
+    """A synthetic checkpoint in the layout of the released EAGLE-1 heads (e.g. yuhuili/EAGLE-Vicuna-7B-v1.3:
+    config.json with Llama fields and `bias`, pytorch_model.bin with fc.*, layers.N.* whose layer 0
+    has no input_layernorm, and the base model's embed_tokens.weight)."""
+    hidden = hidden or config.hidden_size
+    vocab = vocab or config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    tensors = {"fc.weight": randn(hidden, 2 * hidden), "embed_tokens.weight": randn(vocab, hidden)}
+    if bias:
+        tensors["fc.bias"] = randn(hidden)
+    for index in range(layers):
+        prefix = f"layers.{index}."
+        tensors.update({prefix + "self_attn.q_proj.weight": randn(heads * head_dim, hidden),
+                        prefix + "self_attn.k_proj.weight": randn(kv_heads * head_dim, hidden),
+                        prefix + "self_attn.v_proj.weight": randn(kv_heads * head_dim, hidden),
+                        prefix + "self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+                        prefix + "mlp.gate_proj.weight": randn(config.intermediate_size, hidden),
+                        prefix + "mlp.up_proj.weight": randn(config.intermediate_size, hidden),
+                        prefix + "mlp.down_proj.weight": randn(hidden, config.intermediate_size),
+                        prefix + "post_attention_layernorm.weight": torch.ones(hidden)})
+        if index > 0:
+            tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": bias, "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": config.intermediate_size, "max_position_embeddings": 2048,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab, "torch_dtype": "float16", "tie_word_embeddings": False}))
+    if fmt == "bin":
+        torch.save(tensors, folder / "pytorch_model.bin")
+    else:
+        save_file(tensors, str(folder / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.parametrize("fmt,bias,layers", [("bin", True, 1), ("safetensors", False, 1), ("safetensors", True, 2)])
+def test_released_eagle1_layouts_load(tiny_mixed, tmp_path, fmt, bias, layers):
+    tensors = released_eagle1(tmp_path / "head", tiny_mixed.loaded.model.config, bias=bias, layers=layers, fmt=fmt)
+    drafter = load_eagle(TargetModel(tiny_mixed.loaded.model, name="tiny_mixed"), tiny_mixed.tokenizer,
+                         path=str(tmp_path / "head"), vocab_top_k=0)
+    state = drafter.net.state_dict()
+    assert (drafter.net.fc.bias is not None) == bias and len(drafter.net.layers) == layers
+    assert isinstance(drafter.net.layers[0].input_layernorm, torch.nn.Identity)
+    for key, value in tensors.items():
+        if key == "embed_tokens.weight":
+            assert key not in state  # the base model's: the target's own embedding is used
+        else:
+            assert torch.equal(state[key], value), key
+    assert drafter.embed is tiny_mixed.loaded.model.get_input_embeddings()
+    prompt = random_prompts(2, seed=35)[1]
+    cfg = tiny_mixed.config("eagle", f"pipeline.drafters.eagle.path={tmp_path / 'head'}")
+    assert build_pipeline(cfg, loaded=tiny_mixed.loaded).generate(prompt, max_new_tokens=12).token_ids == \
+        tiny_mixed.greedy_hf(prompt, 12)
+
+
+def test_bad_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_path):
+    config = tiny_mixed.loaded.model.config
+    target = TargetModel(tiny_mixed.loaded.model, name="tiny_mixed")
+
+    def load(folder):
+        return load_eagle(target, tiny_mixed.tokenizer, path=str(folder), vocab_top_k=0)
+
+    with pytest.raises(ConfigError, match="not a directory"):
+        load(tmp_path / "missing")
+    released_eagle1(tmp_path / "wide", config, hidden=2 * config.hidden_size)
+    with pytest.raises(ConfigError, match=rf"hidden size {config.hidden_size}.*another model"):
+        load(tmp_path / "wide")
+    released_eagle1(tmp_path / "vocab", config, vocab=config.vocab_size + 8)
+    with pytest.raises(ConfigError, match=rf"vocabulary of {config.vocab_size + 8} tokens"):
+        load(tmp_path / "vocab")
+    released_eagle1(tmp_path / "layers", config, layers=2, fmt="safetensors")
+    data = json.loads((tmp_path / "layers" / "config.json").read_text())
+    (tmp_path / "layers" / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match=r"declares 3 layer\(s\), the weights hold layers \[0, 1\]"):
+        load(tmp_path / "layers")
+    released_eagle1(tmp_path / "noweights", config)
+    (tmp_path / "noweights" / "pytorch_model.bin").unlink()
+    with pytest.raises(ConfigError, match="holds no weights"):
+        load(tmp_path / "noweights")
+    released_eagle1(tmp_path / "noconfig", config)
+    (tmp_path / "noconfig" / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load(tmp_path / "noconfig")
+    released_eagle1(tmp_path / "truncated", config, fmt="safetensors")
+    weights = tmp_path / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="cannot read the weights"):
+        load(tmp_path / "truncated")
+    released_eagle1(tmp_path / "pickle", config)
+    with open(tmp_path / "pickle" / "pytorch_model.bin", "wb") as handle:  # code in a pickle: never run
+        pickle.dump({"fc.weight": Exploit()}, handle)
+    with pytest.raises(ConfigError, match="cannot read the weights"):
+        load(tmp_path / "pickle")
+    assert not Exploit.ran
+    eagle3 = tmp_path / "eagle3"
+    eagle3.mkdir()
+    (eagle3 / "config.json").write_text(json.dumps({"hidden_size": config.hidden_size, "draft_vocab_size": 32}))
+    save_file({"fc.weight": torch.zeros(config.hidden_size, 3 * config.hidden_size), "d2t": torch.zeros(32, dtype=torch.long),
+               "midlayer.self_attn.q_proj.weight": torch.zeros(4, 4)}, str(eagle3 / "model.safetensors"))
+    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
+        load(eagle3)
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    save_file({"0.0.linear.weight": torch.zeros(4, 4), "0.1.weight": torch.zeros(8, 4)}, str(medusa / "model.safetensors"))
+    with pytest.raises(ConfigError, match="Medusa checkpoint"):
+        load(medusa)
+
+
+class Exploit:
+    ran = False
+
+    def __reduce__(self):
+        return (Exploit._run, ())
+
+    @staticmethod
+    def _run():
+        Exploit.ran = True
+        return torch.zeros(1)
+
+
+def test_a_head_for_another_tokenizer_and_a_missing_default_are_refused(tiny_mixed, tmp_path):
+    folder = tmp_path / "head"
+    released_eagle1(folder, tiny_mixed.loaded.model.config, fmt="safetensors")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "specpipe": {"target": "other", "vocab_sha256": "0" * 32}}))
+    target = TargetModel(tiny_mixed.loaded.model, name="tiny_mixed")
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        load_eagle(target, tiny_mixed.tokenizer, path=str(folder), vocab_top_k=0)
+    import specpipe.stages.draft.eagle as eagle
+
+    default = eagle.DEFAULT_EAGLE_DIR
+    eagle.DEFAULT_EAGLE_DIR = str(tmp_path / "nothing-here")
+    try:
+        with pytest.raises(ConfigError, match=r"task=train_heads.*drafter.path"):
+            load_eagle(target, tiny_mixed.tokenizer)
+    finally:
+        eagle.DEFAULT_EAGLE_DIR = default

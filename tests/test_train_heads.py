@@ -1,0 +1,106 @@
+"""task=train_heads (EAGLE): the training rows pair each feature with the next token, the eval of a
+head that predicts the target's features exactly accepts everything, and the task trains (loss
+falls), checkpoints, resumes and exports a head the pipeline loads (CI runs only a few steps on the
+tiny model; the real training is the documented command)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
+from specpipe.tasks.distill_draft import Example
+from specpipe.tasks.train_heads import HeadBatch, run_train_heads
+from test_distill_draft import write_corpus
+
+
+def test_training_rows_pair_each_feature_with_the_next_token():
+    """Row p reads (f_p, s_{p+1}) and is scored on f_{p+1} and s_{p+2}, only where s_{p+2} is an answer token."""
+    prompt, answer = [10, 11, 12], [20, 21, 22, 23]
+    tokens = np.asarray((prompt + answer)[:-1], np.int64)  # 6 input positions
+    example = Example("a", tokens, len(prompt), np.asarray(answer, np.int64), len(tokens) - len(prompt) + 1)
+    features = {"a": np.arange(len(tokens) * 2, dtype=np.float32).reshape(len(tokens), 2)}  # f_p = [2p, 2p + 1]
+    batch = HeadBatch([example], features, pad_id=0)
+    assert batch.tokens[0].tolist() == [11, 12, 20, 21, 22]  # s_{p+1}, p = 0..4
+    assert batch.features[0, :, 0].tolist() == [0, 2, 4, 6, 8]  # f_p
+    assert batch.next_features[0, :, 0].tolist() == [2, 4, 6, 8, 10]  # f_{p+1}
+    assert batch.labels[0].tolist() == [-1, 20, 21, 22, 23]  # s_{p+2} where it is an answer token
+    mask = batch.attention_mask()[0, 0]
+    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_train_heads_trains_resumes_and_exports(tmp_path):
+    from specpipe.tasks import TASKS
+
+    assert TASKS["train_heads"] == ("specpipe.tasks.train_heads", "run_train_heads")
+    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "head", tmp_path / "ck"
+    write_corpus(corpus)
+
+    def config(steps: int, *extra: str):
+        return compose_config(["task=train_heads", "model=tiny_random", f"train_heads.corpus={corpus}",
+                               f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}",
+                               f"train_heads.steps={steps}", "train_heads.lr=0.003", "train_heads.warmup=0",
+                               "train_heads.batch=128", "train_heads.checkpoint_every=2", "train_heads.eval_every=0",
+                               "train_heads.eval_fraction=0.3", "train_heads.vocab_top_k=2000",
+                               "train_heads.eval_chains=8", "train_heads.progress=false", *extra])
+
+    first = run_train_heads(config(6))
+    assert first["step"] == 6
+    losses = [entry["loss"] for entry in first["train_log"]]
+    assert [entry["step"] for entry in first["train_log"]] == [2, 4, 6] and losses[-1] < losses[0]
+    assert sorted(p.name for p in (checkpoints / "eagle-fp32").glob("checkpoint-*.pt")) == \
+        ["checkpoint-000004.pt", "checkpoint-000006.pt"]
+    feature_shards = sorted((checkpoints / "features-fp32").glob("*.npy"))
+    assert feature_shards
+    with pytest.raises(ConfigError, match="train_heads.kind"):
+        run_train_heads(config(8, "train_heads.kind=medusa"))
+
+    second = run_train_heads(config(8))  # resumes at step 6; the features are not extracted again
+    assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]
+    assert sorted((checkpoints / "features-fp32").glob("*.npy")) == feature_shards
+    report = json.loads(Path(second["report"]).read_text())
+    assert [r["step"] for r in report["evals"]] == [0, 6, 8]
+    for result in report["evals"]:
+        assert set(result["acceptance_per_depth"]) == {"1", "2", "3", "4", "5"} and result["chains"] > 0
+        assert 0.0 <= result["top1"] <= 1.0 and 0.0 <= result["vocab_miss_rate"] <= 1.0
+    exported = json.loads((out / "config.json").read_text())["specpipe"]
+    assert exported["training"]["steps"] == 8 and exported["command"].startswith("python run.py task=train_heads")
+    assert exported["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
+
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle", "cost_curve=flat",
+                                          f"pipeline.drafters.eagle.path={out}", "pipeline.drafters.eagle.vocab_top_k=0"]),
+                          loaded=loaded)
+    reference = load_model(compose_config(["model=tiny_random"]).model)
+    prompt = [400, 401, 402, 403] * 3
+    with torch.inference_mode():
+        expected = reference.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                            eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
+    assert pipe.generate(prompt, max_new_tokens=10, chat_template=False).token_ids == expected
+
+
+def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
+    """The loss counts what it should: with the target's own next features as the prediction, the
+    regression part is 0, top-1 agrees at every scored position (the answer is the target's greedy
+    continuation), and the classification part is the target's own entropy (its minimum)."""
+    from specpipe.tasks.train_heads import head_loss
+
+    prompt = [5, 6, 7, 8]
+    answer = tiny_mixed.greedy_loop(prompt, 6, eos_token_ids=[])
+    tokens = np.asarray((prompt + answer)[:-1], np.int64)
+    with torch.inference_mode():
+        hidden = tiny_mixed.reference(input_ids=torch.from_numpy(tokens)[None], output_hidden_states=True).hidden_states[-1][0]
+    example = Example("x", tokens, len(prompt), np.asarray(answer, np.int64), len(answer))
+    batch = HeadBatch([example], {"x": hidden.numpy()}, pad_id=0)
+    weight = tiny_mixed.reference.lm_head.weight.detach()
+    loss, stats = head_loss(batch.next_features, batch, weight, 0.1, torch.arange(weight.shape[0]))
+    scored = batch.labels >= 0
+    assert stats["positions"] == int(scored.sum()) == len(answer) and stats["misses"] == 0
+    assert stats["top1"] == stats["positions"] and stats["regression"] == 0.0
+    log_p = torch.log_softmax(batch.next_features[scored] @ weight.T, dim=-1)
+    entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+    assert stats["classification"] == pytest.approx(entropy, rel=1e-5)
