@@ -56,6 +56,10 @@ DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
 # Pipelines with an EAGLE head: on the tiny models (and on the embedded one until its trained head
 # ships) they run the identity head of `eagle_head_dir`.
 EAGLE_PIPELINES = ["eagle"]
+# Pipelines with Medusa heads: on the tiny models (and on the embedded one until its trained heads
+# ship) they run the identity heads of `medusa_head_dir`.
+MEDUSA_PIPELINES = ["medusa"]
+HEAD_PIPELINES = EAGLE_PIPELINES + MEDUSA_PIPELINES
 _TINY_DRAFT_DIRS: dict[str, Path] = {}
 _EAGLE_HEAD_DIRS: dict[tuple, Path] = {}
 
@@ -112,22 +116,55 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
     return _EAGLE_HEAD_DIRS[key]
 
 
+def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 0) -> Path:
+    """Medusa heads for a model of `config` sharing its output layer, saved once per session in the
+    released layout. kind "identity": zero blocks, so every head returns the hidden state it reads and
+    drafts the root token again (accepted on the stock tiny model, which repeats its last token);
+    kind "random": seeded random blocks."""
+    from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
+
+    key = ("medusa", config.hidden_size, kind, heads, seed)
+    if key not in _EAGLE_HEAD_DIRS:
+        import tempfile
+
+        torch.manual_seed(seed)
+        module = MedusaHeads(config.hidden_size, heads, layers=1)
+        if kind == "identity":
+            with torch.no_grad():
+                for parameter in module.parameters():
+                    parameter.zero_()
+        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-medusa-{kind}-"))
+        save_medusa(module, folder, dtype=torch.float32)
+        _EAGLE_HEAD_DIRS[key] = folder
+    return _EAGLE_HEAD_DIRS[key]
+
+
+def head_overrides(pipeline: str, config) -> list[str]:
+    """Overrides giving an EAGLE or Medusa pipeline identity heads for a model of `config`."""
+    if pipeline in EAGLE_PIPELINES:
+        return [f"pipeline.drafters.eagle.path={eagle_head_dir(config)}", "pipeline.drafters.eagle.vocab_top_k=0",
+                "pipeline.tree.min_score=0"]
+    if pipeline in MEDUSA_PIPELINES:
+        return [f"pipeline.drafters.medusa.path={medusa_head_dir(config)}", "pipeline.drafters.medusa.vocab_top_k=0"]
+    return []
+
+
 def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
     """Config overrides that give a draft-model pipeline the tiny draft, and an EAGLE pipeline a head
     for the tiny model (nothing for other pipelines)."""
-    if pipeline in EAGLE_PIPELINES:
-        config = load_model(compose_config(["model=tiny_random"]).model).model.config
-        return [f"pipeline.drafters.eagle.path={eagle_head_dir(config)}", "pipeline.drafters.eagle.vocab_top_k=0",
-                "pipeline.tree.min_score=0"]
+    if pipeline in HEAD_PIPELINES:
+        return head_overrides(pipeline, load_model(compose_config(["model=tiny_random"]).model).model.config)
     if pipeline not in DRAFT_MODEL_PIPELINES:
         return []
     return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}", "pipeline.drafters.model.vocab_top_k=0"]
 
 
-def shipped_eagle_head() -> Path:
+def shipped_heads(pipeline: str) -> Path:
+    """Where the heads trained for the embedded model ship (data/eagle/..., data/medusa/...)."""
     from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
+    from specpipe.stages.draft.medusa import DEFAULT_MEDUSA_DIR
 
-    return REPO / DEFAULT_EAGLE_DIR
+    return REPO / (DEFAULT_EAGLE_DIR if pipeline in EAGLE_PIPELINES else DEFAULT_MEDUSA_DIR)
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -164,9 +201,8 @@ class ModelUnderTest:
         drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
             else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
-        if pipeline in EAGLE_PIPELINES and (self.name != "embedded" or not shipped_eagle_head().is_dir()):
-            drafts = [f"pipeline.drafters.eagle.path={eagle_head_dir(self.loaded.model.config)}",
-                      "pipeline.drafters.eagle.vocab_top_k=0", "pipeline.tree.min_score=0"]
+        if pipeline in HEAD_PIPELINES and (self.name != "embedded" or not shipped_heads(pipeline).is_dir()):
+            drafts = head_overrides(pipeline, self.loaded.model.config)
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
                                *drafts, *overrides])
 

@@ -6,7 +6,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-from conftest import DRAFT_MODEL_PIPELINES, DRAFTING_PIPELINES, EAGLE_PIPELINES, PIPELINES, is_repetitive, near_tie_divergence, random_prompts, run_steps, shipped_eagle_head
+from conftest import DRAFT_MODEL_PIPELINES, DRAFTING_PIPELINES, HEAD_PIPELINES, PIPELINES, is_repetitive, near_tie_divergence, random_prompts, run_steps, shipped_heads
 
 LENGTHS = (1, 2, 7, 40)
 
@@ -49,12 +49,12 @@ def test_lossless_tiny(any_tiny, pipeline):
     elif pipeline in DRAFTING_PIPELINES:
         # Not vacuous: drafts were made and accepted, several tokens per step on repetitive prompts.
         assert tree_nodes > 0
-        # The identity EAGLE head drafts the last token again: accepted where the model repeats it.
-        if pipeline not in EAGLE_PIPELINES or any_tiny.name == "tiny":
+        # The identity EAGLE/Medusa heads draft the last token again: accepted where the model repeats it.
+        if pipeline not in HEAD_PIPELINES or any_tiny.name == "tiny":
             assert drafted_steps > 0
         # The chaotic variant ignores patterns, drafts mostly fail there; a draft model on a tiny
         # random target predicts no repetition (test_draft_model.py checks its acceptance).
-        if any_tiny.name != "tiny_chaotic" and pipeline not in DRAFT_MODEL_PIPELINES + EAGLE_PIPELINES:
+        if any_tiny.name != "tiny_chaotic" and pipeline not in DRAFT_MODEL_PIPELINES + HEAD_PIPELINES:
             assert repetitive_tokens / repetitive_steps > 1.5, (repetitive_tokens, repetitive_steps)
 
 
@@ -117,8 +117,8 @@ def test_lossless_embedded(embedded, pipeline):
         tokens, steps = run_steps(pipe, prompt_ids, 48)
         assert tokens == expected, (
             f"{pipeline}, prompt {i}:\n{embedded.tokenizer.decode(tokens)!r}\n!=\n{embedded.tokenizer.decode(expected)!r}")
-        # (an EAGLE pipeline drafts with a trained head only once one ships; until then the identity head)
-        trained = pipeline not in EAGLE_PIPELINES or shipped_eagle_head().is_dir()
+        # (EAGLE/Medusa pipelines draft with trained heads only once they ship; until then identity heads)
+        trained = pipeline not in HEAD_PIPELINES or shipped_heads(pipeline).is_dir()
         if pipeline in DRAFTING_PIPELINES and trained and i == len(EMBEDDED_PROMPTS) - 1:
             accepted = sum(step.drafted for step in steps)
             assert accepted >= 5, f"{pipeline}: only {accepted} drafted tokens accepted on the summarization prompt"

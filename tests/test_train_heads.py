@@ -57,7 +57,7 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     feature_shards = sorted((checkpoints / "features-fp32").glob("*.npy"))
     assert feature_shards
     with pytest.raises(ConfigError, match="train_heads.kind"):
-        run_train_heads(config(8, "train_heads.kind=medusa"))
+        run_train_heads(config(8, "train_heads.kind=hydra"))
 
     second = run_train_heads(config(8))  # resumes at step 6; the features are not extracted again
     assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]
@@ -104,3 +104,30 @@ def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
     log_p = torch.log_softmax(batch.next_features[scored] @ weight.T, dim=-1)
     entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
     assert stats["classification"] == pytest.approx(entropy, rel=1e-5)
+
+
+def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path):
+    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "medusa", tmp_path / "ck"
+    write_corpus(corpus)
+    result = run_train_heads(compose_config([
+        "task=train_heads", "model=tiny_random", "train_heads.kind=medusa", f"train_heads.corpus={corpus}",
+        f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}", "train_heads.steps=6",
+        "train_heads.lr=0.01", "train_heads.warmup=0", "train_heads.batch=128", "train_heads.checkpoint_every=2",
+        "train_heads.eval_every=0", "train_heads.eval_fraction=0.3", "train_heads.vocab_top_k=2000",
+        "train_heads.medusa_heads=2", "train_heads.progress=false"]))
+    losses = [entry["loss"] for entry in result["train_log"]]
+    assert result["step"] == 6 and losses[-1] < losses[0]
+    assert set(result["eval"]["acceptance_per_depth"]) == {"1", "2"} and len(result["eval"]["top1_per_head"]) == 2
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["medusa_num_heads"] == 2 and exported["specpipe"]["training"]["steps"] == 6
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=medusa", "cost_curve=flat",
+                                          f"pipeline.drafters.medusa.path={out}", "pipeline.drafters.medusa.vocab_top_k=0"]),
+                          loaded=loaded)
+    assert len(pipe.decoder.drafters[0].heads) == 2
+    reference = load_model(compose_config(["model=tiny_random"]).model)
+    prompt = [400, 401, 402, 403] * 3
+    with torch.inference_mode():
+        expected = reference.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                            eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
+    assert pipe.generate(prompt, max_new_tokens=10, chat_template=False).token_ids == expected

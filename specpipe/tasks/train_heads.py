@@ -30,6 +30,7 @@ import copy
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +45,14 @@ from specpipe.models import cache_root
 from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
 from specpipe.stages.draft.eagle import EagleNet, save_eagle
+from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import (Example, _bar, _lock, _save_npy, _write_json, is_eval, load_examples,
                                           lr_at, token_batches)
 
 FEATURES_VERSION = 1
-HEAD_KINDS = ("eagle",)
+HEAD_KINDS = ("eagle", "medusa")
 
 
 def _log(message: str) -> None:
@@ -210,10 +212,12 @@ def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tens
 
 
 class HeadTrainer:
-    def __init__(self, net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor,
-                 examples: list[Example], features: dict, cfg: DictConfig, folder: Path, pad_id: int) -> None:
-        self.net, self.embed, self.head_weight, self.to_reduced = net, embed, head_weight, to_reduced
-        self.examples, self.features, self.cfg, self.folder, self.pad_id = examples, features, cfg, folder, pad_id
+    """Seeded batches, AdamW with warmup and cosine decay, checkpoints; `loss_of(examples)` -> (loss,
+    stats with "positions" and "top1") is the head kind's own."""
+
+    def __init__(self, net: torch.nn.Module, loss_of: Callable[[list[Example]], tuple[torch.Tensor, dict]],
+                 examples: list[Example], cfg: DictConfig, folder: Path) -> None:
+        self.net, self.loss_of, self.examples, self.cfg, self.folder = net, loss_of, examples, cfg, folder
         self.params = list(net.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
                                            weight_decay=float(cfg.weight_decay))
@@ -273,15 +277,11 @@ class HeadTrainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg
-        batch = HeadBatch(self.batch_at(self.step), self.features, self.pad_id)
+        examples = self.batch_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, float(cfg.lr), int(cfg.warmup), int(cfg.steps), float(cfg.min_lr_ratio))
         self.net.train()
-        features = batch.features
-        if float(cfg.feature_noise):  # EAGLE's augmentation: the head drafts from its own, imperfect features
-            features = features + (torch.rand_like(features) * 2 - 1) * float(cfg.feature_noise)
-        predicted = run_net(self.net, self.embed, batch.tokens, features, batch.attention_mask())
-        loss, stats = head_loss(predicted, batch, self.head_weight, float(cfg.class_weight), self.to_reduced)
+        loss, stats = self.loss_of(examples)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, float(cfg.grad_clip))
         self.optimizer.step()
@@ -291,6 +291,101 @@ class HeadTrainer:
         self.positions += stats["positions"]
         stats["loss"] = float(loss.detach())
         return stats
+
+
+def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
+                  cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
+    def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+        batch = HeadBatch(examples, features, pad_id)
+        inputs = batch.features
+        if float(cfg.feature_noise):  # EAGLE's augmentation: the head drafts from its own, imperfect features
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * float(cfg.feature_noise)
+        predicted = run_net(net, embed, batch.tokens, inputs, batch.attention_mask())
+        return head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
+    return loss_of
+
+
+# ---- Medusa -------------------------------------------------------------------------------------
+def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per head k: (inputs f_p [n, H], the target's features f_{p+k+1} [n, H] whose distribution is the
+    soft label, the target's token s_{p+k+2} [n]) over the positions p where s_{p+k+2} is an answer token."""
+    rows = []
+    for k in range(heads):
+        inputs, targets, labels = [], [], []
+        for example in examples:
+            f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [N, H]
+            sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]])
+            n = len(example.tokens) - 1 - k  # p = 0 .. N-2-k
+            if n <= 0:
+                continue
+            p = torch.arange(n)
+            scored = p + k + 2 >= example.prompt_len
+            inputs.append(f[:n][scored])
+            targets.append(f[k + 1:k + 1 + n][scored])
+            labels.append(torch.from_numpy(sequence[k + 2:k + 2 + n])[scored])
+        hidden = features[examples[0].prompt_id].shape[1]
+        rows.append((torch.cat(inputs) if inputs else torch.zeros(0, hidden),
+                     torch.cat(targets) if targets else torch.zeros(0, hidden),
+                     torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)))
+    return rows
+
+
+def medusa_loss(module: MedusaHeads, rows, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+                decay: float) -> tuple[torch.Tensor, dict]:
+    """Sum over heads of decay^k x the cross-entropy from the target's distribution at the guessed
+    position (over the reduced vocabulary) to head k's, through the target's frozen output layer."""
+    total = head_weight.new_zeros(())
+    stats = {"positions": 0, "top1": 0, "misses": 0, "top1_per_head": []}
+    for k, (inputs, targets, labels) in enumerate(rows):
+        if not len(inputs):
+            stats["top1_per_head"].append(0.0)
+            continue
+        log_q = F.log_softmax(module[k](inputs) @ head_weight.T, dim=-1)  # [n, K]
+        log_p = F.log_softmax(targets @ head_weight.T, dim=-1)  # [n, K]
+        total = total + decay ** k * -(log_p.exp() * log_q).sum(-1).mean()
+        reduced = to_reduced[labels]
+        top1 = int((log_q.argmax(-1) == reduced)[reduced >= 0].sum())
+        stats["top1_per_head"].append(top1 / len(labels))
+        if k == 0:
+            stats.update(positions=len(labels), top1=top1, misses=int((reduced < 0).sum()))
+    return total, stats
+
+
+def medusa_loss_of(module: MedusaHeads, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
+                   cfg: DictConfig) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
+    def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+        rows = medusa_rows(examples, features, len(module))
+        return medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay))
+    return loss_of
+
+
+@torch.inference_mode()
+def evaluate_medusa(module: MedusaHeads, head_weight: torch.Tensor, reduced_ids: torch.Tensor, to_reduced: torch.Tensor,
+                    examples: list[Example], features: dict, cfg: DictConfig) -> dict:
+    """Head k's top-1 agreement with the target's token k + 2 places on, and the chain acceptance per
+    depth of the heads' argmax chain (what `propose` drafts) at every held-out answer position that
+    has all of its answer tokens."""
+    heads = len(module)
+    rows = medusa_rows(examples, features, heads)
+    loss, stats = medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay))
+    accepted = np.zeros(heads + 1, np.int64)
+    chains = 0
+    for example in examples:
+        f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))
+        sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:]])
+        for p in range(max(0, example.prompt_len - 2), len(example.tokens) - 1):
+            if p + heads + 1 >= len(sequence):
+                break
+            chain = [int(reduced_ids[(module[k](f[p][None]) @ head_weight.T).argmax()]) for k in range(heads)]
+            matched = int(np.cumprod(np.asarray(chain) == sequence[p + 2:p + 2 + heads]).sum())
+            accepted[: matched + 1] += 1
+            chains += 1
+    per_depth = {str(d): float(accepted[d] / max(1, chains)) for d in range(1, heads + 1)}
+    return {"positions": stats["positions"], "held_out_answers": len(examples), "chains": chains,
+            "top1": stats["top1"] / max(1, stats["positions"]), "top1_per_head": stats["top1_per_head"],
+            "vocab_miss_rate": stats["misses"] / max(1, stats["positions"]), "loss": float(loss),
+            "acceptance_per_depth": per_depth, "mean_accepted_per_chain": float(sum(per_depth.values())),
+            "chain_depth": heads}
 
 
 # ---- c. eval ------------------------------------------------------------------------------------
@@ -359,6 +454,8 @@ def format_eval(result: dict, step: int) -> str:
              f"  top-1 agreement with the target (true features) {result['top1']:.3f}; tokens outside the reduced "
              f"vocabulary {result['vocab_miss_rate']:.3f}; loss {result['loss']:.3f}",
              "  depth  chain acceptance"]
+    if "top1_per_head" in result:
+        lines.insert(2, "  top-1 per head: " + " ".join(f"{value:.3f}" for value in result["top1_per_head"]))
     lines += [f"  {d:>5}  {value:.3f}" for d, value in result["acceptance_per_depth"].items()]
     lines.append(f"  mean accepted tokens per chain of {result['chain_depth']}: {result['mean_accepted_per_chain']:.3f}")
     return "\n".join(lines)
@@ -433,10 +530,18 @@ def run_train_heads(cfg: DictConfig) -> dict:
     head_weight = output_weight(target, "train_heads").detach().float()[reduced_ids]  # [K, H]
     embed = target.get_input_embeddings()
     embed.requires_grad_(False)
-    net = new_head(target, None if h.get("init_layer") is None else int(h.init_layer))
+    if h.kind == "eagle":
+        net = new_head(target, None if h.get("init_layer") is None else int(h.init_layer))
+        loss_of = eagle_loss_of(net, embed, head_weight, to_reduced, features, h, pad_id)
+    else:
+        net = MedusaHeads(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
+        with torch.no_grad():  # Medusa's initialisation: zero blocks, each head starts as the next-token head
+            for parameter in net.parameters():
+                parameter.zero_()
+        loss_of = medusa_loss_of(net, head_weight, to_reduced, features, h)
     run_folder = folder / f"{h.kind}-{dtype}"
     run_folder.mkdir(parents=True, exist_ok=True)
-    trainer = HeadTrainer(net, embed, head_weight, to_reduced, train, features, h, run_folder, pad_id)
+    trainer = HeadTrainer(net, loss_of, train, h, run_folder)
     if trainer.resume():
         _log(f"resumed from step {trainer.step}")
     report_path = run_folder / "report.json"
@@ -445,8 +550,11 @@ def run_train_heads(cfg: DictConfig) -> dict:
 
     def run_eval(export: bool) -> dict:
         started = time.perf_counter()
-        result = evaluate(net, embed, head_weight, reduced_ids, to_reduced, held_out, features, h, pad_id,
-                          bool(h.progress))
+        if h.kind == "eagle":
+            result = evaluate(net, embed, head_weight, reduced_ids, to_reduced, held_out, features, h, pad_id,
+                              bool(h.progress))
+        else:
+            result = evaluate_medusa(net, head_weight, reduced_ids, to_reduced, held_out, features, h)
         result.update(step=trainer.step, epochs=round(trainer.epochs(), 3), positions_trained=trainer.positions,
                       train_seconds=round(trainer.seconds, 1), eval_seconds=round(time.perf_counter() - started, 1))
         _log(format_eval(result, trainer.step))
@@ -455,20 +563,23 @@ def run_train_heads(cfg: DictConfig) -> dict:
                       settings=OmegaConf.to_container(h))
         _write_json(report_path, report)
         if export:
-            save_eagle(net, out, {
+            save = save_eagle if h.kind == "eagle" else save_medusa
+            loss = (f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens" if h.kind == "eagle" else
+                    f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top {top_k} tokens")
+            save(net, out, {
                 "target": loaded.name, "vocab_sha256": fingerprint["vocab_sha256"], "feature_dtype": dtype,
                 "command": task_command("train_heads"),
                 "corpus": {"file": str(h.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
                            "held_out_answers": len(held_out), "eval_fraction": float(h.eval_fraction)},
                 "training": {"steps": trainer.step, "epochs": round(trainer.epochs(), 3),
                              "answer_positions": trainer.positions, "seconds": round(trainer.seconds, 1),
-                             "loss": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens",
+                             "loss": loss,
                              "lr": float(h.lr), "batch_tokens": int(h.batch), "init_layer": h.get("init_layer"),
                              "feature_noise": float(h.feature_noise)},
                 "eval": {k: result[k] for k in ("top1", "vocab_miss_rate", "loss", "acceptance_per_depth",
                                                 "mean_accepted_per_chain", "chains", "positions")},
             })
-            _log(f"exported the head at step {trainer.step} to {out}")
+            _log(f"exported the {h.kind} head(s) at step {trainer.step} to {out}")
         return result
 
     if h.eval_init and trainer.step == 0 and not any(r["step"] == 0 for r in report["evals"]):

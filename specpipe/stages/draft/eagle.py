@@ -37,13 +37,13 @@ from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.draft.draft_model import DEFAULT_VOCAB_COUNTS, ReducedVocabHead, frequent_tokens, output_weight
+from specpipe.stages.draft.head_checkpoint import read_checkpoint
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
 ROOT = -1
 DEFAULT_EAGLE_DIR = "data/eagle/smollm2_135m"  # the head trained for the embedded model (task=train_heads)
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "pytorch_model.pt")
 # Keys of released EAGLE-1 checkpoints that belong to the base model, not the head.
 BASE_MODEL_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -266,36 +266,6 @@ class EagleRunner:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
-def read_checkpoint(folder: Path, name: str) -> tuple[dict, dict[str, Tensor]]:
-    """(config.json as a dict, tensors) of a head checkpoint directory; never unpickles."""
-    if not folder.is_dir():
-        raise ConfigError(f"{name}: drafter.path={folder} is not a directory: give the local directory of an "
-                          f"EAGLE head (config.json and model.safetensors or pytorch_model.bin)")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(f"{name}: {folder} has no config.json: an EAGLE head directory holds its config.json "
-                          f"beside its weights")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ConfigError(f"{name}: cannot read {config_path}: {error}") from None
-    weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
-    if weights is None:
-        raise ConfigError(f"{name}: {folder} holds no weights (looked for {', '.join(WEIGHT_FILES)})")
-    try:
-        if weights.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            tensors = load_file(weights)
-        else:
-            tensors = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated files, pickles with code in them, foreign formats
-        raise ConfigError(f"{name}: cannot read the weights {weights}: {str(error).splitlines()[0]}") from None
-    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
-        raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
-    return config, tensors
-
-
 def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> EagleNet:
     """An EagleNet from an EAGLE-1 checkpoint, checked against the target (sizes, vocabulary)."""
     keys = set(tensors)
@@ -359,24 +329,33 @@ def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: to
         staging.replace(folder / file)
 
 
-def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_top_k: int, vocab_counts: str | None,
-                name: str) -> nn.Module:
-    """The target's output layer, or with `vocab_top_k` > 0 a ReducedVocabHead over its most frequent
-    tokens (counted in `vocab_counts`; None = the shipped chat corpus where it is this tokenizer's)."""
-    model: PreTrainedModel = target.model
+def frequent_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, vocab_top_k: int, vocab_counts: str | None,
+                 name: str) -> Tensor | None:
+    """The `vocab_top_k` most frequent token ids (counted in `vocab_counts`; None = the shipped chat
+    corpus where it is this tokenizer's, else None with a warning: the full vocabulary); None for 0."""
     if not vocab_top_k:
-        return model.get_output_embeddings()
-    if not 0 < vocab_top_k < target.vocab_size:
-        raise ConfigError(f"{name}: vocab_top_k must be between 1 and {target.vocab_size} (0 = off), got {vocab_top_k}")
+        return None
+    if not 0 < vocab_top_k < vocab_size:
+        raise ConfigError(f"{name}: vocab_top_k must be between 1 and {vocab_size} (0 = off), got {vocab_top_k}")
     try:
         ids, coverage = frequent_tokens(vocab_counts or DEFAULT_VOCAB_COUNTS, tokenizer, vocab_top_k)
     except ConfigError as error:
         if vocab_counts is not None:
             raise
         log.warning("%s: drafting over the full vocabulary (%s)", name, error)
-        return model.get_output_embeddings()
+        return None
     log.info("%s: drafting over the %d most frequent tokens (%.1f%% of the counted answers' tokens)", name,
              vocab_top_k, 100 * coverage)
+    return ids
+
+
+def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_top_k: int, vocab_counts: str | None,
+                name: str) -> nn.Module:
+    """The target's output layer, or with `vocab_top_k` > 0 a ReducedVocabHead over its most frequent tokens."""
+    model: PreTrainedModel = target.model
+    ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name)
+    if ids is None:
+        return model.get_output_embeddings()
     return ReducedVocabHead(output_weight(model, name), ids, target.vocab_size)
 
 
@@ -392,7 +371,7 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
         raise ConfigError(f"{name}: no EAGLE head ships for this model at {folder}: train one with "
                           f"`python run.py task=train_heads`, or set drafter.path=DIR to a released EAGLE "
                           f"checkpoint's local directory")
-    config, tensors = read_checkpoint(folder, name)
+    config, tensors = read_checkpoint(folder, name, "EAGLE head")
     recorded = (config.get("specpipe") or {}).get("vocab_sha256")
     if recorded is not None:
         from specpipe.stores.manifest import tokenizer_fingerprint

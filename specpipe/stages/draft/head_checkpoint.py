@@ -1,0 +1,48 @@
+"""Reading a draft head's checkpoint directory (EAGLE, Medusa) without ever unpickling code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specpipe.errors import ConfigError
+
+# Weight files of the released layouts, first found wins (Medusa's own repository names its file
+# medusa_lm_head.*).
+WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
+                "model.pt", "pytorch_model.pt")
+
+
+def read_checkpoint(folder: Path, name: str, what: str) -> tuple[dict, dict[str, Tensor]]:
+    """(config.json as a dict, tensors) of the head directory `folder`; `what` names the head kind
+    in messages. `.bin`/`.pt` files go through torch.load(weights_only=True) only."""
+    if not folder.is_dir():
+        raise ConfigError(f"{name}: drafter.path={folder} is not a directory: give the local directory of an "
+                          f"{what} (config.json and model.safetensors or pytorch_model.bin)")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{name}: {folder} has no config.json: an {what} directory holds its config.json "
+                          f"beside its weights")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{name}: cannot read {config_path}: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{name}: {config_path} is not a JSON object")
+    weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
+    if weights is None:
+        raise ConfigError(f"{name}: {folder} holds no weights (looked for {', '.join(WEIGHT_FILES)})")
+    try:
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(weights)
+        else:
+            tensors = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated files, pickles with code in them, foreign formats
+        raise ConfigError(f"{name}: cannot read the weights {weights}: {str(error).splitlines()[0]}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
+        raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
+    return config, tensors

@@ -1,0 +1,238 @@
+"""Medusa (Cai et al. 2024): K heads on the target's last hidden state, head k guessing the token
+k + 1 places after the root.
+
+Each head is `layers` residual blocks (x + SiLU(W x + b)) then an output layer: its own (the
+released Medusa-1 heads) or the target's frozen one (`shared output`, what `task=train_heads`
+trains: only the blocks are new weights). A head reads the hidden state the last verify forward
+already computed for the token before the root (`DecodeState.hidden`), so drafting costs no
+target pass and keeps no cache. As a StepDrafter its distribution for a node depends only on the
+node's depth; `tree=static` instantiates Medusa's sparse tree of top-k choices over it, `tree=eagle2`
+grows a dynamic one.
+
+Checkpoints: a directory with `config.json` and the heads' weights in the layout of Medusa's
+repository (`medusa_num_heads`, `medusa_num_layers`; keys `{head}.{block}.linear.weight|bias` and
+`{head}.{layers}.weight`, optionally under `medusa_head.`) or of vLLM's converted heads
+(`num_heads`, `num_hidden_layers`; keys `blocks.{head}.layers.{block}.weight|bias`, `lm_heads.{head}.weight`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from specpipe.errors import ConfigError
+from specpipe.stages.draft.draft_model import ReducedVocabHead
+from specpipe.stages.draft.eagle import frequent_ids, output_head
+from specpipe.stages.draft.head_checkpoint import read_checkpoint
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState, Proposal, VerifyResult
+
+log = logging.getLogger(__name__)
+ROOT = -1
+DEFAULT_MEDUSA_DIR = "data/medusa/smollm2_135m"  # the heads trained for the embedded model (task=train_heads)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    """K heads of `layers` ResBlocks each, with their own output layers (`vocab` > 0) or none (the
+    target's is applied after). State-dict keys are the released layout's: `{head}.{block}.linear.*`,
+    `{head}.{layers}.weight`."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, vocab: int = 0, bias: bool = True) -> None:
+        super().__init__(nn.Sequential(*[ResBlock(hidden, bias) for _ in range(layers)],
+                                       *([nn.Linear(hidden, vocab, bias=False)] if vocab else []))
+                         for _ in range(heads))
+        self.hidden, self.layers, self.vocab = hidden, layers, vocab
+
+    def own_outputs(self) -> bool:
+        return self.vocab > 0
+
+
+class MedusaDrafter:
+    """Medusa heads as a StepDrafter (`tree=static` or `tree=eagle2`), or one greedy chain per step
+    as a Proposer (`tree=trie`)."""
+
+    def __init__(self, target: TargetModel, heads: MedusaHeads, outputs: list[nn.Module], name: str = "medusa") -> None:
+        if len(outputs) != len(heads):
+            raise ConfigError(f"{name}: {len(heads)} heads need as many output layers, got {len(outputs)}")
+        self.name = name
+        self.target = target
+        self.heads = heads.to(target.dtype).eval()
+        self.outputs = outputs  # [K] modules hidden -> logits [vocab] (the head's own, reduced, or the target's)
+        self.runner = None  # drafting reads hidden states the target already computed: no draft forward to cost
+
+    def reset(self, state: DecodeState) -> None:
+        state.stage_state[self] = None
+
+    def propose(self, state: DecodeState) -> Proposal:
+        logprobs = self.start(state)
+        all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
+        tokens, scores, cumulative = [], [], 1.0
+        for depth in range(len(self.heads)):
+            token = int(all_logprobs[depth].argmax())
+            cumulative *= math.exp(float(all_logprobs[depth, token]))
+            tokens.append(token)
+            scores.append(cumulative)
+        del logprobs
+        return Proposal.chain(tokens, scores, self.name)
+
+    def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
+        pass  # the next step reads the new DecodeState.hidden
+
+    def on_finish(self, state: DecodeState) -> None:
+        state.stage_state.pop(self, None)
+
+    def start(self, state: DecodeState) -> Tensor:
+        """Every head's log-probs from the hidden state before the root; returns head 0's [vocab]."""
+        if state.hidden is None:
+            raise ConfigError(f"{self.name}: the decoder gave no hidden state (DecodeState.hidden); Medusa heads "
+                              f"draft from the target's own hidden states")
+        with torch.inference_mode():
+            hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
+            logits = torch.cat([output(head(hidden)) for head, output in zip(self.heads, self.outputs)])  # [K, vocab]
+            state.stage_state[self] = torch.log_softmax(logits.float(), dim=-1)
+        return state.stage_state[self][0]
+
+    def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
+        """[m, vocab]: head d's log-probs for a frontier node at depth d (the root is depth 0); past the
+        last head, nothing is drafted (all -inf)."""
+        all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
+        rows = []
+        for node in frontier:
+            depth, walk = 0, node
+            while walk != ROOT:
+                depth += 1
+                walk = parents[walk]
+            rows.append(all_logprobs[depth] if depth < len(self.heads) else torch.full_like(all_logprobs[0], -math.inf))
+        return torch.stack(rows)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+_ORIGINAL = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+_CONVERTED = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight)$")
+
+
+def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[int, int, dict[str, Tensor]]:
+    """(heads, layers, state dict in MedusaHeads' keys) from either released layout."""
+    if any(key.startswith("midlayer.") or key == "fc.weight" for key in tensors):
+        raise ConfigError(f"{name}: this is an EAGLE checkpoint (fc.weight / midlayer.*): use drafter=eagle")
+    heads = config.get("medusa_num_heads", config.get("num_heads"))
+    layers = config.get("medusa_num_layers", config.get("num_hidden_layers"))
+    if heads is None or layers is None:
+        raise ConfigError(f"{name}: config.json names no head count (medusa_num_heads or num_heads) and block count "
+                          f"(medusa_num_layers or num_hidden_layers): not a Medusa checkpoint")
+    heads, layers = int(heads), int(layers)
+    state: dict[str, Tensor] = {}
+    for key, value in tensors.items():
+        short = re.sub(r"^medusa_heads?\.", "", key)
+        original = _ORIGINAL.match(short)
+        converted = _CONVERTED.match(short)
+        if original:
+            state[short] = value
+        elif converted and converted.group(4) is not None:
+            state[f"{converted.group(4)}.{layers}.weight"] = value
+        elif converted:
+            state[f"{converted.group(1)}.{converted.group(2)}.linear.{converted.group(3)}"] = value
+        elif key != "token_map":
+            raise ConfigError(f"{name}: unexpected tensor {key!r} for a Medusa checkpoint (expected "
+                              f"HEAD.BLOCK.linear.weight or blocks.HEAD.layers.BLOCK.weight)")
+    return heads, layers, state
+
+
+def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> MedusaHeads:
+    heads, layers, state = medusa_state(config, tensors, name)
+    hidden = int(target.model.config.hidden_size)
+    block = state.get("0.0.linear.weight")
+    if block is None:
+        raise ConfigError(f"{name}: the checkpoint has no first block (0.0.linear.weight)")
+    if tuple(block.shape) != (hidden, hidden):
+        raise ConfigError(f"{name}: the heads' blocks are {tuple(block.shape)}, the target's hidden size {hidden} "
+                          f"needs ({hidden}, {hidden}): these heads are for another model")
+    output = state.get(f"0.{layers}.weight")
+    vocab = int(output.shape[0]) if output is not None else 0
+    if vocab and vocab != target.vocab_size:
+        raise ConfigError(f"{name}: the heads' output layers have {vocab} tokens, the target's vocabulary "
+                          f"{target.vocab_size}: these heads are for another model")
+    module = MedusaHeads(hidden, heads, layers, vocab, bias="0.0.linear.bias" in state)
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ConfigError(f"{name}: the checkpoint does not fit {heads} heads of {layers} block(s): missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}")
+    for key, value in state.items():
+        if value.shape != module.state_dict()[key].shape:
+            raise ConfigError(f"{name}: {key} is {tuple(value.shape)}, expected {tuple(module.state_dict()[key].shape)}")
+    module.load_state_dict(state)
+    return module
+
+
+def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Writes the heads in Medusa's released layout (config.json + model.safetensors), atomically."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"medusa_num_heads": len(module), "medusa_num_layers": module.layers, "hidden_size": module.hidden,
+              "shared_output_layer": not module.own_outputs(), "specpipe": extra or {}}
+    tensors = {key: value.detach().to(dtype).contiguous() for key, value in module.state_dict().items()}
+    for file, write in (("model.safetensors", lambda path: save_file(tensors, str(path))),
+                        ("config.json", lambda path: path.write_text(json.dumps(config, indent=1, default=str)))):
+        staging = folder / f".{file}.tmp"
+        write(staging)
+        staging.replace(folder / file)
+
+
+def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
+                name: str = "medusa", vocab_top_k: int = 8192, vocab_counts: str | None = None,
+                heads: int | None = None) -> MedusaDrafter:
+    """The drafter `drafter=medusa` configures: `path` = a local Medusa checkpoint directory, or None
+    for the heads trained for the embedded model (data/medusa/). `heads` keeps only the first N."""
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / DEFAULT_MEDUSA_DIR
+    if path is None and not folder.is_dir():
+        raise ConfigError(f"{name}: no Medusa heads ship for this model at {folder}: train them with "
+                          f"`python run.py task=train_heads train_heads.kind=medusa`, or set drafter.path=DIR to a "
+                          f"released Medusa checkpoint's local directory")
+    config, tensors = read_checkpoint(folder, name, "Medusa checkpoint")
+    recorded = (config.get("specpipe") or {}).get("vocab_sha256")
+    if recorded is not None:
+        from specpipe.stores.manifest import tokenizer_fingerprint
+
+        if recorded != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
+            raise ConfigError(f"{name}: the heads at {folder} were trained for another tokenizer: they would draft "
+                              f"other text")
+    module = build_medusa_heads(config, tensors, target, name)
+    if heads is not None:
+        if not 1 <= heads <= len(module):
+            raise ConfigError(f"{name}: heads must be between 1 and the checkpoint's {len(module)}, got {heads}")
+        del module[heads:]
+    if module.own_outputs():
+        layers = module.layers
+        own = [head[layers] for head in module]
+        for head in module:
+            del head[layers]  # the output layers are applied by the drafter (reduced or not)
+        module.vocab = 0
+        ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name)
+        if ids is not None:
+            outputs = [ReducedVocabHead(linear.weight.to(target.dtype), ids, target.vocab_size) for linear in own]
+        else:
+            outputs = [linear.to(target.dtype) for linear in own]
+    else:
+        shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
+        outputs = [shared] * len(module)
+    return MedusaDrafter(target, module, outputs, name=name)
