@@ -55,7 +55,7 @@ DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla" and name n
 DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
 # Pipelines with an EAGLE head: on the tiny models (and on the embedded one until its trained head
 # ships) they run the identity head of `eagle_head_dir`.
-EAGLE_PIPELINES = ["eagle"]
+EAGLE_PIPELINES = ["eagle", "eagle_mix"]
 # Pipelines with Medusa heads: on the tiny models (and on the embedded one until its trained heads
 # ship) they run the identity heads of `medusa_head_dir`.
 MEDUSA_PIPELINES = ["medusa"]
