@@ -217,9 +217,9 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
     teacher_shards = sorted((checkpoints / "teacher").glob("*.npy"))
     assert teacher_shards
 
-    from specpipe.tasks.distill_draft import _lock
+    from specpipe.distill.training import lock_folder
 
-    held = _lock(checkpoints)  # another run using the folder: refused, nothing written
+    held = lock_folder(checkpoints, "distill_draft")  # another run using the folder: refused, nothing written
     with pytest.raises(ConfigError, match=r"another task=distill_draft run \(pid \d+\)"):
         run_distill_draft(config(8))
     held.close()

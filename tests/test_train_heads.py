@@ -18,6 +18,16 @@ from specpipe.tasks.train_heads import HeadBatch, run_train_heads
 from test_distill_draft import write_corpus
 
 
+def assert_greedy(pipe) -> None:
+    """The pipeline's output equals HF greedy on a fresh instance of the tiny model."""
+    reference = load_model(compose_config(["model=tiny_random"]).model)
+    prompt = [400, 401, 402, 403] * 3
+    with torch.inference_mode():
+        expected = reference.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                            eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
+    assert pipe.generate(prompt, max_new_tokens=10, chat_template=False).token_ids == expected
+
+
 def test_training_rows_pair_each_feature_with_the_next_token():
     """Row p reads (f_p, s_{p+1}) and is scored on f_{p+1} and s_{p+2}, only where s_{p+2} is an answer token."""
     prompt, answer = [10, 11, 12], [20, 21, 22, 23]
@@ -75,12 +85,7 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle", "cost_curve=flat",
                                           f"pipeline.drafters.eagle.path={out}", "pipeline.drafters.eagle.vocab_top_k=0"]),
                           loaded=loaded)
-    reference = load_model(compose_config(["model=tiny_random"]).model)
-    prompt = [400, 401, 402, 403] * 3
-    with torch.inference_mode():
-        expected = reference.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                            eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
-    assert pipe.generate(prompt, max_new_tokens=10, chat_template=False).token_ids == expected
+    assert_greedy(pipe)
 
 
 def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
@@ -125,9 +130,4 @@ def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path
                                           f"pipeline.drafters.medusa.path={out}", "pipeline.drafters.medusa.vocab_top_k=0"]),
                           loaded=loaded)
     assert len(pipe.decoder.drafters[0].heads) == 2
-    reference = load_model(compose_config(["model=tiny_random"]).model)
-    prompt = [400, 401, 402, 403] * 3
-    with torch.inference_mode():
-        expected = reference.model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                            eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
-    assert pipe.generate(prompt, max_new_tokens=10, chat_template=False).token_ids == expected
+    assert_greedy(pipe)

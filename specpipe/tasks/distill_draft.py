@@ -28,9 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata, write_atomically
+from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata
 from specpipe.distill.draft_model import build_draft, save_draft
+from specpipe.distill.training import (ExampleShards, ResumableTrainer, lock_folder, progress_bar, token_batches,
+                                       write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import load_model
@@ -53,50 +55,6 @@ TEACHER_VERSION = 1
 
 def _log(message: str) -> None:
     print(f"distill_draft: {message}", file=sys.stderr, flush=True)
-
-
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, write)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as handle:
-            np.save(handle, array, allow_pickle=False)
-    _atomic(path, write)
-
-
-def _write_json(path: Path, data) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n"))
-
-
-def _bar(enabled: bool, **kwargs):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    # In a log file (nohup) a redraw every second is noise: one line a minute is plenty.
-    return tqdm(mininterval=1.0 if sys.stderr.isatty() else 60.0, dynamic_ncols=True, **kwargs)
-
-
-def _lock(folder: Path):
-    """An exclusive lock on the checkpoint folder for the whole run (released when the process ends)."""
-    import fcntl
-
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / ".lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        raise ConfigError(f"another task=distill_draft run (pid {handle.read().strip() or '?'}) is using {folder}; "
-                          f"wait for it to end, or set distill_draft.checkpoint_dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -148,96 +106,40 @@ def _pad(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask, torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(cols))
 
 
-def token_batches(examples: list[Example], batch_tokens: int, window: int = 64) -> list[list[int]]:
-    """Indices of `examples` in batches of at most `batch_tokens` padded tokens (one example at least);
-    each window of `window` examples is sorted by length first so batches pad little."""
-    batches = []
-    for start in range(0, len(examples), window):
-        chunk = sorted(range(start, min(start + window, len(examples))), key=lambda i: (len(examples[i].tokens), i))
-        current: list[int] = []
-        for i in chunk:
-            width = max([len(examples[j].tokens) for j in current] + [len(examples[i].tokens)])
-            if current and width * (len(current) + 1) > batch_tokens:
-                batches.append(current)
-                current = []
-            current.append(i)
-        if current:
-            batches.append(current)
-    return batches
+def example_batches(examples: list[Example], batch_tokens: int) -> list[list[int]]:
+    """Indices of `examples` in batches of at most `batch_tokens` padded input tokens (token_batches)."""
+    return token_batches([len(e.tokens) for e in examples], batch_tokens)
 
 
 # ---- a. teacher ---------------------------------------------------------------------------------
-class TeacherCache:
-    """Top-k teacher logits per answer position, in shards of whole examples:
-    `teacher-NNNNNN.{idx,val,len,pid}.npy` = indices [n, k] int32, logits [n, k] fp16, rows per
-    example [m] int64, prompt ids [m] (unicode). The pid file is written last: a shard without it is
-    unfinished and ignored (then overwritten)."""
+class TeacherCache(ExampleShards):
+    """Top-k teacher logits per answer position (ExampleShards `teacher-NNNNNN.*`): indices [n, k]
+    int32 (`idx`), logits [n, k] fp16 (`val`), n = the example's answer positions."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-
-    def pin(self, settings: dict) -> None:
-        path = self.folder / "settings.json"
-        if path.is_file():
-            pinned = json.loads(path.read_text())
-            if pinned != settings and self.shards():
-                differing = sorted(k for k in set(pinned) | set(settings) if pinned.get(k) != settings.get(k))
-                raise ConfigError(f"the teacher logits in {self.folder} were computed with other settings "
-                                  f"({', '.join(differing)}): delete that folder, or set distill_draft.checkpoint_dir")
-        _write_json(path, settings)
-
-    def shards(self) -> list[str]:
-        return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob("teacher-*.pid.npy"))
-
-    def done(self) -> set[str]:
-        done: set[str] = set()
-        for shard in self.shards():
-            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
-        return done
-
-    def write(self, index: int, examples: list[Example], idx: np.ndarray, val: np.ndarray) -> None:
-        stem = self.folder / f"teacher-{index:06d}"
-        _save_npy(stem.with_name(stem.name + ".idx.npy"), idx.astype(np.int32))
-        _save_npy(stem.with_name(stem.name + ".val.npy"), val.astype(np.float16))
-        _save_npy(stem.with_name(stem.name + ".len.npy"), np.asarray([e.n_pred for e in examples], np.int64))
-        _save_npy(stem.with_name(stem.name + ".pid.npy"), np.asarray([e.prompt_id for e in examples]))
-
-    def load(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """prompt id -> (indices [n, k] int32, logits [n, k] fp16)."""
-        out = {}
-        for shard in self.shards():
-            load = lambda ext: np.load(self.folder / f"{shard}.{ext}.npy", allow_pickle=False)  # noqa: E731
-            idx, val, lengths, pids = load("idx"), load("val"), load("len"), load("pid")
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            if offsets[-1] != len(idx) or len(idx) != len(val):
-                raise ConfigError(f"teacher shard {self.folder / shard} is inconsistent; delete its files and rerun")
-            for i, pid in enumerate(pids.tolist()):
-                out[pid] = (idx[offsets[i]:offsets[i + 1]], val[offsets[i]:offsets[i + 1]])
-        return out
+        super().__init__(folder, "teacher", ("idx", "val"), "distill_draft")
 
 
-def compute_teacher(target, examples: list[Example], cache: TeacherCache, top_k: int, batch_tokens: int,
-                    pad_id: int, progress: bool) -> None:
+def fill_shards(cache: ExampleShards, examples: list[Example], batch_tokens: int, rows: Callable[[Example], int],
+                arrays: Callable[[list[Example]], dict[str, np.ndarray]], what: str, progress: bool,
+                log: Callable[[str], None]) -> None:
+    """Computes `arrays(batch)` (each [sum of rows(example), ...]) for every example not in `cache` yet,
+    in batches of at most `batch_tokens` padded tokens, one shard per batch (a killed run resumes)."""
     done = cache.done()
     todo = [e for e in examples if e.prompt_id not in done]
     if not todo:
         return
-    for path in cache.folder.glob(".tmp-*"):
-        path.unlink(missing_ok=True)
-    next_index = max((int(s.split("-")[1]) for s in cache.shards()), default=-1) + 1
+    next_index = cache.next_index()
     total = sum(len(e.tokens) for e in todo)
-    _log(f"teacher: top-{top_k} logits of {len(todo)} answers ({total} tokens; {len(done)} cached)")
-    bar = _bar(progress, total=total, unit="tok", desc="teacher")
+    log(f"{cache.prefix}: {what} of {len(todo)} answers ({total} tokens; {len(done)} cached)")
+    bar = progress_bar(progress, total=total, unit="tok", desc=cache.prefix)
     started, seen = time.perf_counter(), 0
     try:
-        for batch in token_batches(todo, batch_tokens):
+        for batch in example_batches(todo, batch_tokens):
             chunk = [todo[i] for i in batch]
-            ids, mask, rows, cols = _pad(chunk, pad_id)
             with torch.inference_mode():
-                hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]  # [n, H]
-                logits = target.lm_head(hidden).float()                                                  # [n, V]
-                values, indices = logits.topk(top_k, dim=-1)
-            cache.write(next_index, chunk, indices.numpy(), values.numpy())
+                computed = arrays(chunk)
+            cache.write(next_index, [e.prompt_id for e in chunk], [rows(e) for e in chunk], computed)
             next_index += 1
             tokens = sum(len(e.tokens) for e in chunk)
             seen += tokens
@@ -247,7 +149,18 @@ def compute_teacher(target, examples: list[Example], cache: TeacherCache, top_k:
     finally:
         if bar is not None:
             bar.close()
-    _log(f"teacher: {seen} tokens in {time.perf_counter() - started:.0f} s")
+    log(f"{cache.prefix}: {seen} tokens in {time.perf_counter() - started:.0f} s")
+
+
+def compute_teacher(target, examples: list[Example], cache: TeacherCache, top_k: int, batch_tokens: int,
+                    pad_id: int, progress: bool) -> None:
+    def arrays(chunk: list[Example]) -> dict[str, np.ndarray]:
+        ids, mask, rows, cols = _pad(chunk, pad_id)
+        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]  # [n, H]
+        values, indices = target.lm_head(hidden).float().topk(top_k, dim=-1)  # [n, k] each
+        return {"idx": indices.numpy().astype(np.int32), "val": values.numpy().astype(np.float16)}
+
+    fill_shards(cache, examples, batch_tokens, lambda e: e.n_pred, arrays, f"top-{top_k} logits", progress, _log)
 
 
 # ---- b. train -----------------------------------------------------------------------------------
@@ -275,64 +188,16 @@ def lr_at(step: int, lr: float, warmup: int, steps: int, min_ratio: float) -> fl
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class Trainer:
+class Trainer(ResumableTrainer):
+    """The draft's decoder layers only (the embedding, norm and LM head are the target's, frozen)."""
+
+    state_key = "layers"
+    extra_counters = ("tokens",)
+
     def __init__(self, draft, examples: list[Example], teacher: dict, cfg: DictConfig, folder: Path,
                  pad_id: int) -> None:
-        self.draft, self.examples, self.teacher, self.cfg = draft, examples, teacher, cfg
-        self.folder, self.pad_id = folder, pad_id
-        self.params = [p for p in draft.model.layers.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
-                                           weight_decay=float(cfg.weight_decay))
-        self.step, self.tokens, self.positions, self.seconds = 0, 0, 0, 0.0
-
-    # Batches: an epoch is a seeded shuffle of the training examples, packed by length; the order of
-    # every step is a function of (seed, step) alone, so a resumed run sees what it would have seen.
-    def batch_at(self, step: int) -> list[Example]:
-        epoch, index = 0, step
-        while True:
-            batches = self._epoch(epoch)
-            if index < len(batches):
-                return [self.examples[i] for i in batches[index]]
-            index -= len(batches)
-            epoch += 1
-
-    def _epoch(self, epoch: int) -> list[list[int]]:
-        cached = getattr(self, "_epoch_cache", None)
-        if cached is not None and cached[0] == epoch:
-            return cached[1]
-        rng = np.random.default_rng([int(self.cfg.seed), epoch])
-        order = rng.permutation(len(self.examples))
-        shuffled = [self.examples[i] for i in order]
-        batches = [[int(order[i]) for i in batch] for batch in token_batches(shuffled, int(self.cfg.batch))]
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-        self._epoch_cache = (epoch, batches)
-        return batches
-
-    def checkpoints(self) -> list[Path]:
-        return sorted(self.folder.glob("checkpoint-*.pt"))
-
-    def resume(self) -> bool:
-        for path in reversed(self.checkpoints()):
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as error:  # a truncated file: fall back to the one before
-                _log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
-                continue
-            self.draft.model.layers.load_state_dict(state["layers"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step, self.tokens = int(state["step"]), int(state["tokens"])
-            self.positions, self.seconds = int(state["positions"]), float(state["seconds"])
-            return True
-        return False
-
-    def save(self) -> Path:
-        path = self.folder / f"checkpoint-{self.step:06d}.pt"
-        state = {"layers": self.draft.model.layers.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": self.step, "tokens": self.tokens, "positions": self.positions, "seconds": self.seconds}
-        _atomic(path, lambda tmp: torch.save(state, tmp))
-        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
-            old.unlink(missing_ok=True)
-        return path
+        super().__init__(draft.model.layers, examples, lambda e: len(e.tokens), cfg, folder)
+        self.draft, self.teacher, self.pad_id = draft, teacher, pad_id
 
     def train_step(self) -> tuple[float, int]:
         """One optimizer step; returns (mean KL per answer position, input tokens)."""
@@ -401,7 +266,7 @@ def evaluate(draft, examples: list[Example], teacher: dict, cfg: DictConfig, pad
     kl = 0.0
     started = time.perf_counter()
     with torch.inference_mode():
-        for batch in token_batches(examples, int(cfg.batch)):
+        for batch in example_batches(examples, int(cfg.batch)):
             chunk = [examples[i] for i in batch]
             ids, mask, rows, cols = _pad(chunk, pad_id)
             idx = torch.from_numpy(np.concatenate([teacher[e.prompt_id][0] for e in chunk])).long()
@@ -423,7 +288,7 @@ def evaluate(draft, examples: list[Example], teacher: dict, cfg: DictConfig, pad
                                                                                  len(candidates)), replace=False))]
     picks.sort(key=lambda pick: pick[0].prompt_len + pick[1])  # similar lengths together: little padding
     accepted = np.zeros(depth + 1, np.int64)  # accepted[d]: chains whose first d tokens all match
-    bar = _bar(progress, total=len(picks), unit="chain", desc="eval")
+    bar = progress_bar(progress, total=len(picks), unit="chain", desc="eval")
     for start in range(0, len(picks), int(cfg.eval_batch)):
         group = picks[start:start + int(cfg.eval_batch)]
         contexts = [np.concatenate([e.tokens[:e.prompt_len], e.answer[:t]]) for e, t in group]
@@ -491,7 +356,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
          f"draft = target layers {layers}; checkpoints in {folder}")
 
-    lock = _lock(folder)  # noqa: F841 (held until the run ends: two runs would write the same shards)
+    lock = lock_folder(folder, "distill_draft")  # noqa: F841 (held until the run ends: two runs would write the same shards)
 
     # a. teacher
     cache = TeacherCache(folder / "teacher")
@@ -516,7 +381,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(draft, train, teacher, d, run_folder, pad_id)
-    if trainer.resume():
+    if trainer.resume(_log):
         _log(f"resumed from step {trainer.step} ({trainer.tokens} tokens trained)")
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
@@ -530,7 +395,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
         report.update(layers=layers, model=loaded.name, command=task_command("distill_draft"),
                       settings=OmegaConf.to_container(d))
-        _write_json(report_path, report)
+        write_json(report_path, report)
         if export:
             sidecar = save_draft(draft, out, {
                 "base_model": loaded.name, "target_layers": layers, "tokenizer": fingerprint,
@@ -551,7 +416,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     if d.eval_init and trainer.step == 0 and not any(r["step"] == 0 for r in report["evals"]):
         run_eval(export=False)
     steps, every, eval_every = int(d.steps), int(d.checkpoint_every), int(d.eval_every)
-    bar = _bar(bool(d.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
+    bar = progress_bar(bool(d.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
     try:
         while trainer.step < steps:
@@ -570,7 +435,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                      f"{tok_s:.0f} tok/s, checkpoint saved")
                 report.setdefault("train_log", []).append(
                     {"step": trainer.step, "loss": float(np.mean(window_loss)), "tok_s": round(tok_s, 1)})
-                _write_json(report_path, report)
+                write_json(report_path, report)
                 window_loss, window_tokens, window_start = [], 0, time.perf_counter()
             if eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
                 run_eval(export=True)

@@ -48,8 +48,8 @@ from specpipe.stages.draft.eagle import EagleNet, save_eagle
 from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
-from specpipe.tasks.distill_draft import (Example, _bar, _lock, _save_npy, _write_json, is_eval, load_examples,
-                                          lr_at, token_batches)
+from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_folder, progress_bar, write_json
+from specpipe.tasks.distill_draft import Example, example_batches, fill_shards, is_eval, load_examples, lr_at
 
 FEATURES_VERSION = 1
 HEAD_KINDS = ("eagle", "medusa")
@@ -60,90 +60,31 @@ def _log(message: str) -> None:
 
 
 # ---- a. features --------------------------------------------------------------------------------
-class FeatureCache:
-    """The target's last hidden state at every input position, in shards of whole examples:
-    `features-NNNNNN.{feat,len,pid}.npy` = features [n, hidden] fp32, rows per example [m],
-    prompt ids [m]. The pid file is written last: a shard without it is unfinished and ignored."""
+class FeatureCache(ExampleShards):
+    """The target's last hidden state at every input position (ExampleShards `features-NNNNNN.*`):
+    `feat` [len(tokens), hidden] fp32 per example."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
+        super().__init__(folder, "features", ("feat",), "train_heads")
 
-    def pin(self, settings: dict) -> None:
-        path = self.folder / "settings.json"
-        if path.is_file() and self.shards():
-            pinned = json.loads(path.read_text())
-            if pinned != settings:
-                differing = sorted(k for k in set(pinned) | set(settings) if pinned.get(k) != settings.get(k))
-                raise ConfigError(f"the features in {self.folder} were extracted with other settings "
-                                  f"({', '.join(differing)}): delete that folder, or set train_heads.checkpoint_dir")
-        _write_json(path, settings)
-
-    def shards(self) -> list[str]:
-        return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob("features-*.pid.npy"))
-
-    def done(self) -> set[str]:
-        done: set[str] = set()
-        for shard in self.shards():
-            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
-        return done
-
-    def write(self, index: int, examples: list[Example], features: np.ndarray) -> None:
-        stem = self.folder / f"features-{index:06d}"
-        _save_npy(stem.with_name(stem.name + ".feat.npy"), features.astype(np.float32))
-        _save_npy(stem.with_name(stem.name + ".len.npy"), np.asarray([len(e.tokens) for e in examples], np.int64))
-        _save_npy(stem.with_name(stem.name + ".pid.npy"), np.asarray([e.prompt_id for e in examples]))
-
-    def load(self) -> dict[str, np.ndarray]:
+    def features(self) -> dict[str, np.ndarray]:
         """prompt id -> features [len(tokens), hidden] (memory-mapped)."""
-        out = {}
-        for shard in self.shards():
-            features = np.load(self.folder / f"{shard}.feat.npy", mmap_mode="r", allow_pickle=False)
-            lengths = np.load(self.folder / f"{shard}.len.npy", allow_pickle=False)
-            pids = np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False)
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            if offsets[-1] != len(features):
-                raise ConfigError(f"feature shard {self.folder / shard} is inconsistent; delete its files and rerun")
-            for i, pid in enumerate(pids.tolist()):
-                out[pid] = features[offsets[i]:offsets[i + 1]]
-        return out
+        return {pid: arrays[0] for pid, arrays in self.load(mmap=True).items()}
 
 
 def extract_features(target, examples: list[Example], cache: FeatureCache, batch_tokens: int, pad_id: int,
                      progress: bool) -> None:
-    done = cache.done()
-    todo = [e for e in examples if e.prompt_id not in done]
-    if not todo:
-        return
-    for path in cache.folder.glob(".tmp-*"):
-        path.unlink(missing_ok=True)
-    next_index = max((int(s.split("-")[1]) for s in cache.shards()), default=-1) + 1
-    total = sum(len(e.tokens) for e in todo)
-    _log(f"features: {len(todo)} answers ({total} tokens; {len(done)} cached)")
-    bar = _bar(progress, total=total, unit="tok", desc="features")
-    started, seen = time.perf_counter(), 0
-    try:
-        for batch in token_batches(todo, batch_tokens):
-            chunk = [todo[i] for i in batch]
-            width = max(len(e.tokens) for e in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, T] right-padded
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, example in enumerate(chunk):
-                ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
-                mask[row, :len(example.tokens)] = 1
-            with torch.inference_mode():
-                hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
-            rows = [hidden[row, :len(example.tokens)].float().numpy() for row, example in enumerate(chunk)]
-            cache.write(next_index, chunk, np.concatenate(rows))
-            next_index += 1
-            tokens = sum(len(e.tokens) for e in chunk)
-            seen += tokens
-            if bar is not None:
-                bar.update(tokens)
-                bar.set_postfix(tok_s=f"{seen / (time.perf_counter() - started):.0f}", refresh=False)
-    finally:
-        if bar is not None:
-            bar.close()
-    _log(f"features: {seen} tokens in {time.perf_counter() - started:.0f} s")
+    def arrays(chunk: list[Example]) -> dict[str, np.ndarray]:
+        width = max(len(e.tokens) for e in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, T] right-padded
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, example in enumerate(chunk):
+            ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
+            mask[row, :len(example.tokens)] = 1
+        hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [b, T, H]
+        return {"feat": np.concatenate([hidden[row, :len(e.tokens)].float().numpy() for row, e in enumerate(chunk)])}
+
+    fill_shards(cache, examples, batch_tokens, lambda e: len(e.tokens), arrays, "last hidden states", progress, _log)
 
 
 # ---- b. train -----------------------------------------------------------------------------------
@@ -211,69 +152,13 @@ def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tens
     return regression + class_weight * classification, stats
 
 
-class HeadTrainer:
-    """Seeded batches, AdamW with warmup and cosine decay, checkpoints; `loss_of(examples)` -> (loss,
-    stats with "positions" and "top1") is the head kind's own."""
+class HeadTrainer(ResumableTrainer):
+    """`loss_of(examples)` -> (loss, stats with "positions" and "top1") is the head kind's own."""
 
     def __init__(self, net: torch.nn.Module, loss_of: Callable[[list[Example]], tuple[torch.Tensor, dict]],
                  examples: list[Example], cfg: DictConfig, folder: Path) -> None:
-        self.net, self.loss_of, self.examples, self.cfg, self.folder = net, loss_of, examples, cfg, folder
-        self.params = list(net.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
-                                           weight_decay=float(cfg.weight_decay))
-        self.step, self.positions, self.seconds = 0, 0, 0.0
-        self._epoch_cache: tuple[int, list] | None = None
-
-    def batch_at(self, step: int) -> list[Example]:
-        """The order of every step is a function of (seed, step) alone: a resumed run sees what it would have."""
-        epoch, index = 0, step
-        while True:
-            batches = self._epoch(epoch)
-            if index < len(batches):
-                return [self.examples[i] for i in batches[index]]
-            index -= len(batches)
-            epoch += 1
-
-    def _epoch(self, epoch: int) -> list[list[int]]:
-        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
-            return self._epoch_cache[1]
-        rng = np.random.default_rng([int(self.cfg.seed), epoch])
-        order = rng.permutation(len(self.examples))
-        shuffled = [self.examples[i] for i in order]
-        batches = [[int(order[i]) for i in batch] for batch in token_batches(shuffled, int(self.cfg.batch))]
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-        self._epoch_cache = (epoch, batches)
-        return batches
-
-    def epochs(self) -> float:
-        return self.step / max(1, len(self._epoch(0)))
-
-    def checkpoints(self) -> list[Path]:
-        return sorted(self.folder.glob("checkpoint-*.pt"))
-
-    def resume(self) -> bool:
-        for path in reversed(self.checkpoints()):
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as error:  # a truncated file: fall back to the one before
-                _log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
-                continue
-            self.net.load_state_dict(state["net"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step, self.positions, self.seconds = int(state["step"]), int(state["positions"]), float(state["seconds"])
-            return True
-        return False
-
-    def save(self) -> Path:
-        from specpipe.distill.corpus import write_atomically
-
-        path = self.folder / f"checkpoint-{self.step:06d}.pt"
-        state = {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "positions": self.positions, "seconds": self.seconds}
-        write_atomically(path, lambda tmp: torch.save(state, tmp))
-        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
-            old.unlink(missing_ok=True)
-        return path
+        super().__init__(net, examples, lambda e: len(e.tokens), cfg, folder)
+        self.net, self.loss_of = net, loss_of
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -401,7 +286,7 @@ def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch
     net.eval()
     positions = top1 = misses = 0
     loss_sum = 0.0
-    for batch_ids in token_batches(examples, int(cfg.batch)):
+    for batch_ids in example_batches(examples, int(cfg.batch)):
         batch = HeadBatch([examples[i] for i in batch_ids], features, pad_id)
         predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
         loss, stats = head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
@@ -416,7 +301,7 @@ def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch
     picks = [candidates[i] for i in sorted(rng.choice(len(candidates), size=min(int(cfg.eval_chains), len(candidates)),
                                                       replace=False))]
     accepted = np.zeros(depth + 1, np.int64)
-    bar = _bar(progress, total=len(picks), unit="chain", desc="eval")
+    bar = progress_bar(progress, total=len(picks), unit="chain", desc="eval")
     for example, t in picks:
         context_len = example.prompt_len + t  # tokens s_0 .. s_{L-1}; the root is s_{L-1}
         sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:]])
@@ -506,14 +391,14 @@ def run_train_heads(cfg: DictConfig) -> dict:
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
          f"features in {dtype}; checkpoints in {folder}")
-    lock = _lock(folder)  # noqa: F841 (held until the run ends)
+    lock = lock_folder(folder, "train_heads")  # noqa: F841 (held until the run ends)
 
     # a. features
     cache = FeatureCache(folder / f"features-{dtype}")
     cache.pin({"version": FEATURES_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
                "dtype": dtype, "max_seq_len": int(h.max_seq_len), "system_prompt": system_prompt})
     extract_features(target, examples, cache, int(h.feature_batch), pad_id, bool(h.progress))
-    features = cache.load()
+    features = cache.features()
     for e in examples:
         if e.prompt_id not in features or len(features[e.prompt_id]) != len(e.tokens):
             raise ConfigError(f"the features in {cache.folder} do not match the corpus (answer {e.prompt_id}); "
@@ -542,7 +427,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     run_folder = folder / f"{h.kind}-{dtype}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = HeadTrainer(net, loss_of, train, h, run_folder)
-    if trainer.resume():
+    if trainer.resume(_log):
         _log(f"resumed from step {trainer.step}")
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
@@ -561,7 +446,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
         report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
         report.update(kind=h.kind, model=loaded.name, command=task_command("train_heads"),
                       settings=OmegaConf.to_container(h))
-        _write_json(report_path, report)
+        write_json(report_path, report)
         if export:
             save = save_eagle if h.kind == "eagle" else save_medusa
             loss = (f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens" if h.kind == "eagle" else
@@ -585,7 +470,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if h.eval_init and trainer.step == 0 and not any(r["step"] == 0 for r in report["evals"]):
         run_eval(export=False)
     steps, every, eval_every = int(h.steps), int(h.checkpoint_every), int(h.eval_every)
-    bar = _bar(bool(h.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
+    bar = progress_bar(bool(h.progress), total=steps, initial=min(trainer.step, steps), unit="step", desc="train")
     window: list[dict] = []
     window_start = time.perf_counter()
     try:
@@ -606,7 +491,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
                 _log(f"step {trainer.step}: loss {entry['loss']:.4f}, train top-1 {entry['top1']:.3f}, "
                      f"{entry['positions_s']:.0f} positions/s, checkpoint saved")
                 report.setdefault("train_log", []).append(entry)
-                _write_json(report_path, report)
+                write_json(report_path, report)
                 window, window_start = [], time.perf_counter()
             if eval_every and trainer.step % eval_every == 0 and trainer.step < steps:
                 run_eval(export=True)

@@ -21,7 +21,6 @@ in the layout of the released EAGLE-1 heads: `fc.weight` [hidden, 2 * hidden] (a
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.draft.draft_model import DEFAULT_VOCAB_COUNTS, ReducedVocabHead, frequent_tokens, output_weight
-from specpipe.stages.draft.head_checkpoint import read_checkpoint
+from specpipe.stages.draft.head_checkpoint import check_tokenizer, head_folder, read_checkpoint, write_head_folder
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
@@ -312,21 +311,13 @@ def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetMode
 
 
 def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors), atomically."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
+    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors)."""
     config = net.config.to_dict()
     for key in ("_attn_implementation_autoset", "transformers_version", "torch_dtype", "dtype"):
         config.pop(key, None)
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", bias=net.fc.bias is not None,
                   specpipe=extra or {})
-    tensors = {key: value.detach().to(dtype).contiguous() for key, value in net.state_dict().items()}
-    for file, write in (("model.safetensors", lambda path: save_file(tensors, str(path))),
-                        ("config.json", lambda path: path.write_text(json.dumps(config, indent=1, default=str)))):
-        staging = folder / f".{file}.tmp"
-        write(staging)
-        staging.replace(folder / file)
+    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in net.state_dict().items()})
 
 
 def frequent_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, vocab_top_k: int, vocab_counts: str | None,
@@ -364,21 +355,9 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
                vocab_counts: str | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
     the head trained for the embedded model (data/eagle/). Never downloads."""
-    from specpipe.pipelines.builder import CONFIG_DIR
-
-    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / DEFAULT_EAGLE_DIR
-    if path is None and not folder.is_dir():
-        raise ConfigError(f"{name}: no EAGLE head ships for this model at {folder}: train one with "
-                          f"`python run.py task=train_heads`, or set drafter.path=DIR to a released EAGLE "
-                          f"checkpoint's local directory")
+    folder = head_folder(path, DEFAULT_EAGLE_DIR, name, "EAGLE head", "python run.py task=train_heads")
     config, tensors = read_checkpoint(folder, name, "EAGLE head")
-    recorded = (config.get("specpipe") or {}).get("vocab_sha256")
-    if recorded is not None:
-        from specpipe.stores.manifest import tokenizer_fingerprint
-
-        if recorded != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
-            raise ConfigError(f"{name}: the head at {folder} was trained for another tokenizer "
-                              f"({(config.get('specpipe') or {}).get('target')}): it would draft other text")
+    check_tokenizer(config, tokenizer, folder, name)
     net = build_eagle_net(config, tensors, target, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
     return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)

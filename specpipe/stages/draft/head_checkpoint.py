@@ -46,3 +46,50 @@ def read_checkpoint(folder: Path, name: str, what: str) -> tuple[dict, dict[str,
     if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
         raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
     return config, tensors
+
+
+def head_folder(path: str | None, default: str, name: str, what: str, train: str) -> Path:
+    """`path` as a directory, or the shipped `default` (relative to the repository) when None; a
+    missing default says how to train it or where to point `drafter.path`."""
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / default
+    if path is None and not folder.is_dir():
+        raise ConfigError(f"{name}: no {what} ships for this model at {folder}: train one with `{train}`, or set "
+                          f"drafter.path=DIR to a released checkpoint's local directory")
+    return folder
+
+
+def check_tokenizer(config: dict, tokenizer, folder: Path, name: str) -> None:
+    """Heads specpipe trained record their tokenizer (config.json `specpipe.vocab_sha256`): another
+    tokenizer's ids would mean other text."""
+    recorded = (config.get("specpipe") or {}).get("vocab_sha256")
+    if recorded is None:
+        return
+    from specpipe.stores.manifest import tokenizer_fingerprint
+
+    if recorded != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
+        raise ConfigError(f"{name}: the head(s) at {folder} were trained for another tokenizer "
+                          f"({(config.get('specpipe') or {}).get('target')}): they would draft other text")
+
+
+def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor]) -> None:
+    """config.json + model.safetensors into `folder`, replacing what was there as a whole: both files
+    are written to a staging folder first, so a reader never sees new weights with an old config."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    save_file({key: value.contiguous() for key, value in tensors.items()}, str(staging / "model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    previous = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        folder.rename(previous)
+    staging.rename(folder)
+    shutil.rmtree(previous, ignore_errors=True)

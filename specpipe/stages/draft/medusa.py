@@ -28,7 +28,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.errors import ConfigError
 from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.eagle import frequent_ids, output_head
-from specpipe.stages.draft.head_checkpoint import read_checkpoint
+from specpipe.stages.draft.head_checkpoint import check_tokenizer, head_folder, read_checkpoint, write_head_folder
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -180,20 +180,10 @@ def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetM
 
 
 def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Writes the heads in Medusa's released layout (config.json + model.safetensors), atomically."""
-    import json
-
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
+    """Writes the heads in Medusa's released layout (config.json + model.safetensors)."""
     config = {"medusa_num_heads": len(module), "medusa_num_layers": module.layers, "hidden_size": module.hidden,
               "shared_output_layer": not module.own_outputs(), "specpipe": extra or {}}
-    tensors = {key: value.detach().to(dtype).contiguous() for key, value in module.state_dict().items()}
-    for file, write in (("model.safetensors", lambda path: save_file(tensors, str(path))),
-                        ("config.json", lambda path: path.write_text(json.dumps(config, indent=1, default=str)))):
-        staging = folder / f".{file}.tmp"
-        write(staging)
-        staging.replace(folder / file)
+    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in module.state_dict().items()})
 
 
 def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
@@ -201,21 +191,10 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
                 heads: int | None = None) -> MedusaDrafter:
     """The drafter `drafter=medusa` configures: `path` = a local Medusa checkpoint directory, or None
     for the heads trained for the embedded model (data/medusa/). `heads` keeps only the first N."""
-    from specpipe.pipelines.builder import CONFIG_DIR
-
-    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / DEFAULT_MEDUSA_DIR
-    if path is None and not folder.is_dir():
-        raise ConfigError(f"{name}: no Medusa heads ship for this model at {folder}: train them with "
-                          f"`python run.py task=train_heads train_heads.kind=medusa`, or set drafter.path=DIR to a "
-                          f"released Medusa checkpoint's local directory")
+    folder = head_folder(path, DEFAULT_MEDUSA_DIR, name, "Medusa heads",
+                         "python run.py task=train_heads train_heads.kind=medusa")
     config, tensors = read_checkpoint(folder, name, "Medusa checkpoint")
-    recorded = (config.get("specpipe") or {}).get("vocab_sha256")
-    if recorded is not None:
-        from specpipe.stores.manifest import tokenizer_fingerprint
-
-        if recorded != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
-            raise ConfigError(f"{name}: the heads at {folder} were trained for another tokenizer: they would draft "
-                              f"other text")
+    check_tokenizer(config, tokenizer, folder, name)
     module = build_medusa_heads(config, tensors, target, name)
     if heads is not None:
         if not 1 <= heads <= len(module):

@@ -1,0 +1,210 @@
+"""What the training tasks share (task=distill_draft, task=train_heads): per-example arrays cached in
+.npy shards, seeded batches packed by length, and a trainer that checkpoints and resumes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from specpipe.distill.corpus import write_atomically
+from specpipe.errors import ConfigError
+
+
+def progress_bar(enabled: bool, **kwargs):
+    """A tqdm bar on stderr (None when disabled); in a log file (nohup) one line a minute, not a redraw a second."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(mininterval=1.0 if sys.stderr.isatty() else 60.0, dynamic_ncols=True, **kwargs)
+
+
+def lock_folder(folder: Path, task: str):
+    """An exclusive lock on a task's checkpoint folder for the whole run (released when the process
+    ends): two runs would write the same shards and checkpoints."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        raise ConfigError(f"another task={task} run (pid {handle.read().strip() or '?'}) is using {folder}; "
+                          f"wait for it to end, or set {task}.checkpoint_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+    write_atomically(path, write)
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n"))
+
+
+def token_batches(lengths: Sequence[int], batch_tokens: int, window: int = 64) -> list[list[int]]:
+    """Indices into `lengths` (tokens per example) in batches of at most `batch_tokens` padded tokens
+    (one example at least); each window of `window` examples is sorted by length first so batches
+    pad little."""
+    batches = []
+    for start in range(0, len(lengths), window):
+        chunk = sorted(range(start, min(start + window, len(lengths))), key=lambda i: (lengths[i], i))
+        current: list[int] = []
+        for i in chunk:
+            width = max([lengths[j] for j in current] + [lengths[i]])
+            if current and width * (len(current) + 1) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+    return batches
+
+
+class ExampleShards:
+    """Arrays of rows per example, in shards of whole examples: `{prefix}-NNNNNN.{name}.npy` for each
+    of `arrays`, `.len.npy` (rows per example) and `.pid.npy` (prompt ids). The pid file is written
+    last: a shard without it is unfinished, ignored, then overwritten. `settings` pinned beside them
+    (e.g. the model and dtype they came from) must match on every later run."""
+
+    def __init__(self, folder: Path, prefix: str, arrays: tuple[str, ...], task: str) -> None:
+        self.folder, self.prefix, self.arrays, self.task = Path(folder), prefix, arrays, task
+
+    def pin(self, settings: dict) -> None:
+        path = self.folder / "settings.json"
+        if path.is_file() and self.shards():
+            pinned = json.loads(path.read_text())
+            if pinned != settings:
+                differing = sorted(k for k in set(pinned) | set(settings) if pinned.get(k) != settings.get(k))
+                raise ConfigError(f"the {self.prefix} arrays in {self.folder} were computed with other settings "
+                                  f"({', '.join(differing)}): delete that folder, or set {self.task}.checkpoint_dir")
+        write_json(path, settings)
+
+    def shards(self) -> list[str]:
+        return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob(f"{self.prefix}-*.pid.npy"))
+
+    def done(self) -> set[str]:
+        done: set[str] = set()
+        for shard in self.shards():
+            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
+        return done
+
+    def next_index(self) -> int:
+        """The next shard's number; leftovers of an interrupted write are removed first."""
+        for path in self.folder.glob(".tmp-*"):
+            path.unlink(missing_ok=True)
+        return max((int(s.split("-")[1]) for s in self.shards()), default=-1) + 1
+
+    def write(self, index: int, prompt_ids: Sequence[str], rows: Sequence[int], arrays: dict[str, np.ndarray]) -> None:
+        stem = self.folder / f"{self.prefix}-{index:06d}"
+        for name in self.arrays:
+            save_npy(stem.with_name(f"{stem.name}.{name}.npy"), arrays[name])
+        save_npy(stem.with_name(f"{stem.name}.len.npy"), np.asarray(rows, np.int64))
+        save_npy(stem.with_name(f"{stem.name}.pid.npy"), np.asarray(list(prompt_ids)))
+
+    def load(self, mmap: bool = False) -> dict[str, tuple[np.ndarray, ...]]:
+        """prompt id -> one array per name of `arrays`, each [rows, ...] (memory-mapped with `mmap`)."""
+        out = {}
+        for shard in self.shards():
+            arrays = [np.load(self.folder / f"{shard}.{name}.npy", allow_pickle=False, mmap_mode="r" if mmap else None)
+                      for name in self.arrays]
+            lengths = np.load(self.folder / f"{shard}.len.npy", allow_pickle=False)
+            pids = np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            if any(len(array) != offsets[-1] for array in arrays):
+                raise ConfigError(f"{self.prefix} shard {self.folder / shard} is inconsistent; delete its files and rerun")
+            for i, pid in enumerate(pids.tolist()):
+                out[pid] = tuple(array[offsets[i]:offsets[i + 1]] for array in arrays)
+        return out
+
+
+class ResumableTrainer:
+    """AdamW over `params`, batches that are a function of (seed, step) alone (an epoch is a seeded
+    shuffle of the examples packed by length, so a resumed run sees what it would have seen), and
+    checkpoints every `checkpoint_every` steps (`checkpoint-*.pt`, tensors only, the last
+    `keep_checkpoints` kept). Checkpoints hold `module`'s state under `state_key`, the optimizer's,
+    and the counters (`step`, `positions`, `seconds` and the subclass's `extra_counters`)."""
+
+    state_key = "net"
+    extra_counters: tuple[str, ...] = ()
+
+    def __init__(self, module: torch.nn.Module, examples: list, lengths: Callable[[object], int], cfg: DictConfig,
+                 folder: Path, params=None) -> None:
+        self.module, self.examples, self.cfg, self.folder = module, examples, cfg, Path(folder)
+        self.lengths = [lengths(example) for example in examples]
+        self.params = list(params if params is not None else module.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
+                                           weight_decay=float(cfg.weight_decay))
+        self.step, self.positions, self.seconds = 0, 0, 0.0
+        for name in self.extra_counters:
+            setattr(self, name, 0)
+        self._epoch_cache: tuple[int, list] | None = None
+
+    def batch_at(self, step: int) -> list:
+        epoch, index = 0, step
+        while True:
+            batches = self._epoch(epoch)
+            if index < len(batches):
+                return [self.examples[i] for i in batches[index]]
+            index -= len(batches)
+            epoch += 1
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        rng = np.random.default_rng([int(self.cfg.seed), epoch])
+        order = rng.permutation(len(self.examples))
+        batches = [[int(order[i]) for i in batch]
+                   for batch in token_batches([self.lengths[i] for i in order], int(self.cfg.batch))]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def epochs(self) -> float:
+        return self.step / max(1, len(self._epoch(0)))
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.folder.glob("checkpoint-*.pt"))
+
+    def resume(self, log: Callable[[str], None] = print) -> bool:
+        for path in reversed(self.checkpoints()):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as error:  # a truncated file: fall back to the one before
+                log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
+                continue
+            self.module.load_state_dict(state[self.state_key])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step, self.positions, self.seconds = int(state["step"]), int(state["positions"]), float(state["seconds"])
+            for name in self.extra_counters:
+                setattr(self, name, int(state[name]))
+            return True
+        return False
+
+    def save(self) -> Path:
+        path = self.folder / f"checkpoint-{self.step:06d}.pt"
+        state = {self.state_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "positions": self.positions, "seconds": self.seconds,
+                 **{name: getattr(self, name) for name in self.extra_counters}}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: torch.save(state, tmp))
+        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
+            old.unlink(missing_ok=True)
+        return path
