@@ -194,25 +194,19 @@ def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: t
 def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per head k: (inputs f_p [n, H], the target's features f_{p+k+1} [n, H] whose distribution is the
     soft label, the target's token s_{p+k+2} [n]) over the positions p where s_{p+k+2} is an answer token."""
-    rows = []
-    for k in range(heads):
-        inputs, targets, labels = [], [], []
-        for example in examples:
-            f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [N, H]
-            sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]])
+    parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(heads)]
+    for example in examples:
+        f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [N, H]
+        sequence = torch.from_numpy(np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]]))
+        for k in range(heads):
             n = len(example.tokens) - 1 - k  # p = 0 .. N-2-k
             if n <= 0:
                 continue
-            p = torch.arange(n)
-            scored = p + k + 2 >= example.prompt_len
-            inputs.append(f[:n][scored])
-            targets.append(f[k + 1:k + 1 + n][scored])
-            labels.append(torch.from_numpy(sequence[k + 2:k + 2 + n])[scored])
-        hidden = features[examples[0].prompt_id].shape[1]
-        rows.append((torch.cat(inputs) if inputs else torch.zeros(0, hidden),
-                     torch.cat(targets) if targets else torch.zeros(0, hidden),
-                     torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)))
-    return rows
+            scored = torch.arange(n) + k + 2 >= example.prompt_len
+            parts[k].append((f[:n][scored], f[k + 1:k + 1 + n][scored], sequence[k + 2:k + 2 + n][scored]))
+    hidden = features[examples[0].prompt_id].shape[1]
+    empty = (torch.zeros(0, hidden), torch.zeros(0, hidden), torch.zeros(0, dtype=torch.long))
+    return [tuple(torch.cat(column) for column in zip(*part)) if part else empty for part in parts]
 
 
 def medusa_loss(module: MedusaHeads, rows, head_weight: torch.Tensor, to_reduced: torch.Tensor,
@@ -258,13 +252,16 @@ def evaluate_medusa(module: MedusaHeads, head_weight: torch.Tensor, reduced_ids:
     for example in examples:
         f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))
         sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:]])
-        for p in range(max(0, example.prompt_len - 2), len(example.tokens) - 1):
-            if p + heads + 1 >= len(sequence):
-                break
-            chain = [int(reduced_ids[(module[k](f[p][None]) @ head_weight.T).argmax()]) for k in range(heads)]
-            matched = int(np.cumprod(np.asarray(chain) == sequence[p + 2:p + 2 + heads]).sum())
-            accepted[: matched + 1] += 1
-            chains += 1
+        positions = np.arange(max(0, example.prompt_len - 2), min(len(example.tokens) - 1, len(sequence) - heads - 1))
+        if not len(positions):
+            continue
+        drafted = np.stack([reduced_ids[(module[k](f[positions]) @ head_weight.T).argmax(-1)].numpy()
+                            for k in range(heads)], axis=1)  # [n, heads]: the chain each position drafts
+        truth = np.stack([sequence[positions + 2 + k] for k in range(heads)], axis=1)  # [n, heads]
+        matched = np.cumprod(drafted == truth, axis=1).sum(axis=1)  # [n]
+        for count in matched:
+            accepted[: count + 1] += 1
+        chains += len(positions)
     per_depth = {str(d): float(accepted[d] / max(1, chains)) for d in range(1, heads + 1)}
     return {"positions": stats["positions"], "held_out_answers": len(examples), "chains": chains,
             "top1": stats["top1"] / max(1, stats["positions"]), "top1_per_head": stats["top1_per_head"],
