@@ -1,4 +1,4 @@
-"""`task=train_heads`: an EAGLE head for the target, trained on the target's own answers.
+"""`task=train_heads`: an EAGLE head or Medusa heads for the target, trained on the target's own answers.
 
 Data: the self-distilled chat corpus (data/self_distill/: the target's greedy answers to chat
 prompts assembled from subject lists, never the benchmark sets), split by a hash of the prompt id
@@ -7,22 +7,27 @@ start it again):
 
 a. features: the target, in `model.dtype` (the dtype the head will draft under), over prompt +
    answer; the last hidden state (the input of the output layer) of every position goes to .npy
-   shards in `<checkpoint_dir>/features/` (fp32; a finished shard is skipped).
-b. train: the head's row p reads [embedding(s_{p+1}), f_p] and predicts f_{p+1}; the loss on the
+   shards in `<checkpoint_dir>/features-<dtype>/` (fp32; a finished shard is skipped). Both head
+   kinds train on the same features.
+b. train (kind=eagle): the head's row p reads [embedding(s_{p+1}), f_p] and predicts f_{p+1}; the loss on the
    answer positions is EAGLE-1's: SmoothL1 to the target's next feature plus `class_weight` times
    the cross-entropy from the target's next-token distribution, both distributions taken over
    the `vocab_top_k` most frequent tokens (the reduced output layer the head drafts with).
+   kind=medusa: head k reads f_p and is scored on s_{p+k+2} (cross-entropy from the target's
+   distribution there, weighted medusa_decay^k), through the target's shared output layer.
    AdamW, warmup + cosine decay, a checkpoint every `checkpoint_every` steps.
 c. eval on the held-out answers: top-1 agreement with the target's greedy token from the true
    features (depth 1), and greedy chain acceptance per depth drafted the way the pipeline drafts
    (from the head's own predicted features after the first token), with the vocabulary miss rate.
-d. export: the head in the released EAGLE-1 layout (config.json + model.safetensors, bf16) to `out`,
-   the command and the eval in config.json's `specpipe` entry.
+d. export: the head(s) in the released EAGLE-1 / Medusa layout (config.json + model.safetensors,
+   bf16) to `out`, the command and the eval in config.json's `specpipe` entry.
 
-Run it niced in the background (progress in the log):
+The shipped heads' commands (each took minutes to an hour on 2 cores; run niced in the background):
 
-    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=train_heads \\
-        >> ~/.cache/specpipe/train_heads/smollm2_135m/train.log 2>&1 &
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=train_heads train_heads.steps=600 \\
+        train_heads.eval_every=200 >> ~/.cache/specpipe/train_heads/smollm2_135m/train.log 2>&1 &
+    .venv/bin/python run.py task=train_heads train_heads.kind=medusa train_heads.steps=200 train_heads.batch=2048 \\
+        train_heads.eval_every=100
 """
 from __future__ import annotations
 
