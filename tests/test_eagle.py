@@ -295,3 +295,19 @@ def test_a_head_for_another_tokenizer_and_a_missing_default_are_refused(tiny_mix
             load_eagle(target, tiny_mixed.tokenizer)
     finally:
         eagle.DEFAULT_EAGLE_DIR = default
+
+
+@pytest.mark.parametrize("pipeline", ["eagle", "medusa"])
+def test_heads_never_run_the_target(tiny, pipeline):
+    """A head drafts from the hidden states the verify forwards already computed: one target forward
+    per step (the prefill, then one verify each), however many nodes the head drafted."""
+    pipe = build_pipeline(tiny.config(pipeline), loaded=tiny.loaded)
+    model = pipe.target.model
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        tokens, steps = run_steps(pipe, random_prompts(2, seed=36)[1], 16)
+    finally:
+        handle.remove()
+    assert sum(step.stats.tree_size for step in steps) > 0
+    assert len(calls) == len(steps)
