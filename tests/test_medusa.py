@@ -174,3 +174,23 @@ def test_bad_medusa_checkpoints_are_refused(tiny_mixed, tmp_path):
         load(eagle)
     with pytest.raises(ConfigError, match="not a directory"):
         load(tmp_path / "missing")
+
+
+def test_a_greedy_chain_under_the_trie_builder(tiny):
+    """Under pipeline.proposers the heads draft one chain (each head's argmax): on the stock tiny model
+    with identity heads the chain of 3 (the root repeated) is verified every step and accepted whole
+    wherever the model repeats its last token, and the output is greedy."""
+    from specpipe.pipelines.builder import compose_config
+
+    cfg = compose_config([*tiny.overrides, "pipeline=medusa", "cost_curve=flat", "~pipeline.drafters.medusa",
+                          "+drafter@pipeline.proposers.medusa=medusa",
+                          f"pipeline.proposers.medusa.path={medusa_head_dir(tiny.loaded.model.config)}",
+                          "pipeline.proposers.medusa.vocab_top_k=0", "tree@pipeline.tree=trie"])
+    pipe = build_pipeline(cfg, loaded=tiny.loaded)
+    assert len(pipe.decoder.proposers) == 1 and not pipe.decoder.drafters
+    for prompt in random_prompts(2, seed=43):
+        tokens, steps = run_steps(pipe, prompt, 16)
+        assert tokens == tiny.greedy_hf(prompt, 16)
+        decode_steps = steps[1:-1]
+        assert all(step.stats.tree_size == 3 for step in decode_steps)
+        assert sum(len(step.tokens) == 4 for step in decode_steps) >= len(decode_steps) / 2

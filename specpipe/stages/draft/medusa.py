@@ -78,7 +78,7 @@ class MedusaDrafter:
         state.stage_state[self] = None
 
     def propose(self, state: DecodeState) -> Proposal:
-        logprobs = self.start(state)
+        self.start(state)
         all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
         tokens, scores, cumulative = [], [], 1.0
         for depth in range(len(self.heads)):
@@ -86,7 +86,6 @@ class MedusaDrafter:
             cumulative *= math.exp(float(all_logprobs[depth, token]))
             tokens.append(token)
             scores.append(cumulative)
-        del logprobs
         return Proposal.chain(tokens, scores, self.name)
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
