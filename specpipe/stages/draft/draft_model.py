@@ -88,6 +88,45 @@ def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int)
     return torch.from_numpy(np.sort(ids)).long(), coverage
 
 
+def causal_rows(cached: int, q: int) -> Tensor:
+    """[q, cached + q] bool: q new rows that see every cached row, then each other causally."""
+    mask = torch.ones(q, cached + q, dtype=torch.bool)
+    mask[:, cached:] = torch.ones(q, q, dtype=torch.bool).tril()
+    return mask
+
+
+def unfed_ancestors_first(nodes: list[int], parents: list[int], fed) -> list[int]:
+    """Every node of `nodes` not in `fed`, with its ancestors not in `fed`, parents before children."""
+    order: list[int] = []
+    for node in nodes:
+        path = []
+        walk = node
+        while walk != ROOT and walk not in fed and walk not in order and walk not in path:
+            path.append(walk)
+            walk = parents[walk]
+        order.extend(reversed(path))
+    return order
+
+
+def tree_rows(nodes: list[int], parents: list[int], slots: dict[int, int], committed: int,
+              cached: int) -> tuple[Tensor, Tensor]:
+    """Mask [q, cached + q] bool and positions [q] of tree nodes fed as q new rows after `cached`
+    cache rows: each sees the `committed` rows (the root is the last, at position committed - 1),
+    its ancestors' rows and its own (`slots`: node -> cache row, the new nodes included)."""
+    q = len(nodes)
+    mask = torch.zeros(q, cached + q, dtype=torch.bool)
+    mask[:, :committed] = True
+    positions = torch.empty(q, dtype=torch.long)
+    for row, node in enumerate(nodes):
+        walk, depth = node, 0
+        while walk != ROOT:
+            mask[row, slots[walk]] = True
+            walk = parents[walk]
+            depth += 1
+        positions[row] = committed - 1 + depth
+    return mask, positions
+
+
 @dataclass
 class DraftSession:
     """One request's draft cache: entries for the request's first `synced` tokens (root included;
@@ -188,9 +227,8 @@ class DraftModelDrafter:
             session.cache.crop(shared)
             new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
             q = int(new.shape[0])
-            mask = torch.ones(q, shared + q, dtype=torch.bool)  # [q, kv]: everything cached, then causal
-            mask[:, shared:] = torch.ones(q, q, dtype=torch.bool).tril()
-            out = self.runner.forward_masked(new, torch.arange(shared, shared + q), mask, session.cache)
+            out = self.runner.forward_masked(new, torch.arange(shared, shared + q), causal_rows(shared, q),
+                                             session.cache)
             session.root_logprobs = torch.log_softmax(out.logits[-1], dim=-1)
         session.synced = len(tokens)
         session.slots, session.logprobs = {}, {}
@@ -213,31 +251,13 @@ class DraftModelDrafter:
         """Feeds every node of `nodes` not fed yet this step, and its unfed ancestors, through the
         draft in one forward: each row attends to the committed text, its ancestors and itself."""
         session: DraftSession = state.stage_state[self]
-        order: list[int] = []  # parents before children
-        for node in nodes:
-            path = []
-            walk = node
-            while walk != ROOT and walk not in session.slots and walk not in order and walk not in path:
-                path.append(walk)
-                walk = parents[walk]
-            order.extend(reversed(path))
+        order = unfed_ancestors_first(nodes, parents, session.slots)
         if not order:
             return
-        committed = session.synced
         cached = session.cache.get_seq_length()
         for row, node in enumerate(order):
             session.slots[node] = cached + row
-        q = len(order)
-        mask = torch.zeros(q, cached + q, dtype=torch.bool)  # [q, kv]
-        mask[:, :committed] = True  # the committed text, root included
-        positions = torch.empty(q, dtype=torch.long)  # [q]
-        for row, node in enumerate(order):
-            walk, depth = node, 0
-            while walk != ROOT:
-                mask[row, session.slots[walk]] = True
-                walk = parents[walk]
-                depth += 1
-            positions[row] = committed - 1 + depth  # the root sits at committed - 1
+        mask, positions = tree_rows(order, parents, session.slots, session.synced, cached)  # [q, kv], [q]
         input_ids = torch.tensor([tokens[node] for node in order], dtype=torch.long)  # [q]
         out = self.runner.forward_masked(input_ids, positions, mask, session.cache)
         logprobs = torch.log_softmax(out.logits, dim=-1)  # [q, vocab]

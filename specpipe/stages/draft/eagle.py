@@ -35,8 +35,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
-from specpipe.stages.draft.draft_model import DEFAULT_VOCAB_COUNTS, ReducedVocabHead, frequent_tokens, output_weight
-from specpipe.stages.draft.head_checkpoint import check_tokenizer, head_folder, read_checkpoint, write_head_folder
+from specpipe.stages.draft.draft_model import (DEFAULT_VOCAB_COUNTS, ReducedVocabHead, causal_rows, frequent_tokens,
+                                               output_weight, tree_rows, unfed_ancestors_first)
+from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
+                                                   write_head_folder)
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
@@ -160,11 +162,9 @@ class EagleDrafter:
         if session.pending_tokens:
             features = torch.cat(session.pending_features).to(self.target.dtype)  # [q, hidden]
             q = features.shape[0]
-            mask = torch.ones(q, session.synced + q, dtype=torch.bool)  # [q, kv]: cached rows, then causal
-            mask[:, session.synced:] = torch.ones(q, q, dtype=torch.bool).tril()
             tokens = torch.tensor(session.pending_tokens, dtype=torch.long)  # [q]
-            predicted = self._forward(features, tokens, torch.arange(session.synced, session.synced + q), mask,
-                                      session.cache)
+            predicted = self._forward(features, tokens, torch.arange(session.synced, session.synced + q),
+                                      causal_rows(session.synced, q), session.cache)
             session.root_feature = predicted[-1]
             session.root_logprobs = self._logprobs(predicted[-1:])[0]
             session.synced += q
@@ -176,13 +176,7 @@ class EagleDrafter:
         """The draft's log-probs [m, vocab] after each frontier node (ROOT = the root). Nodes are fed
         once, when first expanded, with their unfed ancestors first."""
         session: EagleSession = state.stage_state[self]
-        unfed: list[int] = []
-        for node in frontier:
-            walk, path = node, []
-            while walk != ROOT and walk not in session.slots and walk not in unfed and walk not in path:
-                path.append(walk)
-                walk = parents[walk]
-            unfed.extend(reversed(path))
+        unfed = unfed_ancestors_first(frontier, parents, session.slots)
         while unfed:  # a node's input is its parent's predicted feature: feed level by level
             ready = [node for node in unfed if parents[node] == ROOT or parents[node] in session.features]
             self._feed(session, tokens, parents, ready)
@@ -194,17 +188,7 @@ class EagleDrafter:
         cached = session.cache.get_seq_length()
         for row, node in enumerate(nodes):
             session.slots[node] = cached + row
-        q = len(nodes)
-        mask = torch.zeros(q, cached + q, dtype=torch.bool)  # [q, kv]
-        mask[:, :session.synced] = True
-        positions = torch.empty(q, dtype=torch.long)  # [q]
-        for row, node in enumerate(nodes):
-            walk, depth = node, 0
-            while walk != ROOT:
-                mask[row, session.slots[walk]] = True
-                walk = parents[walk]
-                depth += 1
-            positions[row] = session.synced - 1 + depth  # a child of the root reads the root's row position + 1
+        mask, positions = tree_rows(nodes, parents, session.slots, session.synced, cached)  # [q, kv], [q]
         features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
                                 for node in nodes])  # [q, hidden]
         ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
@@ -297,16 +281,7 @@ def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetMode
     llama_config = LlamaConfig(**{**fields, "num_hidden_layers": declared, "vocab_size": target.vocab_size})
     net = EagleNet(llama_config, fc_bias="fc.bias" in keys)
     state = {key: value for key, value in tensors.items() if key not in BASE_MODEL_KEYS}
-    expected = set(net.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ConfigError(f"{name}: the checkpoint does not fit an EAGLE-1 head of {declared} layer(s): "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for key, value in state.items():
-        wanted = net.state_dict()[key].shape
-        if value.shape != wanted:
-            raise ConfigError(f"{name}: {key} is {tuple(value.shape)}, the config makes it {tuple(wanted)}")
-    net.load_state_dict(state)
+    load_fitting(net, state, name, f"an EAGLE-1 head of {declared} layer(s)")
     return net
 
 

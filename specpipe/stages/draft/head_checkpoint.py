@@ -93,3 +93,17 @@ def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor]) ->
         folder.rename(previous)
     staging.rename(folder)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def load_fitting(module: torch.nn.Module, state: dict[str, Tensor], name: str, what: str) -> None:
+    """Loads `state` into `module` after checking it has exactly the module's keys and shapes; `what`
+    names the module the config describes (e.g. "an EAGLE-1 head of 1 layer(s)")."""
+    expected = module.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(f"{name}: the checkpoint does not fit {what}: missing {missing[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+    for key, value in state.items():
+        if value.shape != expected[key].shape:
+            raise ConfigError(f"{name}: {key} is {tuple(value.shape)}, the config makes it {tuple(expected[key].shape)}")
+    module.load_state_dict(state)

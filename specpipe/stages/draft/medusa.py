@@ -28,7 +28,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.errors import ConfigError
 from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.eagle import frequent_ids, output_head
-from specpipe.stages.draft.head_checkpoint import check_tokenizer, head_folder, read_checkpoint, write_head_folder
+from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
+                                                   write_head_folder)
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -166,15 +167,7 @@ def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetM
         raise ConfigError(f"{name}: the heads' output layers have {vocab} tokens, the target's vocabulary "
                           f"{target.vocab_size}: these heads are for another model")
     module = MedusaHeads(hidden, heads, layers, vocab, bias="0.0.linear.bias" in state)
-    expected = set(module.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ConfigError(f"{name}: the checkpoint does not fit {heads} heads of {layers} block(s): missing "
-                          f"{missing[:5]}, unexpected {unexpected[:5]}")
-    for key, value in state.items():
-        if value.shape != module.state_dict()[key].shape:
-            raise ConfigError(f"{name}: {key} is {tuple(value.shape)}, expected {tuple(module.state_dict()[key].shape)}")
-    module.load_state_dict(state)
+    load_fitting(module, state, name, f"{heads} heads of {layers} block(s)")
     return module
 
 
