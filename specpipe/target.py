@@ -92,6 +92,9 @@ class ForwardOutput:
     logits: Tensor  # [q, vocab] fp32
     hidden: Tensor  # [q, hidden]
     lookahead_logits: tuple[Tensor, ...] = ()  # per lookahead block [1 + r, vocab]: root row, then its rows
+    # [q, len(aux_layers) * hidden]: the hidden states entering the layers `capture_layers` asked
+    # for, side by side (EAGLE-3 heads draft from them); None when none were asked for.
+    aux_hidden: Tensor | None = None
 
 
 class TargetModel:
@@ -108,7 +111,32 @@ class TargetModel:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.attn_implementation = resolve_attention(attention, self.device)  # a registered AttentionInterface name
+        self.layer_count = int(getattr(config, "num_hidden_layers", 0) or 0)
+        self.aux_layers: tuple[int, ...] = ()
         self._use_attention()
+
+    def capture_layers(self, layers: tuple[int, ...], requester: str) -> None:
+        """Every forward from now on also returns `aux_hidden`: the hidden states entering each of
+        `layers` (transformers' `hidden_states[i]`, i.e. the output of layer i - 1), concatenated.
+
+        One set of layers per runner: a second, different request (two EAGLE-3 heads with other
+        layers in one pipeline) is refused rather than silently serving one of them wrong rows.
+        """
+        layers = tuple(int(layer) for layer in layers)
+        if not layers or any(not 0 <= layer < self.layer_count for layer in layers):
+            raise ConfigError(f"{requester}: asks for the hidden states entering layers {list(layers)}, but "
+                              f"{self.name} has layers 0..{self.layer_count - 1}")
+        if self.aux_layers and self.aux_layers != layers:
+            raise ConfigError(f"{requester}: asks for the hidden states of layers {list(layers)}, but another "
+                              f"stage of this pipeline already reads layers {list(self.aux_layers)}; one target "
+                              f"runner captures one set")
+        self.aux_layers = layers
+
+    def _aux_hidden(self, hidden_states: tuple[Tensor, ...]) -> Tensor | None:
+        # hidden_states: transformers' per-layer states, each [1, q, hidden] -> [q, k * hidden]
+        if not self.aux_layers:
+            return None
+        return torch.cat([hidden_states[layer][0] for layer in self.aux_layers], dim=-1)
 
     def _use_attention(self) -> None:
         """Several runners may share one model with different attention choices: each forward uses its own."""
@@ -121,12 +149,12 @@ class TargetModel:
     @torch.inference_mode()
     def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> ForwardOutput:
         """Runs the whole prompt; returns the logits of its last token [1, vocab] and the last hidden
-        states of all its tokens [L, hidden]."""
+        states of all its tokens [L, hidden] (and `aux_hidden` [L, k * hidden] when layers are captured)."""
         self._use_attention()
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=True, logits_to_keep=1)
-        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0])
+        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0], aux_hidden=self._aux_hidden(out.hidden_states))
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,
@@ -173,7 +201,8 @@ class TargetModel:
             start += size
         if not sizes:
             return out
-        return ForwardOutput(out.logits[:n + 1], out.hidden[:n + 1], tuple(blocks))
+        aux_hidden = out.aux_hidden[:n + 1] if out.aux_hidden is not None else None
+        return ForwardOutput(out.logits[:n + 1], out.hidden[:n + 1], tuple(blocks), aux_hidden)
 
     @torch.inference_mode()
     def forward_masked(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None,
@@ -190,4 +219,4 @@ class TargetModel:
             mask = mask[None, None].to(self.device)  # [1, 1, q, kv]
         out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0])
+        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0], aux_hidden=self._aux_hidden(out.hidden_states))

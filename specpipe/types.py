@@ -128,6 +128,7 @@ class VerifyResult:
     bonus: int  # the target's own next token after the accepted path
     logits: Tensor  # [n + 1, vocab] target logits; row 0 = root, row i + 1 = node i
     hidden: Tensor | None = None  # [n + 1, hidden] last hidden states, same rows
+    aux_hidden: Tensor | None = None  # [n + 1, k * hidden] TargetModel.capture_layers' states, same rows
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,9 @@ class DecodeState:
     # The target's last hidden states over the prompt [prompt_length, hidden] (EAGLE drafters
     # build their own cache from them).
     prompt_hidden: Tensor | None = None
+    # The same prompt rows' hidden states of the layers the target runner captures (EAGLE-3 heads):
+    # [prompt_length, k * hidden], None when it captures none.
+    prompt_aux_hidden: Tensor | None = None
     # Each stage's per-sequence state (n-gram index, last trie, calibration), keyed by the stage
     # object: stages are shared by concurrent requests and keep nothing per request themselves.
     stage_state: dict = field(default_factory=dict)

@@ -59,7 +59,10 @@ EAGLE_PIPELINES = ["eagle", "eagle_mix"]
 # Pipelines with Medusa heads: on the tiny models (and on the embedded one until its trained heads
 # ship) they run the identity heads of `medusa_head_dir`.
 MEDUSA_PIPELINES = ["medusa"]
-HEAD_PIPELINES = EAGLE_PIPELINES + MEDUSA_PIPELINES
+# Pipelines with an EAGLE-3 head: on the tiny models (and on the embedded one until its trained head
+# ships) the identity head of `eagle3_head_dir`.
+EAGLE3_PIPELINES = ["eagle3"]
+HEAD_PIPELINES = EAGLE_PIPELINES + MEDUSA_PIPELINES + EAGLE3_PIPELINES
 _TINY_DRAFT_DIRS: dict[str, Path] = {}
 _EAGLE_HEAD_DIRS: dict[tuple, Path] = {}
 
@@ -139,8 +142,50 @@ def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 
     return _EAGLE_HEAD_DIRS[key]
 
 
-def head_overrides(pipeline: str, config) -> list[str]:
-    """Overrides giving an EAGLE or Medusa pipeline identity heads for a model of `config`."""
+def eagle3_head_dir(model, kind: str = "identity", seed: int = 0) -> Path:
+    """An EAGLE-3 head for `model` (a transformers causal LM), saved once per session in the released
+    layout, reading the hidden states entering layers 0 (the token embeddings), 1 and 1.
+
+    kind "identity": fc passes the layer-0 block (the embedding of the row's own token) through, the
+    midlayer adds nothing (zero output projections) and lm_head is the model's embedding matrix, so
+    the head drafts the last committed token but one, then repeats its own draft: on the stock tiny
+    model, whose greedy output repeats its last token, that is the root again and is accepted.
+    kind "random": a seeded random head with a random 3/4 of the vocabulary as its draft vocabulary."""
+    from transformers import LlamaConfig
+
+    from specpipe.stages.draft.eagle3 import Eagle3Net, save_eagle3
+
+    config = model.config
+    weights = float(model.get_input_embeddings().weight.detach().double().sum())  # the tiny variants differ in weights
+    key = ("eagle3", config.hidden_size, config.vocab_size, config.num_attention_heads, weights, kind, seed)
+    if key not in _EAGLE_HEAD_DIRS:
+        import tempfile
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+        torch.manual_seed(seed)
+        vocab, hidden = config.vocab_size, config.hidden_size
+        ids = torch.arange(vocab) if kind == "identity" else torch.randperm(vocab)[: 3 * vocab // 4].sort().values
+        net = Eagle3Net(LlamaConfig(**{**fields, "num_hidden_layers": 1}), (0, 1, 1), len(ids))
+        with torch.no_grad():
+            net.d2t.copy_(ids - torch.arange(len(ids)))
+            if kind == "identity":
+                net.fc.weight.zero_()
+                net.fc.weight[:, :hidden] = torch.eye(hidden)
+                net.midlayer.self_attn.o_proj.weight.zero_()
+                net.midlayer.mlp.down_proj.weight.zero_()
+                net.lm_head.weight.copy_(model.get_input_embeddings().weight.detach().float())
+                net.norm.weight.fill_(1.0)
+        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-eagle3-{kind}-"))
+        save_eagle3(net, folder, dtype=torch.float32)
+        _EAGLE_HEAD_DIRS[key] = folder
+    return _EAGLE_HEAD_DIRS[key]
+
+
+def head_overrides(pipeline: str, model) -> list[str]:
+    """Overrides giving an EAGLE, EAGLE-3 or Medusa pipeline identity heads for `model`."""
+    config = model.config
+    if pipeline in EAGLE3_PIPELINES:
+        return [f"pipeline.drafters.eagle3.path={eagle3_head_dir(model)}", "pipeline.tree.min_score=0"]
     if pipeline in EAGLE_PIPELINES:
         return [f"pipeline.drafters.eagle.path={eagle_head_dir(config)}", "pipeline.drafters.eagle.vocab_top_k=0",
                 "pipeline.tree.min_score=0"]
@@ -153,7 +198,7 @@ def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
     """Config overrides that give a draft-model pipeline the tiny draft, and an EAGLE pipeline a head
     for the tiny model (nothing for other pipelines)."""
     if pipeline in HEAD_PIPELINES:
-        return head_overrides(pipeline, load_model(compose_config(["model=tiny_random"]).model).model.config)
+        return head_overrides(pipeline, load_model(compose_config(["model=tiny_random"]).model).model)
     if pipeline not in DRAFT_MODEL_PIPELINES:
         return []
     return [f"pipeline.drafters.model.path={tiny_draft_dir(dtype)}", "pipeline.drafters.model.vocab_top_k=0"]
@@ -162,8 +207,11 @@ def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
 def shipped_heads(pipeline: str) -> Path:
     """Where the heads trained for the embedded model ship (data/eagle/..., data/medusa/...)."""
     from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
+    from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
     from specpipe.stages.draft.medusa import DEFAULT_MEDUSA_DIR
 
+    if pipeline in EAGLE3_PIPELINES:
+        return REPO / DEFAULT_EAGLE3_DIR
     return REPO / (DEFAULT_EAGLE_DIR if pipeline in EAGLE_PIPELINES else DEFAULT_MEDUSA_DIR)
 
 
@@ -202,7 +250,7 @@ class ModelUnderTest:
             else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
         if pipeline in HEAD_PIPELINES and (self.name != "embedded" or not shipped_heads(pipeline).is_dir()):
-            drafts = head_overrides(pipeline, self.loaded.model.config)
+            drafts = head_overrides(pipeline, self.loaded.model)
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
                                *drafts, *overrides])
 

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, config_groups, config_options, draft_overrides, eagle_head_dir, medusa_head_dir, run_cli, tiny_draft_dir
+from conftest import CONF_DIR, config_groups, config_options, draft_overrides, eagle3_head_dir, eagle_head_dir, medusa_head_dir, run_cli, tiny_draft_dir
 from specpipe.cost import CostCurve
 from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
@@ -129,6 +129,7 @@ def test_stage_options_instantiate(group, option, tiny):
               ("drafter", "layer_skip"): ["drafter.layers=[0]"],
               ("drafter", "eagle"): [f"drafter.path={eagle_head_dir(tiny.loaded.model.config)}",
                                      "drafter.vocab_top_k=0"],
+              ("drafter", "eagle3"): [f"drafter.path={eagle3_head_dir(tiny.loaded.model)}"],
               ("drafter", "medusa"): [f"drafter.path={medusa_head_dir(tiny.loaded.model.config)}",
                                       "drafter.vocab_top_k=0"]}.get((group, option), [])
     cfg = compose_config(["model=tiny_random", override(group, option), *fitted])

@@ -53,6 +53,7 @@ class SpeculativeDecoder:
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                             hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
+                            prompt_aux_hidden=first.aux_hidden,
                             documents=documents, rng=rng)
         yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
         stages = [*self.proposers, *self.drafters]
@@ -89,7 +90,7 @@ class SpeculativeDecoder:
 
             mark = clock()
             result = self.verifier.accept(tree, forward.logits, rng, sampling)
-            result = dataclasses.replace(result, hidden=forward.hidden)
+            result = dataclasses.replace(result, hidden=forward.hidden, aux_hidden=forward.aux_hidden)
             tree_tokens = tree.tokens.tolist()
             emitted, finished = stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
             seconds["verify"] = clock() - mark

@@ -50,6 +50,7 @@ from specpipe.models import cache_root
 from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
 from specpipe.stages.draft.eagle import EagleNet, save_eagle
+from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
 from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
@@ -57,7 +58,7 @@ from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_fold
 from specpipe.tasks.distill_draft import Example, example_batches, fill_shards, is_eval, load_examples, lr_at
 
 FEATURES_VERSION = 1
-HEAD_KINDS = ("eagle", "medusa")
+HEAD_KINDS = ("eagle", "medusa", "eagle3")
 
 
 def _log(message: str) -> None:
@@ -67,18 +68,25 @@ def _log(message: str) -> None:
 # ---- a. features --------------------------------------------------------------------------------
 class FeatureCache(ExampleShards):
     """The target's last hidden state at every input position (ExampleShards `features-NNNNNN.*`):
-    `feat` [len(tokens), hidden] fp32 per example."""
+    `feat` [len(tokens), hidden] fp32 per example; with `layers`, the hidden states entering those
+    layers side by side instead (`feat` [len(tokens), len(layers) * hidden]: EAGLE-3's inputs)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, layers: tuple[int, ...] = ()) -> None:
         super().__init__(folder, "features", ("feat",), "train_heads")
+        self.layers = tuple(layers)
 
     def features(self) -> dict[str, np.ndarray]:
-        """prompt id -> features [len(tokens), hidden] (memory-mapped)."""
+        """prompt id -> features [len(tokens), width] (memory-mapped)."""
         return {pid: arrays[0] for pid, arrays in self.load(mmap=True).items()}
 
 
 def extract_features(target, examples: list[Example], cache: FeatureCache, batch_tokens: int, pad_id: int,
                      progress: bool) -> None:
+    def selected(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # -> [b, T, width]
+        if not cache.layers:
+            return hidden_states[-1]
+        return torch.cat([hidden_states[layer] for layer in cache.layers], dim=-1)
+
     def arrays(chunk: list[Example]) -> dict[str, np.ndarray]:
         width = max(len(e.tokens) for e in chunk)
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, T] right-padded
@@ -86,10 +94,18 @@ def extract_features(target, examples: list[Example], cache: FeatureCache, batch
         for row, example in enumerate(chunk):
             ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
             mask[row, :len(example.tokens)] = 1
-        hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [b, T, H]
+        hidden = selected(target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states)
         return {"feat": np.concatenate([hidden[row, :len(e.tokens)].float().numpy() for row, e in enumerate(chunk)])}
 
-    fill_shards(cache, examples, batch_tokens, lambda e: len(e.tokens), arrays, "last hidden states", progress, _log)
+    what = f"hidden states entering layers {list(cache.layers)}" if cache.layers else "last hidden states"
+    fill_shards(cache, examples, batch_tokens, lambda e: len(e.tokens), arrays, what, progress, _log)
+
+
+def check_features(features: dict[str, np.ndarray], examples: list[Example], cache: FeatureCache) -> None:
+    for e in examples:
+        if e.prompt_id not in features or len(features[e.prompt_id]) != len(e.tokens):
+            raise ConfigError(f"the features in {cache.folder} do not match the corpus (answer {e.prompt_id}); "
+                              f"delete that folder and rerun")
 
 
 # ---- b. train -----------------------------------------------------------------------------------
@@ -98,12 +114,15 @@ class HeadBatch:
     (s = prompt + answer, f = the target's features) and is scored on predicting f_{p+1} and
     s_{p+2} where s_{p+2} is an answer token."""
 
-    def __init__(self, examples: list[Example], features: dict[str, np.ndarray], pad_id: int) -> None:
+    def __init__(self, examples: list[Example], features: dict[str, np.ndarray], pad_id: int,
+                 inputs: dict[str, np.ndarray] | None = None) -> None:
+        # `inputs`: what row p reads instead of f_p (EAGLE-3: the layers it fuses, [len, 3 * H])
         rows = [len(e.tokens) - 1 for e in examples]  # rows p = 0 .. len - 2
         width = max(rows)
         hidden = features[examples[0].prompt_id].shape[1]
+        inputs = features if inputs is None else inputs
         self.tokens = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [b, T]: s_{p+1}
-        self.features = torch.zeros(len(examples), width, hidden)  # [b, T, H]: f_p
+        self.features = torch.zeros(len(examples), width, inputs[examples[0].prompt_id].shape[1])  # [b, T, W]: f_p
         self.next_features = torch.zeros(len(examples), width, hidden)  # [b, T, H]: f_{p+1}
         self.labels = torch.full((len(examples), width), -1, dtype=torch.long)  # [b, T]: s_{p+2}, -1 = not scored
         self.valid = torch.zeros(len(examples), width, dtype=torch.bool)  # [b, T]: real rows (attention)
@@ -111,7 +130,8 @@ class HeadBatch:
             sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]])
             f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [len, H] (a copy of the memory map)
             self.tokens[row, :n] = torch.from_numpy(sequence[1:n + 1])
-            self.features[row, :n] = f[:n]
+            self.features[row, :n] = f[:n] if inputs is features else torch.from_numpy(
+                np.array(inputs[example.prompt_id][:n], dtype=np.float32))
             self.next_features[row, :n] = f[1:n + 1]
             self.valid[row, :n] = True
             labels = torch.from_numpy(sequence[2:n + 2])
@@ -193,6 +213,76 @@ def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: t
         predicted = run_net(net, embed, batch.tokens, inputs, batch.attention_mask())
         return head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
     return loss_of
+
+
+# ---- EAGLE-3 ------------------------------------------------------------------------------------
+def rollout_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
+    """valid [b, T] real rows -> [b, 1, T, (step + 1) * T] bool: what row p of rollout `step` sees over
+    the rows of steps 0..step (EAGLE-3's training-time test). Row p of step k is the depth-(k+1) tree
+    node at position p: it sees the committed rows 0..p-k (step 0), its ancestors (step j's row at
+    p-k+j) and itself. A row with no committed row under it (p < k) is never scored, nor seen by a
+    scored row; a padded row sees the rows before it and is not scored either."""
+    batch, width = valid.shape
+    p = torch.arange(width)
+    blocks = [((p[None, :] <= p[:, None] - step)[None] & valid[:, None, :])]  # step 0: the committed rows
+    for j in range(1, step + 1):
+        blocks.append((p[None, :] == p[:, None] - step + j)[None].expand(batch, -1, -1))  # ancestors, then itself
+    mask = torch.cat(blocks, dim=-1)
+    return mask[:, None]
+
+
+def eagle3_loss(net, embed, batch: HeadBatch, head_weight: torch.Tensor, to_reduced: torch.Tensor, steps: int,
+                decay: float) -> tuple[torch.Tensor, dict]:
+    """EAGLE-3's loss: `steps` rollouts over the batch, rollout k reading the features the draft itself
+    produced at rollout k - 1 (one position earlier), each scored by the cross-entropy from the
+    target's next-token distribution (over the draft vocabulary, head_weight [K, H]) at its answer
+    positions, weighted decay^k. The head's lm_head starts as these K rows of the target's."""
+    from transformers.cache_utils import DynamicCache
+
+    scored = batch.labels >= 0  # [b, T]
+    target_log_p = F.log_softmax(batch.next_features[scored] @ head_weight.T, dim=-1)  # [n, K]
+    where = torch.arange(batch.tokens.shape[1])[None].expand_as(scored)[scored]  # [n] each scored row's p
+    labels = to_reduced[batch.labels[scored]]  # [n]
+    inside = labels >= 0
+    embeds = embed(batch.tokens)  # [b, T, H]
+    positions = torch.arange(batch.tokens.shape[1])[None].expand(batch.tokens.shape[0], -1)
+    cache = DynamicCache(config=net.config)
+    inputs = batch.features  # [b, T, 3H], then the draft's own [b, T, H]
+    total = head_weight.new_zeros(())
+    stats = {"positions": int(scored.sum()), "misses": int((~inside).sum()), "top1_per_step": []}
+    for step in range(steps):
+        out = net.rows(embeds, inputs, positions, rollout_mask(batch.valid, step), cache)  # [b, T, H]
+        keep = where >= step  # rows with a committed row under their chain
+        log_q = F.log_softmax(net.draft_logits(out[scored][keep]), dim=-1)  # [m, K]
+        loss = -(target_log_p[keep].exp() * log_q).sum(-1).mean()
+        total = total + decay ** step * loss
+        agree = int((log_q.argmax(-1) == labels[keep])[inside[keep]].sum())
+        stats["top1_per_step"].append(agree / max(1, int(keep.sum())))
+        if step == 0:
+            stats.update(top1=agree, classification=float(loss.detach()))
+        inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)  # row p reads p - 1's
+    return total, stats
+
+
+def eagle3_loss_of(net, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
+                   aux_features: dict, cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
+    def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+        batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
+        return eagle3_loss(net, embed, batch, head_weight, to_reduced, int(cfg.rollout_steps), float(cfg.rollout_decay))
+    return loss_of
+
+
+def new_eagle3_head(target, layers: tuple[int, ...], reduced_ids: torch.Tensor) -> Eagle3Net:
+    """A 1-layer EAGLE-3 head shaped like the target's layers over the draft vocabulary `reduced_ids`;
+    its output layer and norm start as the target's own (their rows for those tokens)."""
+    config = copy.deepcopy(target.config)
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
+    net = Eagle3Net(LlamaConfig(**{**fields, "num_hidden_layers": 1}), layers, len(reduced_ids))
+    with torch.no_grad():
+        net.d2t.copy_(reduced_ids - torch.arange(len(reduced_ids)))
+        net.lm_head.weight.copy_(output_weight(target, "train_heads").detach()[reduced_ids])
+        net.norm.weight.copy_(target.model.norm.weight.detach())
+    return net.float()
 
 
 # ---- Medusa -------------------------------------------------------------------------------------
@@ -277,21 +367,22 @@ def evaluate_medusa(module: MedusaHeads, head_weight: torch.Tensor, reduced_ids:
 
 # ---- c. eval ------------------------------------------------------------------------------------
 @torch.inference_mode()
-def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch.Tensor, to_reduced: torch.Tensor,
-             examples: list[Example], features: dict, cfg: DictConfig, pad_id: int, progress: bool) -> dict:
+def evaluate(net: torch.nn.Module, embed, scores: Callable[[torch.Tensor], torch.Tensor], reduced_ids: torch.Tensor,
+             depth_one: Callable[[list[Example]], tuple[torch.Tensor, dict]], examples: list[Example],
+             committed: dict, cfg: DictConfig, progress: bool) -> dict:
     """Depth-1 top-1 agreement with the target's greedy token over every held-out answer position
-    (true features), and greedy chain acceptance per depth on `eval_chains` sampled positions: the
-    head drafts `chain_depth` tokens after the context from its own predicted features, as the
-    pipeline does, and depth d counts when its first d tokens all equal the target's answer."""
+    (true features: `depth_one`, the head kind's loss), and greedy chain acceptance per depth on
+    `eval_chains` sampled positions: the head reads the target's features of the context
+    (`committed`: prompt id -> [len, W]) and drafts `chain_depth` tokens from its own predicted
+    features, as the pipeline does (`scores`: feature [H] -> reduced-vocabulary scores [K]); depth d
+    counts when its first d tokens all equal the target's answer."""
     from specpipe.kv_cache import PositionIndexedCache
 
     net.eval()
     positions = top1 = misses = 0
     loss_sum = 0.0
     for batch_ids in example_batches(examples, int(cfg.batch)):
-        batch = HeadBatch([examples[i] for i in batch_ids], features, pad_id)
-        predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
-        loss, stats = head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
+        loss, stats = depth_one([examples[i] for i in batch_ids])
         positions += stats["positions"]
         top1 += stats["top1"]
         misses += stats["misses"]
@@ -307,7 +398,7 @@ def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch
     for example, t in picks:
         context_len = example.prompt_len + t  # tokens s_0 .. s_{L-1}; the root is s_{L-1}
         sequence = np.concatenate([example.tokens, example.answer[example.n_pred - 1:]])
-        f = torch.from_numpy(np.array(features[example.prompt_id][:context_len - 1], dtype=np.float32))
+        f = torch.from_numpy(np.array(committed[example.prompt_id][:context_len - 1], dtype=np.float32))
         cache = PositionIndexedCache()
         rows = context_len - 1
         ids = torch.from_numpy(sequence[1:context_len])  # [rows]: s_{p+1}
@@ -316,7 +407,7 @@ def evaluate(net: EagleNet, embed, head_weight: torch.Tensor, reduced_ids: torch
         feature = out[-1]
         chain = []
         for step in range(depth):
-            token = int(reduced_ids[(feature @ head_weight.T).argmax()])
+            token = int(reduced_ids[scores(feature).argmax()])
             chain.append(token)
             if step + 1 < depth:
                 position = rows + step
@@ -397,14 +488,20 @@ def run_train_heads(cfg: DictConfig) -> dict:
 
     # a. features
     cache = FeatureCache(folder / f"features-{dtype}")
-    cache.pin({"version": FEATURES_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
-               "dtype": dtype, "max_seq_len": int(h.max_seq_len), "system_prompt": system_prompt})
+    cache_pin = {"version": FEATURES_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
+                 "dtype": dtype, "max_seq_len": int(h.max_seq_len), "system_prompt": system_prompt}
+    cache.pin(cache_pin)
     extract_features(target, examples, cache, int(h.feature_batch), pad_id, bool(h.progress))
     features = cache.features()
-    for e in examples:
-        if e.prompt_id not in features or len(features[e.prompt_id]) != len(e.tokens):
-            raise ConfigError(f"the features in {cache.folder} do not match the corpus (answer {e.prompt_id}); "
-                              f"delete that folder and rerun")
+    check_features(features, examples, cache)
+    aux_features = None
+    if h.kind == "eagle3":  # its inputs: the hidden states entering three layers (the last ones stay the labels)
+        layers = tuple(h.aux_layers) if h.get("aux_layers") else default_aux_layers(int(target.config.num_hidden_layers))
+        aux_cache = FeatureCache(folder / f"features-{dtype}-layers-{'-'.join(map(str, layers))}", layers)
+        aux_cache.pin({**cache_pin, "layers": list(layers)})
+        extract_features(target, examples, aux_cache, int(h.feature_batch), pad_id, bool(h.progress))
+        aux_features = aux_cache.features()
+        check_features(aux_features, examples, aux_cache)
 
     # b. train (c. and d. along the way)
     vocab = int(target.config.vocab_size)
@@ -420,6 +517,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if h.kind == "eagle":
         net = new_head(target, None if h.get("init_layer") is None else int(h.init_layer))
         loss_of = eagle_loss_of(net, embed, head_weight, to_reduced, features, h, pad_id)
+    elif h.kind == "eagle3":
+        net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
+        loss_of = eagle3_loss_of(net, embed, head_weight, to_reduced, features, aux_features, h, pad_id)
     else:
         net = MedusaHeads(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
         with torch.no_grad():  # Medusa's initialisation: zero blocks, each head starts as the next-token head
@@ -438,7 +538,17 @@ def run_train_heads(cfg: DictConfig) -> dict:
     def run_eval(export: bool) -> dict:
         started = time.perf_counter()
         if h.kind == "eagle":
-            result = evaluate(net, embed, head_weight, reduced_ids, to_reduced, held_out, features, h, pad_id,
+            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+                batch = HeadBatch(examples, features, pad_id)
+                predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
+                return head_loss(predicted, batch, head_weight, float(h.class_weight), to_reduced)
+            result = evaluate(net, embed, lambda feature: feature @ head_weight.T, reduced_ids, depth_one, held_out,
+                              features, h, bool(h.progress))
+        elif h.kind == "eagle3":
+            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+                batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
+                return eagle3_loss(net, embed, batch, head_weight, to_reduced, 1, 1.0)
+            result = evaluate(net, embed, net.draft_logits, reduced_ids, depth_one, held_out, aux_features, h,
                               bool(h.progress))
         else:
             result = evaluate_medusa(net, head_weight, reduced_ids, to_reduced, held_out, features, h)
@@ -450,9 +560,12 @@ def run_train_heads(cfg: DictConfig) -> dict:
                       settings=OmegaConf.to_container(h))
         write_json(report_path, report)
         if export:
-            save = save_eagle if h.kind == "eagle" else save_medusa
-            loss = (f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens" if h.kind == "eagle" else
-                    f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top {top_k} tokens")
+            save = {"eagle": save_eagle, "eagle3": save_eagle3, "medusa": save_medusa}[h.kind]
+            loss = {"eagle": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens",
+                    "eagle3": f"sum over {h.rollout_steps} rollouts of {h.rollout_decay}^k x CE from the target's "
+                              f"distribution over the {top_k}-token draft vocabulary",
+                    "medusa": f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top "
+                              f"{top_k} tokens"}[h.kind]
             save(net, out, {
                 "target": loaded.name, "vocab_sha256": fingerprint["vocab_sha256"], "feature_dtype": dtype,
                 "command": task_command("train_heads"),

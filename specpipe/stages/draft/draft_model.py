@@ -49,6 +49,7 @@ class ReducedVocabHead(nn.Module):
         self.linear.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)  # [k, hidden]
         self.register_buffer("ids", ids.clone(), persistent=False)  # [k]
         self.vocab_size = vocab_size
+        self.width = int(ids.shape[0])  # the tokens it scores
 
     def forward(self, hidden: Tensor) -> Tensor:
         # hidden [..., hidden] -> logits [..., vocab]: -inf but at `ids`

@@ -100,8 +100,8 @@ class EagleDrafter:
     """EAGLE-1 as a StepDrafter (`pipeline.drafters`, grown by `tree=eagle2`), or one greedy chain
     per step as a Proposer (`pipeline.proposers`, `tree=trie`)."""
 
-    def __init__(self, target: TargetModel, net: EagleNet, head: nn.Module, name: str = "eagle",
-                 chain_length: int = 5, min_score: float = 0.05) -> None:
+    def __init__(self, target: TargetModel, net: nn.Module, head: nn.Module, name: str = "eagle",
+                 chain_length: int = 5, min_score: float = 0.05, aux_hidden: bool = False) -> None:
         if chain_length < 1:
             raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
         self.name = name
@@ -111,17 +111,22 @@ class EagleDrafter:
         self.head = head  # the target's output layer, or a ReducedVocabHead over its weights
         self.chain_length = chain_length
         self.min_score = min_score
+        # Committed rows read the target's last hidden states (EAGLE-1), or with `aux_hidden` the
+        # layers the target runner captures for the head (EAGLE-3, specpipe.stages.draft.eagle3).
+        self.aux_hidden = aux_hidden
         self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
         self.cost_curve: CostCurve | None = None
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:
-        if state.prompt_hidden is None:
-            raise ConfigError(f"{self.name}: the decoder gave no prompt features (DecodeState.prompt_hidden); "
+        features = state.prompt_aux_hidden if self.aux_hidden else state.prompt_hidden
+        if features is None:
+            field_name = "prompt_aux_hidden" if self.aux_hidden else "prompt_hidden"
+            raise ConfigError(f"{self.name}: the decoder gave no prompt features (DecodeState.{field_name}); "
                               f"an EAGLE head drafts from the target's own hidden states")
         session = EagleSession(PositionIndexedCache())
         session.rows = min(state.prompt_length, len(state.tokens) - 1)  # the root has no feature yet
-        session.pending_features.append(state.prompt_hidden[:session.rows])  # rows 0..rows-1
+        session.pending_features.append(features[:session.rows])  # rows 0..rows-1
         session.pending_tokens.extend(state.tokens[1:session.rows + 1])
         state.stage_state[self] = session
 
@@ -143,11 +148,12 @@ class EagleDrafter:
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
         session: EagleSession = state.stage_state[self]
-        if result.hidden is None:
+        hidden = result.aux_hidden if self.aux_hidden else result.hidden
+        if hidden is None:
             raise ConfigError(f"{self.name}: the verify step gave no hidden states; an EAGLE head needs them")
         new = len(state.tokens) - 1 - session.rows  # committed rows this step: the root, then each kept node
         kept = [0] + [node + 1 for node in result.accepted[: new - 1]]  # rows of the verify forward
-        session.pending_features.append(result.hidden[kept])  # [new, hidden]
+        session.pending_features.append(hidden[kept])  # [new, hidden] ([new, 3 * hidden] with aux_hidden)
         session.pending_tokens.extend(state.tokens[-new:])
         session.rows += new
 
@@ -218,8 +224,9 @@ class EagleRunner:
         self.drafter = drafter
         target = drafter.target
         layers = drafter.net.config.num_hidden_layers
-        width = int(drafter.head.ids.shape[0]) if isinstance(drafter.head, ReducedVocabHead) else target.vocab_size
-        self.name = f"{target.name}-{drafter.name}-{layers}L{width}V"
+        width = getattr(drafter.head, "width", target.vocab_size)  # the draft vocabulary the head scores
+        kind = "eagle3" if drafter.aux_hidden else drafter.name
+        self.name = f"{target.name}-{kind}-{layers}L{width}V"
         self.model = drafter.net
         self.engine = getattr(drafter.net, "specpipe_engine", "hf")
         self.attn_implementation = "sdpa"

@@ -1,0 +1,288 @@
+"""drafter=eagle3: an EAGLE-3 head on three of the target's layers, with its own draft vocabulary.
+
+Lossless runs of the `eagle3` pipeline are in the generic tests (test_lossless.py, with the identity
+head of conftest.eagle3_head_dir on the tiny models); here: the layers the target runner captures,
+what the head computes for each tree node, its cache after commits, the training rollouts, the
+released checkpoint layout, and the errors.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import eagle3_head_dir, random_prompts, run_steps
+from specpipe.errors import ConfigError
+from specpipe.kv_cache import PositionIndexedCache
+from specpipe.pipelines.builder import build_pipeline
+from specpipe.stages.draft.eagle import ROOT, EagleDrafter
+from specpipe.stages.draft.eagle3 import default_aux_layers, load_eagle3
+from specpipe.target import TargetModel
+from specpipe.types import DecodeState, DraftTree
+
+LAYERS = (0, 1, 1)  # what conftest's heads read on the 2-layer tiny models
+
+
+def drafter_for(model, kind: str = "random") -> EagleDrafter:
+    return load_eagle3(TargetModel(model.loaded.model, name=model.name), model.tokenizer,
+                       path=str(eagle3_head_dir(model.loaded.model, kind)))
+
+
+def layer_states(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), 3 * hidden] the hidden states entering LAYERS from a plain causal forward (no cache)."""
+    with torch.inference_mode():
+        states = model.reference(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True).hidden_states
+    return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+
+
+def test_the_target_runner_returns_the_captured_layers(tiny_mixed):
+    """prefill and verify forwards return the hidden states entering the asked layers, row for row
+    what a plain forward over the same text computes; a second, different request is refused."""
+    target = TargetModel(tiny_mixed.loaded.model, name="tiny_mixed")
+    assert target.prefill([5, 6], target.new_cache()).aux_hidden is None  # nothing asked: nothing returned
+    target.capture_layers(LAYERS, "test")
+    prompt = random_prompts(1, seed=40)[0][:20]
+    cache = target.new_cache()
+    first = target.prefill(prompt, cache)
+    torch.testing.assert_close(first.aux_hidden, layer_states(tiny_mixed, prompt), atol=1e-5, rtol=1e-5)
+    tree = DraftTree.from_parents(torch.tensor([11, 12, 13]), torch.tensor([-1, 0, -1]))
+    out = target.forward_tree(prompt[-1] + 1, tree, cache)
+    assert out.aux_hidden.shape == (4, 3 * tiny_mixed.loaded.model.config.hidden_size)
+    path = prompt + [prompt[-1] + 1, 11, 12]  # the root, node 0, node 1 (node 1's parent is node 0)
+    torch.testing.assert_close(out.aux_hidden[[0, 1, 2]], layer_states(tiny_mixed, path)[-3:], atol=1e-4, rtol=1e-4)
+    target.capture_layers(LAYERS, "again")  # the same layers: fine
+    with pytest.raises(ConfigError, match=r"already reads layers \[0, 1, 1\]"):
+        target.capture_layers((1, 1, 1), "another head")
+    with pytest.raises(ConfigError, match="has layers 0..1"):
+        TargetModel(tiny_mixed.loaded.model).capture_layers((0, 1, 5), "a head")
+
+
+def reference_logprobs(drafter: EagleDrafter, aux: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
+    """[vocab] the head's log-probs after `path`, recomputed with no cache: a causal forward over every
+    row again, the committed rows reading the target's layers (through fc), each path row the
+    head's own output at the row before."""
+    net = drafter.net
+    with torch.inference_mode():
+        rows = list(net.fc(aux[: len(tokens) - 1]))  # hidden-size inputs of the committed rows
+        row_tokens = list(tokens[1:])
+
+        def last_output() -> torch.Tensor:
+            q = len(row_tokens)
+            return net(drafter.embed(torch.tensor(row_tokens)), torch.stack(rows), torch.arange(q),
+                       torch.ones(q, q, dtype=torch.bool).tril(), None)[-1]
+
+        feature = last_output()
+        for token in path:
+            rows.append(feature)
+            row_tokens.append(token)
+            feature = last_output()
+        return torch.log_softmax(drafter.head(feature[None]).float(), dim=-1)[0]
+
+
+def test_tree_nodes_see_exactly_their_path(tiny_mixed):
+    drafter = drafter_for(tiny_mixed)
+    prompt = random_prompts(1, seed=41)[0][:30]
+    tokens = prompt + [777]
+    aux = layer_states(tiny_mixed, prompt)
+    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt), prompt_aux_hidden=aux)
+    drafter.reset(state)
+    root = drafter.start(state)
+    torch.testing.assert_close(root, reference_logprobs(drafter, aux, tokens, []), atol=1e-4, rtol=1e-4)
+    assert torch.isinf(root).sum() == root.numel() - drafter.head.width  # only the draft vocabulary is scored
+    tree, parents = [], []
+    children = drafter.step(state, tree, parents, [ROOT]).topk(3).indices
+    tree += children[0].tolist()
+    parents += [ROOT] * 3
+    grandchildren = drafter.step(state, tree, parents, [2, 0]).topk(2).indices
+    tree += grandchildren.flatten().tolist()
+    parents += [2] * 2 + [0] * 2
+    drafter.step(state, tree, parents, [len(tree) - 1, 3])
+    session = state.stage_state[drafter]
+    for node in (0, 2, 3, len(tree) - 1):
+        path, walk = [], node
+        while walk != ROOT:
+            path.append(tree[walk])
+            walk = parents[walk]
+        torch.testing.assert_close(session.logprobs[node], reference_logprobs(drafter, aux, tokens, path[::-1]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny_mixed):
+    cfg = tiny_mixed.config("eagle3", f"pipeline.drafters.eagle3.path={eagle3_head_dir(tiny_mixed.loaded.model, 'random')}")
+    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    drafter = pipe.decoder.drafters[0]
+    captured = {}
+
+    def capture_finish(state):
+        drafter.start(state)
+        captured["tokens"] = list(state.tokens)
+        captured["cache"] = [(layer.keys.clone(), layer.values.clone()) for layer in state.stage_state[drafter].cache.layers]
+
+    drafter.on_finish = capture_finish
+    try:
+        tokens, steps = run_steps(pipe, random_prompts(3, seed=42)[2], 24)
+    finally:
+        del drafter.on_finish
+    assert tokens == tiny_mixed.greedy_hf(random_prompts(3, seed=42)[2], 24)
+    assert sum(step.stats.tree_size for step in steps) > 0
+    committed = captured["tokens"]
+    fresh = drafter.runner.new_cache()
+    q = len(committed) - 1
+    with torch.inference_mode():
+        drafter.net(drafter.embed(torch.tensor(committed[1:])), layer_states(tiny_mixed, committed[:-1]),
+                    torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(), fresh)
+    for (keys, values), layer in zip(captured["cache"], fresh.layers):
+        assert keys.shape == layer.keys.shape and keys.shape[2] == q
+        torch.testing.assert_close(keys, layer.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=1e-4)
+
+
+def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed):
+    """Training-time test: rollout k's row p (one batched forward per rollout under rollout_mask)
+    equals drafting at inference: the committed rows 0..p-k read the target's layers, then k tree
+    nodes with the answer's tokens, each reading the draft's output at its parent."""
+    from transformers.cache_utils import DynamicCache
+
+    from specpipe.tasks.train_heads import rollout_mask
+
+    drafter = drafter_for(tiny_mixed)
+    net, embed = drafter.net, drafter.embed
+    tokens = random_prompts(1, seed=43)[0][:14]
+    width = len(tokens) - 1
+    aux = layer_states(tiny_mixed, tokens)[:width]  # row p reads the layers at position p and token s_{p+1}
+    embeds = embed(torch.tensor(tokens[1:]))[None]
+    positions = torch.arange(width)[None]
+    valid = torch.ones(1, width, dtype=torch.bool)
+    cache = DynamicCache(config=net.config)
+    inputs, outputs = aux[None], []
+    with torch.inference_mode():
+        for step in range(3):
+            out = net.rows(embeds, inputs, positions, rollout_mask(valid, step), cache)[0]
+            outputs.append(out)
+            inputs = torch.cat([out.new_zeros(1, out.shape[1]), out[:-1]])[None]
+        for step, p in ((0, 5), (1, 5), (2, 5), (2, 2), (2, width - 1)):
+            committed = p - step + 1  # rows 0..p-step
+            head_cache = PositionIndexedCache()
+            feature = net(embed(torch.tensor(tokens[1:committed + 1])), aux[:committed], torch.arange(committed),
+                          torch.ones(committed, committed, dtype=torch.bool).tril(), head_cache)[-1]
+            for depth in range(1, step + 1):
+                position = committed - 1 + depth
+                feature = net(embed(torch.tensor([tokens[position + 1]])), feature[None], torch.tensor([position]),
+                              torch.ones(1, position + 1, dtype=torch.bool), head_cache)[0]
+            torch.testing.assert_close(outputs[step][p], feature, atol=1e-4, rtol=1e-4)
+    mask = rollout_mask(valid, 2)[0, 0]
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 2, 3, width + 4, 2 * width + 5]
+    assert not mask[1, :width].any() and mask[1, 2 * width + 1]  # no committed row under it (never scored)
+
+
+def test_released_eagle3_layout_loads(tiny_mixed, tmp_path):
+    """A checkpoint written key for key as the released EAGLE-3 heads are (midlayer.*, fc without
+    bias, own norm and lm_head, d2t and t2d, the base model's embed_tokens beside them, the layers
+    under eagle_config) loads and drafts exactly what the head it came from drafts."""
+    source = eagle3_head_dir(tiny_mixed.loaded.model, "random")
+    tensors = load_file(source / "model.safetensors")
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(tensors)
+    assert "fc.bias" not in tensors
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    config = json.loads((source / "config.json").read_text())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": list(LAYERS)}
+    tensors["embed_tokens.weight"] = tiny_mixed.loaded.model.get_input_embeddings().weight.detach().clone()
+    released = tmp_path / "released"
+    released.mkdir()
+    torch.save(tensors, released / "pytorch_model.bin")
+    config.pop("specpipe")
+    config["eagle_aux_hidden_state_layer_ids"] = config.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    (released / "config.json").write_text(json.dumps(config))
+    target = TargetModel(tiny_mixed.loaded.model, name=tiny_mixed.name)
+    ours = load_eagle3(target, tiny_mixed.tokenizer, path=str(source))
+    theirs = load_eagle3(target, tiny_mixed.tokenizer, path=str(released))
+    assert target.aux_layers == LAYERS
+    for key, value in ours.net.state_dict().items():
+        torch.testing.assert_close(theirs.net.state_dict()[key], value)
+    assert theirs.head.width == 3 * tiny_mixed.loaded.model.config.vocab_size // 4
+    assert default_aux_layers(32) == (2, 16, 29)  # Llama-3-8B's: what vLLM and SGLang read
+
+
+def test_bad_eagle3_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_path):
+    source = eagle3_head_dir(tiny_mixed.loaded.model, "random")
+    good = load_file(source / "model.safetensors")
+    good_config = json.loads((source / "config.json").read_text())
+    target = TargetModel(tiny_mixed.loaded.model, name=tiny_mixed.name)
+
+    def refused(name: str, tensors: dict, config: dict, match: str) -> None:
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=match):
+            load_eagle3(target, tiny_mixed.tokenizer, path=str(folder))
+
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    refused("hidden", {**good, "fc.weight": torch.zeros(hidden, 3 * hidden + 6)}, good_config, "for another model")
+    refused("vocab", good, {**good_config, "vocab_size": 7}, "vocabulary of 7 tokens")
+    far = good["d2t"].clone()
+    far[-1] = 10 ** 6
+    refused("d2t", {**good, "d2t": far}, good_config, "outside the target's")
+    refused("layers", good, {**good_config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}},
+            r"layers \[0, 1, 9\]; the target has 2 layers")
+    refused("two", good, {**good_config, "num_hidden_layers": 2}, "declares 2 draft layers")
+    eagle1 = {"fc.weight": torch.zeros(hidden, 2 * hidden), "layers.0.mlp.up_proj.weight": torch.zeros(4, hidden)}
+    refused("eagle1", eagle1, {}, "EAGLE-1 checkpoint.*drafter=eagle")
+    refused("missing", {k: v for k, v in good.items() if k != "norm.weight"}, good_config, r"lacks \['norm.weight'\]")
+    refused("shape", {**good, "midlayer.mlp.up_proj.weight": torch.zeros(3, hidden)}, good_config,
+            "midlayer.mlp.up_proj.weight is")
+
+
+def test_an_eagle3_checkpoint_given_to_drafter_eagle_is_named(tiny_mixed):
+    from specpipe.stages.draft.eagle import load_eagle
+
+    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
+        load_eagle(TargetModel(tiny_mixed.loaded.model), tiny_mixed.tokenizer,
+                   path=str(eagle3_head_dir(tiny_mixed.loaded.model, "random")), vocab_top_k=0)
+
+
+def test_right_drafts_are_accepted_whole(tiny):
+    """On the stock tiny model (greedy repeats its last token) the identity head's chains are right:
+    accepted whole, output = greedy."""
+    pipe = build_pipeline(tiny.config("eagle3", "pipeline.tree.top_k=1", "pipeline.tree.children=1",
+                                      "pipeline.tree.depth=4"), loaded=tiny.loaded)
+    for prompt in random_prompts(3, seed=44):
+        tokens, steps = run_steps(pipe, prompt, 20)
+        assert tokens == tiny.greedy_hf(prompt, 20)
+        decode_steps = steps[1:-1]
+        assert all(step.stats.tree_size >= 3 for step in decode_steps)
+        assert all(len(step.tokens) == step.stats.tree_size + 1 for step in decode_steps)
+
+
+def test_train_heads_eagle3_trains_and_exports_a_head_the_pipeline_loads(tmp_path):
+    from specpipe.pipelines.builder import compose_config, load_model
+    from specpipe.tasks.train_heads import run_train_heads
+    from test_distill_draft import write_corpus
+    from test_train_heads import assert_greedy
+
+    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "eagle3", tmp_path / "ck"
+    write_corpus(corpus)
+    result = run_train_heads(compose_config([
+        "task=train_heads", "model=tiny_random", "train_heads.kind=eagle3", "train_heads.aux_layers=[0,1,1]",
+        f"train_heads.corpus={corpus}", f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}",
+        "train_heads.steps=6", "train_heads.lr=0.003", "train_heads.warmup=0", "train_heads.batch=128",
+        "train_heads.checkpoint_every=2", "train_heads.eval_every=0", "train_heads.eval_fraction=0.3",
+        "train_heads.vocab_top_k=2000", "train_heads.eval_chains=8", "train_heads.progress=false"]))
+    losses = [entry["loss"] for entry in result["train_log"]]
+    assert result["step"] == 6 and losses[-1] < losses[0]
+    assert sorted((checkpoints / "features-fp32-layers-0-1-1").glob("*.feat.npy"))
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["draft_vocab_size"] == 2000 and exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    assert exported["specpipe"]["training"]["steps"] == 6 and set(exported["specpipe"]["eval"]["acceptance_per_depth"]) \
+        == {"1", "2", "3", "4", "5"}
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle3", "cost_curve=flat",
+                                          f"pipeline.drafters.eagle3.path={out}"]), loaded=loaded)
+    assert pipe.decoder.target.aux_layers == (0, 1, 1)
+    assert_greedy(pipe)
+    assert np.isfinite(losses).all()
