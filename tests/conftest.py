@@ -58,7 +58,7 @@ DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
 EAGLE_PIPELINES = ["eagle", "eagle_mix"]
 # Pipelines with Medusa heads: on the tiny models (and on the embedded one until its trained heads
 # ship) they run the identity heads of `medusa_head_dir`.
-MEDUSA_PIPELINES = ["medusa"]
+MEDUSA_PIPELINES = ["medusa", "hydra"]
 # Pipelines with an EAGLE-3 head: on the tiny models (and on the embedded one until its trained head
 # ships) the identity head of `eagle3_head_dir`.
 EAGLE3_PIPELINES = ["eagle3"]
@@ -119,20 +119,23 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
     return _EAGLE_HEAD_DIRS[key]
 
 
-def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 0) -> Path:
-    """Medusa heads for a model of `config` sharing its output layer, saved once per session in the
-    released layout. kind "identity": zero blocks, so every head returns the hidden state it reads and
-    drafts the root token again (accepted on the stock tiny model, which repeats its last token);
-    kind "random": seeded random blocks."""
-    from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
+def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 0, hydra: bool = False) -> Path:
+    """Medusa (or Hydra) heads for a model of `config` sharing its output layer, saved once per
+    session in the released layout. kind "identity": every head returns the hidden state it reads
+    (zero blocks; Hydra's input projections ignore the tokens) and drafts the root token again
+    (accepted on the stock tiny model, which repeats its last token); kind "random": seeded random
+    weights."""
+    from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 
-    key = ("medusa", config.hidden_size, kind, heads, seed)
+    key = ("hydra" if hydra else "medusa", config.hidden_size, kind, heads, seed)
     if key not in _EAGLE_HEAD_DIRS:
         import tempfile
 
         torch.manual_seed(seed)
-        module = MedusaHeads(config.hidden_size, heads, layers=1)
-        if kind == "identity":
+        module = (HydraHeads if hydra else MedusaHeads)(config.hidden_size, heads, layers=1)
+        if kind == "identity" and hydra:
+            module.start_as_medusa()
+        elif kind == "identity":
             with torch.no_grad():
                 for parameter in module.parameters():
                     parameter.zero_()
@@ -190,7 +193,8 @@ def head_overrides(pipeline: str, model) -> list[str]:
         return [f"pipeline.drafters.eagle.path={eagle_head_dir(config)}", "pipeline.drafters.eagle.vocab_top_k=0",
                 "pipeline.tree.min_score=0"]
     if pipeline in MEDUSA_PIPELINES:
-        return [f"pipeline.drafters.medusa.path={medusa_head_dir(config)}", "pipeline.drafters.medusa.vocab_top_k=0"]
+        return [f"pipeline.drafters.{pipeline}.path={medusa_head_dir(config, hydra=pipeline == 'hydra')}",
+                f"pipeline.drafters.{pipeline}.vocab_top_k=0"]
     return []
 
 
@@ -208,10 +212,12 @@ def shipped_heads(pipeline: str) -> Path:
     """Where the heads trained for the embedded model ship (data/eagle/..., data/medusa/...)."""
     from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
     from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
-    from specpipe.stages.draft.medusa import DEFAULT_MEDUSA_DIR
+    from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 
     if pipeline in EAGLE3_PIPELINES:
         return REPO / DEFAULT_EAGLE3_DIR
+    if pipeline == "hydra":
+        return REPO / DEFAULT_HYDRA_DIR
     return REPO / (DEFAULT_EAGLE_DIR if pipeline in EAGLE_PIPELINES else DEFAULT_MEDUSA_DIR)
 
 

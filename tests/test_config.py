@@ -130,6 +130,8 @@ def test_stage_options_instantiate(group, option, tiny):
               ("drafter", "eagle"): [f"drafter.path={eagle_head_dir(tiny.loaded.model.config)}",
                                      "drafter.vocab_top_k=0"],
               ("drafter", "eagle3"): [f"drafter.path={eagle3_head_dir(tiny.loaded.model)}"],
+              ("drafter", "hydra"): [f"drafter.path={medusa_head_dir(tiny.loaded.model.config, hydra=True)}",
+                                     "drafter.vocab_top_k=0"],
               ("drafter", "medusa"): [f"drafter.path={medusa_head_dir(tiny.loaded.model.config)}",
                                       "drafter.vocab_top_k=0"]}.get((group, option), [])
     cfg = compose_config(["model=tiny_random", override(group, option), *fitted])

@@ -194,3 +194,77 @@ def test_a_greedy_chain_under_the_trie_builder(tiny):
         decode_steps = steps[1:-1]
         assert all(step.stats.tree_size == 3 for step in decode_steps)
         assert sum(len(step.tokens) == 4 for step in decode_steps) >= len(decode_steps) / 2
+
+
+# ---- Hydra ----------------------------------------------------------------------------------------
+def hydra_drafter(model, kind: str = "random"):
+    return load_medusa(TargetModel(model.loaded.model, name=model.name), model.tokenizer, name="hydra", hydra=True,
+                       path=str(medusa_head_dir(model.loaded.model.config, kind, hydra=True)), vocab_top_k=0)
+
+
+def test_hydra_heads_read_the_tokens_on_the_node_path(tiny_mixed):
+    """Head d of a node at depth d reads [hidden, embedding(root), embeddings of the node's path]: two
+    nodes at one depth with different paths get different distributions, each what the head computes
+    for its own path; past the last head nothing is drafted."""
+    drafter = hydra_drafter(tiny_mixed)
+    embed = tiny_mixed.loaded.model.get_input_embeddings()
+    hidden = torch.randn(tiny_mixed.loaded.model.config.hidden_size)
+    state = DecodeState(tokens=[5, 6, 7], prompt_length=2, hidden=hidden)
+    drafter.reset(state)
+
+    def expected(path: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            prefix = embed(torch.tensor([[7] + path]))  # the root (7), then the path
+            out = drafter.heads.run(len(path), hidden[None], prefix)
+            return torch.log_softmax(drafter.outputs[len(path)](out).float(), dim=-1)[0]
+
+    torch.testing.assert_close(drafter.start(state), expected([]))
+    tokens, parents = [11, 12, 13, 14, 15], [ROOT, ROOT, 0, 1, 2]  # depths 1, 1, 2, 2, 3
+    rows = drafter.step(state, tokens, parents, [0, 1, 2, 3, 4])
+    torch.testing.assert_close(rows[0], expected([11]))
+    torch.testing.assert_close(rows[1], expected([12]))
+    assert not torch.allclose(rows[0], rows[1])
+    torch.testing.assert_close(rows[2], expected([11, 13]))
+    torch.testing.assert_close(rows[3], expected([12, 14]))
+    assert torch.isinf(rows[4]).all()  # depth 3: past the 3 heads
+    chain = drafter.propose(state)  # a greedy chain: each head reads the chain's own tokens
+    assert chain.tokens.tolist()[0] == int(expected([]).argmax())
+    assert chain.tokens.tolist()[1] == int(expected(chain.tokens.tolist()[:1]).argmax())
+
+
+def test_hydra_heads_are_lossless_and_accepted_where_right(tiny, tiny_mixed):
+    """Identity Hydra heads (input projections that ignore the tokens) draft the root again: accepted
+    whole on the stock tiny model; random ones stay lossless on the mixed one."""
+    pipe = build_pipeline(tiny.config("hydra"), loaded=tiny.loaded)
+    for prompt in random_prompts(2, seed=45):
+        tokens, steps = run_steps(pipe, prompt, 16)
+        assert tokens == tiny.greedy_hf(prompt, 16)
+        assert all(len(step.tokens) == 4 for step in steps[1:-1])
+    random_heads = medusa_head_dir(tiny_mixed.loaded.model.config, "random", hydra=True)
+    pipe = build_pipeline(tiny_mixed.config("hydra", f"pipeline.drafters.hydra.path={random_heads}"),
+                          loaded=tiny_mixed.loaded)
+    for prompt in random_prompts(3, seed=46):
+        assert run_steps(pipe, prompt, 24)[0] == tiny_mixed.greedy_hf(prompt, 24)
+
+
+def test_hydra_and_medusa_checkpoints_are_told_apart(tiny_mixed, tmp_path):
+    target = TargetModel(tiny_mixed.loaded.model)
+    with pytest.raises(ConfigError, match="holds Hydra heads: use drafter=hydra"):
+        load_medusa(target, tiny_mixed.tokenizer, vocab_top_k=0,
+                    path=str(medusa_head_dir(tiny_mixed.loaded.model.config, "random", hydra=True)))
+    with pytest.raises(ConfigError, match="holds Medusa heads: use drafter=medusa"):
+        load_medusa(target, tiny_mixed.tokenizer, vocab_top_k=0, hydra=True,
+                    path=str(medusa_head_dir(tiny_mixed.loaded.model.config, "random")))
+    source = medusa_head_dir(tiny_mixed.loaded.model.config, "random", hydra=True)
+    config = json.loads((source / "config.json").read_text())
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    for name, tensors, match in (
+            ("wide", {"0.input.weight": torch.zeros(hidden, 2 * hidden + 2)}, r"for another model"),
+            ("foreign", {"0.input.weight": torch.zeros(hidden, 2 * hidden), "0.0.linear.weight": torch.zeros(2)},
+             "unexpected tensor '0.0.linear.weight' for Hydra heads")):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=match):
+            load_medusa(target, tiny_mixed.tokenizer, vocab_top_k=0, hydra=True, path=str(folder))

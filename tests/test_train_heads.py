@@ -67,7 +67,7 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     feature_shards = sorted((checkpoints / "features-fp32").glob("*.npy"))
     assert feature_shards
     with pytest.raises(ConfigError, match="train_heads.kind"):
-        run_train_heads(config(8, "train_heads.kind=hydra"))
+        run_train_heads(config(8, "train_heads.kind=bogus"))
 
     second = run_train_heads(config(8))  # resumes at step 6; the features are not extracted again
     assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]
@@ -111,11 +111,12 @@ def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
     assert stats["classification"] == pytest.approx(entropy, rel=1e-5)
 
 
-def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path):
-    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "medusa", tmp_path / "ck"
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path, kind):
+    corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / kind, tmp_path / "ck"
     write_corpus(corpus)
     result = run_train_heads(compose_config([
-        "task=train_heads", "model=tiny_random", "train_heads.kind=medusa", f"train_heads.corpus={corpus}",
+        "task=train_heads", "model=tiny_random", f"train_heads.kind={kind}", f"train_heads.corpus={corpus}",
         f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}", "train_heads.steps=6",
         "train_heads.lr=0.01", "train_heads.warmup=0", "train_heads.batch=128", "train_heads.checkpoint_every=2",
         "train_heads.eval_every=0", "train_heads.eval_fraction=0.3", "train_heads.vocab_top_k=2000",
@@ -125,9 +126,10 @@ def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path
     assert set(result["eval"]["acceptance_per_depth"]) == {"1", "2"} and len(result["eval"]["top1_per_head"]) == 2
     exported = json.loads((out / "config.json").read_text())
     assert exported["medusa_num_heads"] == 2 and exported["specpipe"]["training"]["steps"] == 6
+    assert exported["hydra"] == (kind == "hydra")
     loaded = load_model(compose_config(["model=tiny_random"]).model)
-    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=medusa", "cost_curve=flat",
-                                          f"pipeline.drafters.medusa.path={out}", "pipeline.drafters.medusa.vocab_top_k=0"]),
+    pipe = build_pipeline(compose_config(["model=tiny_random", f"pipeline={kind}", "cost_curve=flat",
+                                          f"pipeline.drafters.{kind}.path={out}", f"pipeline.drafters.{kind}.vocab_top_k=0"]),
                           loaded=loaded)
     assert len(pipe.decoder.drafters[0].heads) == 2
     assert_greedy(pipe)

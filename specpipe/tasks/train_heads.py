@@ -14,7 +14,10 @@ b. train (kind=eagle): the head's row p reads [embedding(s_{p+1}), f_p] and pred
    the cross-entropy from the target's next-token distribution, both distributions taken over
    the `vocab_top_k` most frequent tokens (the reduced output layer the head drafts with).
    kind=medusa: head k reads f_p and is scored on s_{p+k+2} (cross-entropy from the target's
-   distribution there, weighted medusa_decay^k), through the target's shared output layer.
+   distribution there, weighted medusa_decay^k), through the target's shared output layer;
+   kind=hydra: the same, head k also reading the embeddings of s_{p+1} .. s_{p+k+1} (teacher forcing).
+   kind=eagle3: the row reads the hidden states entering three target layers (a second feature
+   cache) and trains over `rollout_steps` training-time-test rollouts on its own outputs.
    AdamW, warmup + cosine decay, a checkpoint every `checkpoint_every` steps.
 c. eval on the held-out answers: top-1 agreement with the target's greedy token from the true
    features (depth 1), and greedy chain acceptance per depth drafted the way the pipeline drafts
@@ -51,14 +54,14 @@ from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
 from specpipe.stages.draft.eagle import EagleNet, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
-from specpipe.stages.draft.medusa import MedusaHeads, save_medusa
+from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_folder, progress_bar, write_json
 from specpipe.tasks.distill_draft import Example, example_batches, fill_shards, is_eval, load_examples, lr_at
 
 FEATURES_VERSION = 1
-HEAD_KINDS = ("eagle", "medusa", "eagle3")
+HEAD_KINDS = ("eagle", "medusa", "eagle3", "hydra")
 
 
 def _log(message: str) -> None:
@@ -286,10 +289,11 @@ def new_eagle3_head(target, layers: tuple[int, ...], reduced_ids: torch.Tensor) 
 
 
 # ---- Medusa -------------------------------------------------------------------------------------
-def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tuple[torch.Tensor, ...]]:
     """Per head k: (inputs f_p [n, H], the target's features f_{p+k+1} [n, H] whose distribution is the
-    soft label, the target's token s_{p+k+2} [n]) over the positions p where s_{p+k+2} is an answer token."""
-    parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in range(heads)]
+    soft label, the target's token s_{p+k+2} [n], the tokens before it s_{p+1} .. s_{p+k+1} [n, k + 1]
+    (the root and the drafts a Hydra head reads)) over the positions p where s_{p+k+2} is an answer token."""
+    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(heads)]
     for example in examples:
         f = torch.from_numpy(np.array(features[example.prompt_id], dtype=np.float32))  # [N, H]
         sequence = torch.from_numpy(np.concatenate([example.tokens, example.answer[example.n_pred - 1:example.n_pred]]))
@@ -298,23 +302,28 @@ def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tup
             if n <= 0:
                 continue
             scored = torch.arange(n) + k + 2 >= example.prompt_len
-            parts[k].append((f[:n][scored], f[k + 1:k + 1 + n][scored], sequence[k + 2:k + 2 + n][scored]))
+            before = torch.stack([sequence[j + 1:j + 1 + n] for j in range(k + 1)], dim=1)  # [n, k + 1]
+            parts[k].append((f[:n][scored], f[k + 1:k + 1 + n][scored], sequence[k + 2:k + 2 + n][scored],
+                             before[scored]))
     hidden = features[examples[0].prompt_id].shape[1]
-    empty = (torch.zeros(0, hidden), torch.zeros(0, hidden), torch.zeros(0, dtype=torch.long))
+    empty = (torch.zeros(0, hidden), torch.zeros(0, hidden), torch.zeros(0, dtype=torch.long),
+             torch.zeros(0, 1, dtype=torch.long))
     return [tuple(torch.cat(column) for column in zip(*part)) if part else empty for part in parts]
 
 
-def medusa_loss(module: MedusaHeads, rows, head_weight: torch.Tensor, to_reduced: torch.Tensor,
-                decay: float) -> tuple[torch.Tensor, dict]:
+def medusa_loss(module: MedusaHeads | HydraHeads, rows, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+                decay: float, embed) -> tuple[torch.Tensor, dict]:
     """Sum over heads of decay^k x the cross-entropy from the target's distribution at the guessed
-    position (over the reduced vocabulary) to head k's, through the target's frozen output layer."""
+    position (over the reduced vocabulary) to head k's, through the target's frozen output layer
+    (Hydra heads also read the embeddings of the true tokens before their guess: teacher forcing)."""
     total = head_weight.new_zeros(())
     stats = {"positions": 0, "top1": 0, "misses": 0, "top1_per_head": []}
-    for k, (inputs, targets, labels) in enumerate(rows):
+    for k, (inputs, targets, labels, before) in enumerate(rows):
         if not len(inputs):
             stats["top1_per_head"].append(0.0)
             continue
-        log_q = F.log_softmax(module[k](inputs) @ head_weight.T, dim=-1)  # [n, K]
+        prefix = embed(before) if module.hydra else None  # [n, k + 1, H]
+        log_q = F.log_softmax(module.run(k, inputs, prefix) @ head_weight.T, dim=-1)  # [n, K]
         log_p = F.log_softmax(targets @ head_weight.T, dim=-1)  # [n, K]
         total = total + decay ** k * -(log_p.exp() * log_q).sum(-1).mean()
         reduced = to_reduced[labels]
@@ -325,23 +334,24 @@ def medusa_loss(module: MedusaHeads, rows, head_weight: torch.Tensor, to_reduced
     return total, stats
 
 
-def medusa_loss_of(module: MedusaHeads, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
-                   cfg: DictConfig) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
+def medusa_loss_of(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+                   features: dict, cfg: DictConfig, embed) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
     def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
         rows = medusa_rows(examples, features, len(module))
-        return medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay))
+        return medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay), embed)
     return loss_of
 
 
 @torch.inference_mode()
-def evaluate_medusa(module: MedusaHeads, head_weight: torch.Tensor, reduced_ids: torch.Tensor, to_reduced: torch.Tensor,
-                    examples: list[Example], features: dict, cfg: DictConfig) -> dict:
+def evaluate_medusa(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor, reduced_ids: torch.Tensor,
+                    to_reduced: torch.Tensor, examples: list[Example], features: dict, cfg: DictConfig, embed) -> dict:
     """Head k's top-1 agreement with the target's token k + 2 places on, and the chain acceptance per
     depth of the heads' argmax chain (what `propose` drafts) at every held-out answer position that
-    has all of its answer tokens."""
+    has all of its answer tokens. (A Hydra head reads the true tokens before its guess: up to the
+    first wrong draft those are the drafts, and the chain counts no further.)"""
     heads = len(module)
     rows = medusa_rows(examples, features, heads)
-    loss, stats = medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay))
+    loss, stats = medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay), embed)
     accepted = np.zeros(heads + 1, np.int64)
     chains = 0
     for example in examples:
@@ -350,7 +360,10 @@ def evaluate_medusa(module: MedusaHeads, head_weight: torch.Tensor, reduced_ids:
         positions = np.arange(max(0, example.prompt_len - 2), min(len(example.tokens) - 1, len(sequence) - heads - 1))
         if not len(positions):
             continue
-        drafted = np.stack([reduced_ids[(module[k](f[positions]) @ head_weight.T).argmax(-1)].numpy()
+        ids = torch.from_numpy(sequence)
+        prefixes = [embed(torch.stack([ids[positions + 1 + j] for j in range(k + 1)], dim=1)) if module.hydra else None
+                    for k in range(heads)]  # [n, k + 1, H]: the root and the tokens before head k's guess
+        drafted = np.stack([reduced_ids[(module.run(k, f[positions], prefixes[k]) @ head_weight.T).argmax(-1)].numpy()
                             for k in range(heads)], axis=1)  # [n, heads]: the chain each position drafts
         truth = np.stack([sequence[positions + 2 + k] for k in range(heads)], axis=1)  # [n, heads]
         matched = np.cumprod(drafted == truth, axis=1).sum(axis=1)  # [n]
@@ -521,11 +534,15 @@ def run_train_heads(cfg: DictConfig) -> dict:
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
         loss_of = eagle3_loss_of(net, embed, head_weight, to_reduced, features, aux_features, h, pad_id)
     else:
-        net = MedusaHeads(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
-        with torch.no_grad():  # Medusa's initialisation: zero blocks, each head starts as the next-token head
-            for parameter in net.parameters():
-                parameter.zero_()
-        loss_of = medusa_loss_of(net, head_weight, to_reduced, features, h)
+        heads_class = HydraHeads if h.kind == "hydra" else MedusaHeads
+        net = heads_class(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
+        if h.kind == "hydra":
+            net.start_as_medusa()
+        else:
+            with torch.no_grad():  # Medusa's initialisation: zero blocks, each head starts as the next-token head
+                for parameter in net.parameters():
+                    parameter.zero_()
+        loss_of = medusa_loss_of(net, head_weight, to_reduced, features, h, embed)
     run_folder = folder / f"{h.kind}-{dtype}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = HeadTrainer(net, loss_of, train, h, run_folder)
@@ -551,7 +568,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
             result = evaluate(net, embed, net.draft_logits, reduced_ids, depth_one, held_out, aux_features, h,
                               bool(h.progress))
         else:
-            result = evaluate_medusa(net, head_weight, reduced_ids, to_reduced, held_out, features, h)
+            result = evaluate_medusa(net, head_weight, reduced_ids, to_reduced, held_out, features, h, embed)
         result.update(step=trainer.step, epochs=round(trainer.epochs(), 3), positions_trained=trainer.positions,
                       train_seconds=round(trainer.seconds, 1), eval_seconds=round(time.perf_counter() - started, 1))
         _log(format_eval(result, trainer.step))
@@ -560,12 +577,12 @@ def run_train_heads(cfg: DictConfig) -> dict:
                       settings=OmegaConf.to_container(h))
         write_json(report_path, report)
         if export:
-            save = {"eagle": save_eagle, "eagle3": save_eagle3, "medusa": save_medusa}[h.kind]
+            save = {"eagle": save_eagle, "eagle3": save_eagle3, "medusa": save_medusa, "hydra": save_medusa}[h.kind]
             loss = {"eagle": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens",
                     "eagle3": f"sum over {h.rollout_steps} rollouts of {h.rollout_decay}^k x CE from the target's "
                               f"distribution over the {top_k}-token draft vocabulary",
                     "medusa": f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top "
-                              f"{top_k} tokens"}[h.kind]
+                              f"{top_k} tokens"}[h.kind if h.kind != "hydra" else "medusa"]
             save(net, out, {
                 "target": loaded.name, "vocab_sha256": fingerprint["vocab_sha256"], "feature_dtype": dtype,
                 "command": task_command("train_heads"),

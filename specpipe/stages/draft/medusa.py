@@ -36,6 +36,7 @@ from specpipe.types import DecodeState, Proposal, VerifyResult
 log = logging.getLogger(__name__)
 ROOT = -1
 DEFAULT_MEDUSA_DIR = "data/medusa/smollm2_135m"  # the heads trained for the embedded model (task=train_heads)
+DEFAULT_HYDRA_DIR = "data/hydra/smollm2_135m"
 
 
 class ResBlock(nn.Module):
@@ -52,6 +53,8 @@ class MedusaHeads(nn.ModuleList):
     target's is applied after). State-dict keys are the released layout's: `{head}.{block}.linear.*`,
     `{head}.{layers}.weight`."""
 
+    hydra = False
+
     def __init__(self, hidden: int, heads: int, layers: int, vocab: int = 0, bias: bool = True) -> None:
         super().__init__(nn.Sequential(*[ResBlock(hidden, bias) for _ in range(layers)],
                                        *([nn.Linear(hidden, vocab, bias=False)] if vocab else []))
@@ -61,12 +64,61 @@ class MedusaHeads(nn.ModuleList):
     def own_outputs(self) -> bool:
         return self.vocab > 0
 
+    def run(self, head: int, hidden: Tensor, prefix: Tensor) -> Tensor:
+        """Head `head` on hidden [n, hidden]; prefix [n, head + 1, hidden] (the embeddings of the root and
+        the tokens drafted before it) is Hydra's input, unused by Medusa heads."""
+        return self[head](hidden)
+
+
+class HydraHead(nn.Module):
+    """One Hydra head: [hidden, embeddings of the `index + 1` tokens before its guess] -> hidden
+    (`input`), then ResBlocks (`blocks`); the target's output layer is applied after."""
+
+    def __init__(self, hidden: int, index: int, layers: int, bias: bool = True) -> None:
+        super().__init__()
+        self.input = nn.Linear((index + 2) * hidden, hidden, bias=bias)
+        self.blocks = nn.Sequential(*[ResBlock(hidden, bias) for _ in range(layers)])
+
+    def forward(self, hidden: Tensor, prefix: Tensor) -> Tensor:
+        # hidden [n, hidden], prefix [n, index + 1, hidden] -> [n, hidden]
+        return self.blocks(self.input(torch.cat([hidden, prefix.flatten(1)], dim=-1)))
+
+
+class HydraHeads(nn.ModuleList):
+    """Hydra (Ankner et al. 2024): Medusa heads that also read the tokens drafted before them. Head k
+    reads [hidden, embedding(root), embedding(d_0), ..., embedding(d_{k-1})], projects it to hidden and
+    runs its ResBlocks; the target's (frozen, shared) output layer scores the result. State-dict
+    keys: `{head}.input.weight|bias`, `{head}.blocks.{block}.linear.weight|bias`."""
+
+    hydra = True
+    vocab = 0
+
+    def __init__(self, hidden: int, heads: int, layers: int, bias: bool = True) -> None:
+        super().__init__(HydraHead(hidden, index, layers, bias) for index in range(heads))
+        self.hidden, self.layers = hidden, layers
+
+    def own_outputs(self) -> bool:
+        return False
+
+    def run(self, head: int, hidden: Tensor, prefix: Tensor) -> Tensor:
+        return self[head](hidden, prefix)
+
+    def start_as_medusa(self) -> None:
+        """Zero blocks and input projections that pass the hidden state through, ignoring the tokens:
+        every head starts as the target's own next-token head (Medusa's initialisation)."""
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.zero_()
+            for head in self:
+                head.input.weight[:, : self.hidden] = torch.eye(self.hidden)
+
 
 class MedusaDrafter:
     """Medusa heads as a StepDrafter (`tree=static` or `tree=eagle2`), or one greedy chain per step
     as a Proposer (`tree=trie`)."""
 
-    def __init__(self, target: TargetModel, heads: MedusaHeads, outputs: list[nn.Module], name: str = "medusa") -> None:
+    def __init__(self, target: TargetModel, heads: MedusaHeads | HydraHeads, outputs: list[nn.Module],
+                 name: str = "medusa") -> None:
         if len(outputs) != len(heads):
             raise ConfigError(f"{name}: {len(heads)} heads need as many output layers, got {len(outputs)}")
         self.name = name
@@ -79,14 +131,15 @@ class MedusaDrafter:
         state.stage_state[self] = None
 
     def propose(self, state: DecodeState) -> Proposal:
-        self.start(state)
-        all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
+        logprobs = self.start(state)
         tokens, scores, cumulative = [], [], 1.0
         for depth in range(len(self.heads)):
-            token = int(all_logprobs[depth].argmax())
-            cumulative *= math.exp(float(all_logprobs[depth, token]))
+            token = int(logprobs.argmax())
+            cumulative *= math.exp(float(logprobs[token]))
             tokens.append(token)
             scores.append(cumulative)
+            if depth + 1 < len(self.heads):
+                logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
         return Proposal.chain(tokens, scores, self.name)
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
@@ -96,10 +149,14 @@ class MedusaDrafter:
         state.stage_state.pop(self, None)
 
     def start(self, state: DecodeState) -> Tensor:
-        """Every head's log-probs from the hidden state before the root; returns head 0's [vocab]."""
+        """Every head's log-probs from the hidden state before the root (Medusa), or head 0's (Hydra:
+        the others depend on the path); returns head 0's [vocab]."""
         if state.hidden is None:
             raise ConfigError(f"{self.name}: the decoder gave no hidden state (DecodeState.hidden); Medusa heads "
                               f"draft from the target's own hidden states")
+        if self.heads.hydra:
+            state.stage_state[self] = {}  # node -> [vocab] this step (ROOT: head 0's)
+            return self._hydra_logprobs(state, [], [], [ROOT])[0]
         with torch.inference_mode():
             hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
             logits = torch.cat([output(head(hidden)) for head, output in zip(self.heads, self.outputs)])  # [K, vocab]
@@ -109,20 +166,52 @@ class MedusaDrafter:
     def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
         """[m, vocab]: head d's log-probs for a frontier node at depth d (the root is depth 0); past the
         last head, nothing is drafted (all -inf)."""
+        if self.heads.hydra:
+            return self._hydra_logprobs(state, tokens, parents, frontier)
         all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
         rows = []
         for node in frontier:
-            depth, walk = 0, node
-            while walk != ROOT:
-                depth += 1
-                walk = parents[walk]
+            depth = len(path_to(node, parents))
             rows.append(all_logprobs[depth] if depth < len(self.heads) else torch.full_like(all_logprobs[0], -math.inf))
         return torch.stack(rows)
+
+    @torch.inference_mode()
+    def _hydra_logprobs(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
+        """Hydra: head d reads the hidden state and the embeddings of the root and of the d tokens on
+        the node's path; nodes of one depth run as one batch, each once per step."""
+        known: dict[int, Tensor] = state.stage_state[self]
+        by_depth: dict[int, list[int]] = {}
+        for node in frontier:
+            if node not in known:
+                by_depth.setdefault(len(path_to(node, parents)), []).append(node)
+        embed = self.target.model.get_input_embeddings()
+        hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
+        for depth, nodes in by_depth.items():
+            if depth >= len(self.heads):
+                for node in nodes:
+                    known[node] = torch.full((self.target.vocab_size,), -math.inf)
+                continue
+            ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in path_to(node, parents)] for node in nodes])
+            prefix = embed(ids.to(self.target.device))  # [m, depth + 1, hidden]
+            logits = self.outputs[depth](self.heads.run(depth, hidden.expand(len(nodes), -1), prefix))  # [m, vocab]
+            for node, row in zip(nodes, torch.log_softmax(logits.float(), dim=-1)):
+                known[node] = row
+        return torch.stack([known[node] for node in frontier])
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """The nodes from the root's child down to `node` (empty for the root itself)."""
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
 _ORIGINAL = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 _CONVERTED = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight)$")
+_HYDRA = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.(?:weight|bias)$")
 
 
 def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[int, int, dict[str, Tensor]]:
@@ -136,6 +225,12 @@ def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[i
                           f"(medusa_num_layers or num_hidden_layers): not a Medusa checkpoint")
     heads, layers = int(heads), int(layers)
     state: dict[str, Tensor] = {}
+    if config.get("hydra"):
+        for key, value in tensors.items():
+            if not _HYDRA.match(key):
+                raise ConfigError(f"{name}: unexpected tensor {key!r} for Hydra heads (expected HEAD.input.weight or "
+                                  f"HEAD.blocks.BLOCK.linear.weight)")
+        return heads, layers, dict(tensors)
     for key, value in tensors.items():
         short = re.sub(r"^medusa_heads?\.", "", key)
         original = _ORIGINAL.match(short)
@@ -152,9 +247,19 @@ def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[i
     return heads, layers, state
 
 
-def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> MedusaHeads:
+def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetModel,
+                       name: str) -> MedusaHeads | HydraHeads:
     heads, layers, state = medusa_state(config, tensors, name)
     hidden = int(target.model.config.hidden_size)
+    if config.get("hydra"):
+        projection = state.get("0.input.weight")
+        if projection is None or tuple(projection.shape) != (hidden, 2 * hidden):
+            shape = None if projection is None else tuple(projection.shape)
+            raise ConfigError(f"{name}: the Hydra heads' first input projection (0.input.weight) is {shape}, the "
+                              f"target's hidden size {hidden} needs ({hidden}, {2 * hidden}): they are for another model")
+        module = HydraHeads(hidden, heads, layers, bias="0.input.bias" in state)
+        load_fitting(module, state, name, f"{heads} Hydra heads of {layers} block(s)")
+        return module
     block = state.get("0.0.linear.weight")
     if block is None:
         raise ConfigError(f"{name}: the checkpoint has no first block (0.0.linear.weight)")
@@ -174,19 +279,24 @@ def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetM
 def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
     """Writes the heads in Medusa's released layout (config.json + model.safetensors)."""
     config = {"medusa_num_heads": len(module), "medusa_num_layers": module.layers, "hidden_size": module.hidden,
-              "shared_output_layer": not module.own_outputs(), "specpipe": extra or {}}
+              "shared_output_layer": not module.own_outputs(), "hydra": module.hydra, "specpipe": extra or {}}
     write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in module.state_dict().items()})
 
 
 def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                 name: str = "medusa", vocab_top_k: int = 8192, vocab_counts: str | None = None,
-                heads: int | None = None) -> MedusaDrafter:
-    """The drafter `drafter=medusa` configures: `path` = a local Medusa checkpoint directory, or None
-    for the heads trained for the embedded model (data/medusa/). `heads` keeps only the first N."""
-    folder = head_folder(path, DEFAULT_MEDUSA_DIR, name, "Medusa heads",
-                         "python run.py task=train_heads train_heads.kind=medusa")
+                heads: int | None = None, hydra: bool = False) -> MedusaDrafter:
+    """The drafter `drafter=medusa` (or with `hydra`, `drafter=hydra`) configures: `path` = a local
+    checkpoint directory, or None for the heads trained for the embedded model (data/medusa/,
+    data/hydra/). `heads` keeps only the first N."""
+    kind = "hydra" if hydra else "medusa"
+    folder = head_folder(path, DEFAULT_HYDRA_DIR if hydra else DEFAULT_MEDUSA_DIR, name,
+                         "Hydra heads" if hydra else "Medusa heads", f"python run.py task=train_heads train_heads.kind={kind}")
     config, tensors = read_checkpoint(folder, name, "Medusa checkpoint")
     check_tokenizer(config, tokenizer, folder, name)
+    if bool(config.get("hydra")) != hydra:
+        found = "Hydra" if config.get("hydra") else "Medusa"
+        raise ConfigError(f"{name}: {folder} holds {found} heads: use drafter={found.lower()} for them")
     module = build_medusa_heads(config, tensors, target, name)
     if heads is not None:
         if not 1 <= heads <= len(module):
