@@ -1,5 +1,6 @@
 """drafter=eagle: an EAGLE-1 head on the target's features, its cache, the tree it grows, the released
-checkpoint layout, and the errors.
+checkpoint layout, and the errors. The tree and cache tests also run the EAGLE-3 head (drafter=eagle3,
+same drafter; the rest of its tests are in test_eagle3.py).
 
 Lossless runs of the `eagle` pipeline are in the generic tests (test_lossless.py, with the identity
 head of conftest.eagle_head_dir on the tiny models); here: what the head computes for each tree
@@ -14,32 +15,48 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import eagle_head_dir, random_prompts, run_steps
+from conftest import eagle3_head_dir, eagle_head_dir, random_prompts, run_steps
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.draft.eagle import ROOT, EagleDrafter, load_eagle
+from specpipe.stages.draft.eagle3 import load_eagle3
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState
 
 
-def drafter_for(model, kind: str = "random", **kwargs) -> EagleDrafter:
-    return load_eagle(TargetModel(model.loaded.model, name=model.name), model.tokenizer,
-                      path=str(eagle_head_dir(model.loaded.model.config, kind)), vocab_top_k=0, **kwargs)
+VARIANTS = ["eagle", "eagle3"]  # EAGLE-1 reads the target's last hidden states, EAGLE-3 three of its layers
+EAGLE3_LAYERS = (0, 1, 1)  # what conftest.eagle3_head_dir's heads read on the 2-layer tiny models
 
 
-def target_features(model, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), hidden] the target's last hidden states from a plain causal forward (no cache)."""
+def drafter_for(model, kind: str = "random", variant: str = "eagle") -> EagleDrafter:
+    target = TargetModel(model.loaded.model, name=model.name)
+    if variant == "eagle3":
+        return load_eagle3(target, model.tokenizer, path=str(eagle3_head_dir(model.loaded.model, kind)))
+    return load_eagle(target, model.tokenizer, path=str(eagle_head_dir(model.loaded.model.config, kind)),
+                      vocab_top_k=0)
+
+
+def target_features(model, tokens: list[int], variant: str = "eagle") -> torch.Tensor:
+    """What the head's committed rows read, from a plain causal forward (no cache): the last hidden
+    states [len(tokens), hidden] (EAGLE-1), or the states entering EAGLE3_LAYERS side by side
+    [len(tokens), 3 * hidden] (EAGLE-3)."""
     with torch.inference_mode():
-        out = model.reference(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True)
-    return out.hidden_states[-1][0]
+        states = model.reference(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True).hidden_states
+    if variant == "eagle3":
+        return torch.cat([states[layer][0] for layer in EAGLE3_LAYERS], dim=-1)
+    return states[-1][0]
 
 
 def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
     """[vocab] the head's log-probs after `path` drafted past the root, recomputed with no cache: every
-    row again through a causal forward, the path's rows reading the previous row's prediction."""
-    rows_features = [features[p] for p in range(len(tokens) - 1)]  # f_p for p = 0 .. L-2
-    rows_tokens = list(tokens[1:])  # s_{p+1}
+    row again through a causal forward, the path's rows reading the previous row's prediction (EAGLE-3's
+    committed rows go through its fc first, as its drafter does: one forward then reads them and the
+    path's hidden-size rows together)."""
+    committed = features[: len(tokens) - 1]  # f_p for p = 0 .. L-2
     with torch.inference_mode():
+        rows_features = list(drafter.net.fc(committed) if drafter.aux_hidden else committed)
+        rows_tokens = list(tokens[1:])  # s_{p+1}
+
         def predict() -> torch.Tensor:
             q = len(rows_tokens)
             out = drafter.net(drafter.embed(torch.tensor(rows_tokens)), torch.stack(rows_features), torch.arange(q),
@@ -53,18 +70,22 @@ def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: li
         return torch.log_softmax(drafter.head(feature[None]).float(), dim=-1)[0]
 
 
-def test_tree_nodes_see_exactly_their_path(tiny_mixed):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tree_nodes_see_exactly_their_path(tiny_mixed, variant):
     """Each expanded node's log-probs equal a cache-free recomputation over the committed rows and
     its own path (the root's children first, then siblings expanded in one forward, then two
     branches at depth 3)."""
-    drafter = drafter_for(tiny_mixed)
+    drafter = drafter_for(tiny_mixed, variant=variant)
     prompt = random_prompts(1, seed=31)[0][:30]
     tokens = prompt + [777]  # the root: a committed token the target has not seen yet
-    features = target_features(tiny_mixed, prompt)
-    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt), prompt_hidden=features)
+    features = target_features(tiny_mixed, prompt, variant)
+    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt),
+                        **{"prompt_aux_hidden" if variant == "eagle3" else "prompt_hidden": features})
     drafter.reset(state)
     root = drafter.start(state)
     torch.testing.assert_close(root, reference_logprobs(drafter, features, tokens, []), atol=1e-4, rtol=1e-4)
+    if variant == "eagle3":  # only its draft vocabulary is scored
+        assert torch.isinf(root).sum() == root.numel() - drafter.head.width
     tree, parents = [], []
     children = drafter.step(state, tree, parents, [ROOT]).topk(3).indices  # [1, 3]
     tree += children[0].tolist()
@@ -83,12 +104,14 @@ def test_tree_nodes_see_exactly_their_path(tiny_mixed):
         torch.testing.assert_close(session.logprobs[node], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny_mixed):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny_mixed, variant):
     """After a generation (accepted paths of several lengths, rejected branches) the head's cache
     holds exactly the rows of the committed text: keys and values equal a fresh causal forward over
     [target feature f_p, token s_{p+1}] for every committed position."""
-    cfg = tiny_mixed.config("eagle", f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random')}")
-    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
+    head = eagle3_head_dir(tiny_mixed.loaded.model, "random") if variant == "eagle3" \
+        else eagle_head_dir(tiny_mixed.loaded.model.config, "random")
+    pipe = build_pipeline(tiny_mixed.config(variant, f"pipeline.drafters.{variant}.path={head}"), loaded=tiny_mixed.loaded)
     drafter = pipe.decoder.drafters[0]
     captured = {}
 
@@ -98,13 +121,15 @@ def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny
         captured["cache"] = [(layer.keys.clone(), layer.values.clone()) for layer in state.stage_state[drafter].cache.layers]
 
     drafter.on_finish = capture_finish
+    prompt = random_prompts(3, seed=32)[2]
     try:
-        tokens, steps = run_steps(pipe, random_prompts(3, seed=32)[2], 24)
+        tokens, steps = run_steps(pipe, prompt, 24)
     finally:
         del drafter.on_finish
+    assert tokens == tiny_mixed.greedy_hf(prompt, 24)
     assert sum(step.stats.tree_size for step in steps) > 0
     committed = captured["tokens"]
-    features = target_features(tiny_mixed, committed[:-1])
+    features = target_features(tiny_mixed, committed[:-1], variant)
     fresh = drafter.runner.new_cache()
     q = len(committed) - 1
     with torch.inference_mode():
@@ -116,10 +141,11 @@ def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny
         torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=1e-4)
 
 
-def test_right_drafts_are_accepted_whole_and_stay_lossless(tiny):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_right_drafts_are_accepted_whole_and_stay_lossless(tiny, variant):
     """The stock tiny model repeats its last token, and the identity head drafts exactly that: every
     drafted chain is accepted (the pipeline verifies the head's tree for real), output = greedy."""
-    cfg = tiny.config("eagle", "pipeline.tree.top_k=1", "pipeline.tree.children=1", "pipeline.tree.depth=4")
+    cfg = tiny.config(variant, "pipeline.tree.top_k=1", "pipeline.tree.children=1", "pipeline.tree.depth=4")
     pipe = build_pipeline(cfg, loaded=tiny.loaded)
     for prompt in random_prompts(3, seed=33):
         tokens, steps = run_steps(pipe, prompt, 20)

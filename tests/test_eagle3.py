@@ -18,24 +18,16 @@ from conftest import eagle3_head_dir, random_prompts, run_steps
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.pipelines.builder import build_pipeline
-from specpipe.stages.draft.eagle import ROOT, EagleDrafter
 from specpipe.stages.draft.eagle3 import default_aux_layers, load_eagle3
 from specpipe.target import TargetModel
-from specpipe.types import DecodeState, DraftTree
+from specpipe.types import DraftTree
+from test_eagle import EAGLE3_LAYERS, drafter_for, target_features
 
-LAYERS = (0, 1, 1)  # what conftest's heads read on the 2-layer tiny models
-
-
-def drafter_for(model, kind: str = "random") -> EagleDrafter:
-    return load_eagle3(TargetModel(model.loaded.model, name=model.name), model.tokenizer,
-                       path=str(eagle3_head_dir(model.loaded.model, kind)))
+LAYERS = EAGLE3_LAYERS
 
 
 def layer_states(model, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), 3 * hidden] the hidden states entering LAYERS from a plain causal forward (no cache)."""
-    with torch.inference_mode():
-        states = model.reference(input_ids=torch.tensor([tokens]), use_cache=False, output_hidden_states=True).hidden_states
-    return torch.cat([states[layer][0] for layer in LAYERS], dim=-1)
+    return target_features(model, tokens, "eagle3")
 
 
 def test_the_target_runner_returns_the_captured_layers(tiny_mixed):
@@ -60,86 +52,6 @@ def test_the_target_runner_returns_the_captured_layers(tiny_mixed):
         TargetModel(tiny_mixed.loaded.model).capture_layers((0, 1, 5), "a head")
 
 
-def reference_logprobs(drafter: EagleDrafter, aux: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
-    """[vocab] the head's log-probs after `path`, recomputed with no cache: a causal forward over every
-    row again, the committed rows reading the target's layers (through fc), each path row the
-    head's own output at the row before."""
-    net = drafter.net
-    with torch.inference_mode():
-        rows = list(net.fc(aux[: len(tokens) - 1]))  # hidden-size inputs of the committed rows
-        row_tokens = list(tokens[1:])
-
-        def last_output() -> torch.Tensor:
-            q = len(row_tokens)
-            return net(drafter.embed(torch.tensor(row_tokens)), torch.stack(rows), torch.arange(q),
-                       torch.ones(q, q, dtype=torch.bool).tril(), None)[-1]
-
-        feature = last_output()
-        for token in path:
-            rows.append(feature)
-            row_tokens.append(token)
-            feature = last_output()
-        return torch.log_softmax(drafter.head(feature[None]).float(), dim=-1)[0]
-
-
-def test_tree_nodes_see_exactly_their_path(tiny_mixed):
-    drafter = drafter_for(tiny_mixed)
-    prompt = random_prompts(1, seed=41)[0][:30]
-    tokens = prompt + [777]
-    aux = layer_states(tiny_mixed, prompt)
-    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt), prompt_aux_hidden=aux)
-    drafter.reset(state)
-    root = drafter.start(state)
-    torch.testing.assert_close(root, reference_logprobs(drafter, aux, tokens, []), atol=1e-4, rtol=1e-4)
-    assert torch.isinf(root).sum() == root.numel() - drafter.head.width  # only the draft vocabulary is scored
-    tree, parents = [], []
-    children = drafter.step(state, tree, parents, [ROOT]).topk(3).indices
-    tree += children[0].tolist()
-    parents += [ROOT] * 3
-    grandchildren = drafter.step(state, tree, parents, [2, 0]).topk(2).indices
-    tree += grandchildren.flatten().tolist()
-    parents += [2] * 2 + [0] * 2
-    drafter.step(state, tree, parents, [len(tree) - 1, 3])
-    session = state.stage_state[drafter]
-    for node in (0, 2, 3, len(tree) - 1):
-        path, walk = [], node
-        while walk != ROOT:
-            path.append(tree[walk])
-            walk = parents[walk]
-        torch.testing.assert_close(session.logprobs[node], reference_logprobs(drafter, aux, tokens, path[::-1]),
-                                   atol=1e-4, rtol=1e-4)
-
-
-def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny_mixed):
-    cfg = tiny_mixed.config("eagle3", f"pipeline.drafters.eagle3.path={eagle3_head_dir(tiny_mixed.loaded.model, 'random')}")
-    pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
-    drafter = pipe.decoder.drafters[0]
-    captured = {}
-
-    def capture_finish(state):
-        drafter.start(state)
-        captured["tokens"] = list(state.tokens)
-        captured["cache"] = [(layer.keys.clone(), layer.values.clone()) for layer in state.stage_state[drafter].cache.layers]
-
-    drafter.on_finish = capture_finish
-    try:
-        tokens, steps = run_steps(pipe, random_prompts(3, seed=42)[2], 24)
-    finally:
-        del drafter.on_finish
-    assert tokens == tiny_mixed.greedy_hf(random_prompts(3, seed=42)[2], 24)
-    assert sum(step.stats.tree_size for step in steps) > 0
-    committed = captured["tokens"]
-    fresh = drafter.runner.new_cache()
-    q = len(committed) - 1
-    with torch.inference_mode():
-        drafter.net(drafter.embed(torch.tensor(committed[1:])), layer_states(tiny_mixed, committed[:-1]),
-                    torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(), fresh)
-    for (keys, values), layer in zip(captured["cache"], fresh.layers):
-        assert keys.shape == layer.keys.shape and keys.shape[2] == q
-        torch.testing.assert_close(keys, layer.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=1e-4)
-
-
 def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed):
     """Training-time test: rollout k's row p (one batched forward per rollout under rollout_mask)
     equals drafting at inference: the committed rows 0..p-k read the target's layers, then k tree
@@ -148,7 +60,7 @@ def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed):
 
     from specpipe.tasks.train_heads import rollout_mask
 
-    drafter = drafter_for(tiny_mixed)
+    drafter = drafter_for(tiny_mixed, variant="eagle3")
     net, embed = drafter.net, drafter.embed
     tokens = random_prompts(1, seed=43)[0][:14]
     width = len(tokens) - 1
@@ -244,19 +156,6 @@ def test_an_eagle3_checkpoint_given_to_drafter_eagle_is_named(tiny_mixed):
     with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
         load_eagle(TargetModel(tiny_mixed.loaded.model), tiny_mixed.tokenizer,
                    path=str(eagle3_head_dir(tiny_mixed.loaded.model, "random")), vocab_top_k=0)
-
-
-def test_right_drafts_are_accepted_whole(tiny):
-    """On the stock tiny model (greedy repeats its last token) the identity head's chains are right:
-    accepted whole, output = greedy."""
-    pipe = build_pipeline(tiny.config("eagle3", "pipeline.tree.top_k=1", "pipeline.tree.children=1",
-                                      "pipeline.tree.depth=4"), loaded=tiny.loaded)
-    for prompt in random_prompts(3, seed=44):
-        tokens, steps = run_steps(pipe, prompt, 20)
-        assert tokens == tiny.greedy_hf(prompt, 20)
-        decode_steps = steps[1:-1]
-        assert all(step.stats.tree_size >= 3 for step in decode_steps)
-        assert all(len(step.tokens) == step.stats.tree_size + 1 for step in decode_steps)
 
 
 def test_train_heads_eagle3_trains_and_exports_a_head_the_pipeline_loads(tmp_path):
