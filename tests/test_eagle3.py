@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import eagle3_head_dir, random_prompts, run_steps
+from conftest import eagle3_head_dir, random_prompts
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.pipelines.builder import build_pipeline
