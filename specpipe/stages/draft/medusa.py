@@ -9,6 +9,12 @@ target pass and keeps no cache. As a StepDrafter its distribution for a node dep
 node's depth; `tree=static` instantiates Medusa's sparse tree of top-k choices over it, `tree=eagle2`
 grows a dynamic one.
 
+Hydra (`drafter=hydra`, the same drafter over HydraHeads): head k also reads the embeddings of the
+root and of the k tokens on the node's path, so two nodes of one depth get different children; the
+drafter asks each head once per node and step, a depth's nodes in one batch. Hydra heads always
+score through the target's output layer; specpipe writes them in Medusa's layout with `hydra: true`
+and `{head}.input.*`, `{head}.blocks.{block}.linear.*` keys (Hydra's own repository layout is not read).
+
 Checkpoints: a directory with `config.json` and the heads' weights in the layout of Medusa's
 repository (`medusa_num_heads`, `medusa_num_layers`; keys `{head}.{block}.linear.weight|bias` and
 `{head}.{layers}.weight`, optionally under `medusa_head.`) or of vLLM's converted heads
