@@ -1,4 +1,4 @@
-"""`task=train_heads`: an EAGLE head or Medusa heads for the target, trained on the target's own answers.
+"""`task=train_heads`: an EAGLE(-3) head or Medusa / Hydra heads for the target, trained on the target's own answers.
 
 Data: the self-distilled chat corpus (data/self_distill/: the target's greedy answers to chat
 prompts assembled from subject lists, never the benchmark sets), split by a hash of the prompt id
@@ -22,8 +22,9 @@ b. train (kind=eagle): the head's row p reads [embedding(s_{p+1}), f_p] and pred
 c. eval on the held-out answers: top-1 agreement with the target's greedy token from the true
    features (depth 1), and greedy chain acceptance per depth drafted the way the pipeline drafts
    (from the head's own predicted features after the first token), with the vocabulary miss rate.
-d. export: the head(s) in the released EAGLE-1 / Medusa layout (config.json + model.safetensors,
-   bf16) to `out`, the command and the eval in config.json's `specpipe` entry.
+d. export: the head(s) in the released EAGLE-1 / EAGLE-3 / Medusa layout (config.json +
+   model.safetensors, bf16; Hydra in Medusa's with `hydra: true`) to `out`, the command and the
+   eval in config.json's `specpipe` entry.
 
 The shipped heads' commands (each took minutes to an hour on 2 cores; run niced in the background):
 
@@ -31,6 +32,9 @@ The shipped heads' commands (each took minutes to an hour on 2 cores; run niced 
         train_heads.eval_every=200 >> ~/.cache/specpipe/train_heads/smollm2_135m/train.log 2>&1 &
     .venv/bin/python run.py task=train_heads train_heads.kind=medusa train_heads.steps=200 train_heads.batch=2048 \\
         train_heads.eval_every=100
+    .venv/bin/python run.py task=train_heads train_heads.kind=hydra train_heads.steps=200 train_heads.batch=2048 \\
+        train_heads.eval_every=100
+    .venv/bin/python run.py task=train_heads train_heads.kind=eagle3 train_heads.steps=500 train_heads.eval_every=250
 """
 from __future__ import annotations
 
