@@ -133,12 +133,8 @@ def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 
 
         torch.manual_seed(seed)
         module = (HydraHeads if hydra else MedusaHeads)(config.hidden_size, heads, layers=1)
-        if kind == "identity" and hydra:
+        if kind == "identity":
             module.start_as_medusa()
-        elif kind == "identity":
-            with torch.no_grad():
-                for parameter in module.parameters():
-                    parameter.zero_()
         folder = Path(tempfile.mkdtemp(prefix=f"specpipe-medusa-{kind}-"))
         save_medusa(module, folder, dtype=torch.float32)
         _EAGLE_HEAD_DIRS[key] = folder

@@ -540,12 +540,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     else:
         heads_class = HydraHeads if h.kind == "hydra" else MedusaHeads
         net = heads_class(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
-        if h.kind == "hydra":
-            net.start_as_medusa()
-        else:
-            with torch.no_grad():  # Medusa's initialisation: zero blocks, each head starts as the next-token head
-                for parameter in net.parameters():
-                    parameter.zero_()
+        net.start_as_medusa()
         loss_of = medusa_loss_of(net, head_weight, to_reduced, features, h, embed)
     run_folder = folder / f"{h.kind}-{dtype}"
     run_folder.mkdir(parents=True, exist_ok=True)

@@ -119,13 +119,19 @@ def tree_rows(nodes: list[int], parents: list[int], slots: dict[int, int], commi
     mask[:, :committed] = True
     positions = torch.empty(q, dtype=torch.long)
     for row, node in enumerate(nodes):
-        walk, depth = node, 0
-        while walk != ROOT:
-            mask[row, slots[walk]] = True
-            walk = parents[walk]
-            depth += 1
-        positions[row] = committed - 1 + depth
+        path = path_to(node, parents)
+        mask[row, [slots[walk] for walk in path]] = True
+        positions[row] = committed - 1 + len(path)
     return mask, positions
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """The nodes from the root's child down to `node` (empty for the root itself): its depth is the length."""
+    path = []
+    while node != ROOT:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 @dataclass

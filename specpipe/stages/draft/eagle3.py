@@ -72,7 +72,7 @@ class Eagle3MidLayer(nn.Module):
 
 class Eagle3Net(nn.Module):
     """fc (3 target layers -> hidden), the midlayer, and the own output layer over the draft vocabulary.
-    `forward` returns the pre-norm output: the next row's feature and, through `logits`, the draft."""
+    `forward` returns the pre-norm output: the next row's feature and, through `draft_logits`, the draft."""
 
     def __init__(self, config: LlamaConfig, aux_layers: tuple[int, ...], draft_vocab_size: int) -> None:
         super().__init__()

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
-from specpipe.stages.draft.draft_model import ReducedVocabHead
+from specpipe.stages.draft.draft_model import ReducedVocabHead, path_to
 from specpipe.stages.draft.eagle import frequent_ids, output_head
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
@@ -74,6 +74,12 @@ class MedusaHeads(nn.ModuleList):
         """Head `head` on hidden [n, hidden]; prefix [n, head + 1, hidden] (the embeddings of the root and
         the tokens drafted before it) is Hydra's input, unused by Medusa heads."""
         return self[head](hidden)
+
+    def start_as_medusa(self) -> None:
+        """Medusa's initialisation: zero blocks, so every head starts as the target's next-token head."""
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.zero_()
 
 
 class HydraHead(nn.Module):
@@ -186,10 +192,10 @@ class MedusaDrafter:
         """Hydra: head d reads the hidden state and the embeddings of the root and of the d tokens on
         the node's path; nodes of one depth run as one batch, each once per step."""
         known: dict[int, Tensor] = state.stage_state[self]
+        paths = {node: path_to(node, parents) for node in frontier if node not in known}
         by_depth: dict[int, list[int]] = {}
-        for node in frontier:
-            if node not in known:
-                by_depth.setdefault(len(path_to(node, parents)), []).append(node)
+        for node, path in paths.items():
+            by_depth.setdefault(len(path), []).append(node)
         embed = self.target.model.get_input_embeddings()
         hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
         for depth, nodes in by_depth.items():
@@ -197,21 +203,12 @@ class MedusaDrafter:
                 for node in nodes:
                     known[node] = torch.full((self.target.vocab_size,), -math.inf)
                 continue
-            ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in path_to(node, parents)] for node in nodes])
+            ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in paths[node]] for node in nodes])
             prefix = embed(ids.to(self.target.device))  # [m, depth + 1, hidden]
             logits = self.outputs[depth](self.heads.run(depth, hidden.expand(len(nodes), -1), prefix))  # [m, vocab]
             for node, row in zip(nodes, torch.log_softmax(logits.float(), dim=-1)):
                 known[node] = row
         return torch.stack([known[node] for node in frontier])
-
-
-def path_to(node: int, parents: list[int]) -> list[int]:
-    """The nodes from the root's child down to `node` (empty for the root itself)."""
-    path = []
-    while node != ROOT:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
