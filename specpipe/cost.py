@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specpipe.engine.base import REWRITE_ATTRIBUTE
+from specpipe import distributed
+from specpipe.engine.base import REWRITE_ATTRIBUTE, spread_description
 from specpipe.engine.cpu import cpu_description
 from specpipe.models import cache_root
 from specpipe.types import DraftTree
@@ -105,6 +106,10 @@ def _machine_key(target, kv_length: int) -> str:
     parts = [target.name, getattr(target, "engine", "hf"), getattr(target, "attn_implementation", "sdpa"),
              str(target.dtype), target.device.type, platform.machine(), platform.processor(),
              str(torch.get_num_threads()), torch.__version__, str(kv_length), str(os.cpu_count())]
+    model = getattr(target, "model", None)
+    spread = spread_description(model) if model is not None else None
+    if spread is not None:  # a device map, a quantized or a sharded model costs what its placement makes it
+        parts += [spread, str(getattr(model, "hf_device_map", "")), f"world={distributed.world_size()}"]
     if target.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(target.device))
     else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
@@ -130,7 +135,21 @@ def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: 
 
 
 def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
-    """The curve for this machine/model/engine/dtype: measured once (a few seconds), then read from disk."""
+    """The curve for this machine/model/engine/dtype: measured once (a few seconds), then read from disk.
+
+    Under tensor parallel every rank measures (each forward is a collective) but all use rank 0's
+    curve, read or measured there: tree sizes drawn from per-rank timings would differ and the
+    ranks' verify forwards would no longer match.
+    """
+    curve = distributed.broadcast_from_main(_read_cost_curve(target, kv_length, cache_dir))
+    if curve is None:
+        curve = distributed.broadcast_from_main(measure_cost_curve(target, kv_length=kv_length))
+        if distributed.is_main_process():
+            store_cost_curve(target, curve, kv_length, cache_dir)
+    return curve
+
+
+def _read_cost_curve(target, kv_length: int, cache_dir: Path | None) -> CostCurve | None:
     path = cost_curve_path(target, kv_length, cache_dir)
     if path.is_file():
         try:
@@ -139,9 +158,7 @@ def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = Non
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
             log.warning("the cached cost curve %s cannot be read (%s: %s); measuring it again", path,
                         type(error).__name__, error)
-    curve = measure_cost_curve(target, kv_length=kv_length)
-    store_cost_curve(target, curve, kv_length, cache_dir)
-    return curve
+    return None
 
 
 def measure_read_bandwidth(megabytes: int = 256, rounds: int = 7) -> float:

@@ -80,7 +80,7 @@ class PositionIndexedLayer(DynamicLayer):
     def keep(self, start: int, rows: Tensor) -> None:
         """Keeps rows `start + rows` (ascending) as rows `start ... start + len(rows) - 1`."""
         count = int(rows.shape[0])
-        source = rows + start  # [count]
+        source = rows.to(self._key_buffer.device) + start  # [count]; layers of a device map differ in device
         for buffer in (self._key_buffer, self._value_buffer):
             buffer[:, :, start : start + count] = buffer.index_select(2, source)
         self.length = start + count

@@ -4,6 +4,7 @@ stops with a message naming `model.path=...`.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -41,21 +42,194 @@ class LoadedModel:
     name: str
 
 
-def _load_pretrained_dir(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+QUANTIZATION_SHORTHANDS = ("8bit", "4bit")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`cpu`, `cuda`, `cuda:N` or `auto` (the first GPU when torch sees one, else the CPU)."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(str(name))
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"model.device={name!r} is not a device specpipe places models on; use cpu, cuda, "
+                          f"cuda:N or auto")
+    if device.type == "cuda":
+        _require_cuda(f"model.device={name}")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelNotAvailable(f"model.device={name}: this machine has {torch.cuda.device_count()} CUDA "
+                                    f"device(s), numbered from 0")
+    return device
+
+
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise ModelNotAvailable(
+            f"{what} needs a CUDA GPU, but torch here sees none (torch {torch.__version__}, "
+            f"torch.cuda.is_available() is False: no GPU, or a CPU build of torch). Use model.device=cpu, or "
+            f"model.device=auto, which takes a GPU only where there is one")
+
+
+def _names_cuda(device) -> bool:
+    """A device_map / max_memory key or value that means a GPU: an index, `cuda` or `cuda:N`."""
+    return (isinstance(device, int) and not isinstance(device, bool)) or str(device).startswith("cuda")
+
+
+def distributed_world_size() -> int:
+    """How many processes `torchrun` started for this run (1 when it did not start this one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(kw_only=True)
+class Placement:
+    """Where a model's weights go, for every model source.
+
+    - `device`: the whole model on one device (`cpu`, `cuda`, `cuda:N`, `auto`).
+    - `device_map`: accelerate spreads the layers over the GPUs, the CPU and disk (`auto`,
+      `balanced`, `sequential`, or an explicit {module: device}), within `max_memory` per
+      device ({0: "70GiB", cpu: "200GiB"}); layers mapped to `disk` live in `offload_folder`.
+    - `tp_plan`: tensor parallel through transformers' own plan (`auto`), one shard per process
+      started by `torchrun`.
+    - `quantization`: load through a transformers quantization config: `8bit` / `4bit`
+      (bitsandbytes) or a mapping with `quant_method` and that method's fields.
+    """
+
+    device: str = "cpu"
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
+    tp_plan: str | dict | None = None
+    quantization: str | dict | None = None
+
+    def placed_in_memory(self) -> bool:
+        """True when nothing but `device` is asked: a model built in memory can simply be moved there."""
+        return all(value is None for value in (self.device_map, self.max_memory, self.tp_plan, self.quantization))
+
+    def load_options(self, dtype: torch.dtype, name: str, folder: Path) -> dict:
+        """`from_pretrained` keyword arguments for this placement, checked first so that a placement
+        this machine cannot serve stops with a message instead of a traceback from deep inside a load."""
+        options: dict = {}
+        spread = [option for option, value in (("model.device_map", self.device_map), ("model.tp_plan", self.tp_plan))
+                  if value is not None]
+        if len(spread) > 1:
+            raise ConfigError("model.device_map and model.tp_plan both spread the model; give one: a device map "
+                              "runs the layers one device after another, tensor parallel splits every layer")
+        if spread and self.device != "cpu":
+            raise ConfigError(f"model.device={self.device} and {spread[0]} both place the model; leave "
+                              f"model.device at cpu when {spread[0]} decides")
+        if self.quantization is not None and self.tp_plan is not None:
+            raise ConfigError("model.quantization with model.tp_plan is not supported: quantize to fit one GPU, "
+                              "or shard with tensor parallel")
+        if self.max_memory is not None and self.device_map is None:
+            raise ConfigError("model.max_memory bounds what model.device_map puts on each device: give "
+                              "model.device_map=auto with it")
+        if self.device_map is not None:
+            options.update(self._device_map_options(name, folder, dtype))
+        elif self.tp_plan is not None:
+            options.update(self._tensor_parallel_options())
+        else:
+            device = resolve_device(self.device)
+            if device.type != "cpu":
+                options["device_map"] = {"": str(device)}  # loads straight onto the GPU, not via the CPU
+        if self.quantization is not None:
+            options["quantization_config"] = self._quantization_config(dtype)
+        return options
+
+    def _device_map_options(self, name: str, folder: Path, dtype: torch.dtype) -> dict:
+        device_map = self.device_map
+        if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+            raise ConfigError(f"model.device_map={device_map!r}: use one of {', '.join(DEVICE_MAP_STRATEGIES)}, or "
+                              f"a mapping of module names to devices (an index, cuda:N, cpu or disk)")
+        values = list(device_map.values()) if isinstance(device_map, dict) else []
+        keys = list(self.max_memory) if self.max_memory else []
+        if any(_names_cuda(device) for device in values + keys):
+            _require_cuda("a model.device_map or model.max_memory that names a GPU")
+        options = {"device_map": device_map}
+        if self.max_memory is not None:
+            options["max_memory"] = dict(self.max_memory)
+            if isinstance(device_map, str) and not torch.cuda.is_available():
+                # Without a GPU transformers loads a strategy map whole onto the CPU, max_memory
+                # or not; a CPU-only machine that bounds memory wants the rest offloaded to disk.
+                options["device_map"] = _planned_device_map(folder, dtype, self.max_memory)
+        # A string strategy may offload to disk when memory runs out; an explicit map says so.
+        if isinstance(device_map, str) or "disk" in values:
+            folder = Path(self.offload_folder).expanduser() if self.offload_folder else cache_root() / "offload" / name
+            options["offload_folder"] = str(folder)
+        return options
+
+    def _tensor_parallel_options(self) -> dict:
+        if distributed_world_size() < 2:
+            raise ConfigError(
+                "model.tp_plan shards the model over the processes torchrun starts, and this run is one "
+                "process: start it as `torchrun --nproc-per-node N run.py ... model.tp_plan=auto` (gloo on CPUs, "
+                "NCCL on GPUs)")
+        from transformers import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_plan=self.tp_plan)}
+
+    def _quantization_config(self, dtype: torch.dtype):
+        from transformers import BitsAndBytesConfig
+        from transformers.quantizers.auto import AutoQuantizationConfig
+
+        if isinstance(self.quantization, str):
+            if self.quantization not in QUANTIZATION_SHORTHANDS:
+                raise ConfigError(f"model.quantization={self.quantization!r}: use 8bit or 4bit (bitsandbytes), or a "
+                                  f"mapping with quant_method and its fields (a transformers quantization config)")
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ModelNotAvailable(f"model.quantization={self.quantization} loads the target through "
+                                        f"bitsandbytes, which is not installed: pip install bitsandbytes (or "
+                                        f"the project's [quant] extra)")
+            if self.quantization == "8bit":
+                return BitsAndBytesConfig(load_in_8bit=True)
+            return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+        try:
+            return AutoQuantizationConfig.from_dict(dict(self.quantization))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"model.quantization={self.quantization}: not a transformers quantization config "
+                              f"({error})") from None
+
+
+def _planned_device_map(folder: Path, dtype: torch.dtype, max_memory: dict) -> dict:
+    """accelerate's device map for the model in `folder` within `max_memory`, planned on the meta
+    device (no weights read)."""
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    skeleton.tie_weights()  # a tied output layer is placed with the embedding, not counted twice
+    return dict(infer_auto_device_map(skeleton, max_memory=dict(max_memory), dtype=dtype,
+                                      no_split_module_classes=skeleton._no_split_modules))
+
+
+def _load_pretrained_dir(folder: Path, dtype: torch.dtype, placement: Placement | None = None,
+                         name: str = "model") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     hf_logging.disable_progress_bar()  # a per-tensor bar for a sub-second load is noise
+    options = placement.load_options(dtype, name, folder) if placement is not None else {}
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **options)
+    except ImportError as error:  # a quantization or placement library this machine lacks
+        raise ModelNotAvailable(f"cannot load {name} as configured (model.quantization / device options): "
+                                f"{str(error).strip().splitlines()[0]}") from None
     return model.eval(), tokenizer
 
 
 @dataclass
-class LocalModel:
+class LocalModel(Placement):
     """Any HF causal LM directory on disk; `hub_id` only names the model in messages."""
 
     name: str
     path: str | None = None
     hub_id: str | None = None
     dtype: str = "fp32"
+    # The model's Hugging Face config fields (hidden_size, num_hidden_layers, ...), so that
+    # `task=plan` can size a model whose weights are not on this machine; ignored by `load`.
+    architecture: dict | None = None
 
     def load(self) -> LoadedModel:
         what = f"model {self.name!r}" + (f" ({self.hub_id})" if self.hub_id else "")
@@ -69,12 +243,12 @@ class LocalModel:
             raise ModelNotAvailable(
                 f"{what}: model.path={self.path} {reason}; give model.path=DIR, a local Hugging Face "
                 f"model directory (config.json, weights, tokenizer)")
-        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype))
+        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype), self, self.name)
         return LoadedModel(model, tokenizer, self.name)
 
 
 @dataclass
-class EmbeddedGGUFModel:
+class EmbeddedGGUFModel(Placement):
     """A GGUF model shipped inside a pip package, converted once to a safetensors cache.
 
     The package is located with `find_spec` and never imported: its `__init__` imports
@@ -127,14 +301,15 @@ class EmbeddedGGUFModel:
         return target
 
     def load(self) -> LoadedModel:
-        if self.path:
-            return LocalModel(self.name, self.path, dtype=self.dtype).load()
-        model, tokenizer = _load_pretrained_dir(self.convert(), parse_dtype(self.dtype))
+        folder = Path(self.path).expanduser() if self.path else self.convert()
+        if self.path and not (folder / "config.json").is_file():
+            return LocalModel(self.name, self.path, dtype=self.dtype).load()  # says what is wrong with the path
+        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype), self, self.name)
         return LoadedModel(model, tokenizer, self.name)
 
 
 @dataclass
-class TinyRandomLlama:
+class TinyRandomLlama(Placement):
     """A small randomly initialised Llama for tests, with a real tokenizer borrowed from another source.
 
     Token ids below `vocab_size` are what the tests use; the tokenizer only turns text into ids.
@@ -161,13 +336,38 @@ class TinyRandomLlama:
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
         )
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            model = LlamaForCausalLM(config)
-        finally:
-            torch.random.set_rng_state(generator_state)
-        model = model.to(parse_dtype(self.dtype)).eval()
+        if not self.placed_in_memory():
+            # device maps, tensor parallel and quantization are applied by from_pretrained, so they
+            # load a saved copy of the same weights
+            model, _ = _load_pretrained_dir(self._saved(config, tokenizer), parse_dtype(self.dtype), self, self.name)
+        else:
+            model = self._build(config).to(dtype=parse_dtype(self.dtype), device=resolve_device(self.device)).eval()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         return LoadedModel(model, tokenizer, self.name)
+
+    def _build(self, config: LlamaConfig) -> LlamaForCausalLM:
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            return LlamaForCausalLM(config)
+        finally:
+            torch.random.set_rng_state(generator_state)
+
+    def _saved(self, config: LlamaConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
+        """The fp32 weights of this seed and shape in a model directory, written once."""
+        key = hashlib.sha256(f"{config.to_json_string()}|seed={self.seed}".encode()).hexdigest()[:12]
+        folder = cache_root() / "models" / f"{self.name}-{key}"
+        if (folder / "config.json").is_file():
+            return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            self._build(config).save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(folder)  # atomic: a half-written copy is never loaded
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (folder / "config.json").is_file():
+                raise
+        return folder

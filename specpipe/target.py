@@ -87,6 +87,22 @@ def resolve_attention(choice: str, device: torch.device) -> str:
     return triton_kernel.TRITON_TREE_ATTENTION
 
 
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model reads its inputs and where its outputs are gathered.
+
+    Under an accelerate device map the first layers' weights may sit on the CPU or on disk while
+    they run on a GPU, so the device comes from the map (its first GPU, as accelerate's main
+    device), not from a parameter.
+    """
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        gpus = [device for device in device_map.values() if device not in ("cpu", "disk", "meta")]
+        if not gpus:
+            return torch.device("cpu")
+        return torch.device(f"cuda:{gpus[0]}" if isinstance(gpus[0], int) else gpus[0])
+    return next(model.parameters()).device
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: Tensor  # [q, vocab] fp32
@@ -108,7 +124,7 @@ class TargetModel:
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
         self.dtype = next(model.parameters()).dtype
         self.attn_implementation = resolve_attention(attention, self.device)  # a registered AttentionInterface name
         self.layer_count = int(getattr(config, "num_hidden_layers", 0) or 0)
@@ -136,7 +152,7 @@ class TargetModel:
         # hidden_states: transformers' per-layer states, each [1, q, hidden] -> [q, k * hidden]
         if not self.aux_layers:
             return None
-        return torch.cat([hidden_states[layer][0] for layer in self.aux_layers], dim=-1)
+        return torch.cat([hidden_states[layer][0].to(self.device) for layer in self.aux_layers], dim=-1)
 
     def _use_attention(self) -> None:
         """Several runners may share one model with different attention choices: each forward uses its own."""
@@ -154,7 +170,7 @@ class TargetModel:
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=True, logits_to_keep=1)
-        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0], aux_hidden=self._aux_hidden(out.hidden_states))
+        return self._output(out)
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,
@@ -219,4 +235,12 @@ class TargetModel:
             mask = mask[None, None].to(self.device)  # [1, 1, q, kv]
         out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
                          attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        return ForwardOutput(out.logits[0].float(), out.hidden_states[-1][0], aux_hidden=self._aux_hidden(out.hidden_states))
+        return self._output(out)
+
+    def _output(self, out) -> ForwardOutput:
+        # Under a device map the last layers may run on another GPU than the first: hand every
+        # stage its rows on the runner's device (a no-op for a model on one device).
+        device = self.device
+        aux_hidden = self._aux_hidden(out.hidden_states)
+        return ForwardOutput(out.logits[0].float().to(device), out.hidden_states[-1][0].to(device),
+                             aux_hidden=aux_hidden.to(device) if aux_hidden is not None else None)

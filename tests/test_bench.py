@@ -192,9 +192,11 @@ def test_bench_dtype_sets_the_model_dtype(prompts_file):
     assert compose_config(tiny_overrides(prompts_file)).model.dtype == "fp32"
 
 
-def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path):
+@pytest.mark.parametrize("launcher", [[], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]], ids=["basic", "joblib"])
+def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path, launcher):
+    """The sweep's jobs in this process one after another, or in parallel worker processes (joblib)."""
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "run.py", "-m", *tiny_overrides(prompts_file), "pipeline=vanilla,prompt_lookup",
+    command = [sys.executable, "run.py", "-m", *launcher, *tiny_overrides(prompts_file), "pipeline=vanilla,prompt_lookup",
                "bench.per_category=1", "bench.max_new_tokens=4", "bench.warmup=0", f"hydra.sweep.dir={sweep}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,7 +24,8 @@ DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; oth
     next(iter(entry)) for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
     if isinstance(entry, dict)
 }
-STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task", "store")]
+# placement: the device options every model config includes (tests/test_placement.py)
+STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task", "store", "placement")]
 ALL_OPTIONS = [(group, option) for group in config_groups() for option in config_options(group)]
 MODELS_WITHOUT_WEIGHTS = {"llama70b", "llama3_8b", "vicuna7b", "local"}
 
@@ -162,6 +163,23 @@ def test_attention_options_build_and_run(attention, tiny):
 def test_task_options_compose(option):
     cfg = compose_config([f"task={option}"])
     assert cfg.task.name == option
+
+
+@pytest.mark.parametrize("launcher,target", [
+    ("basic", "BasicLauncher"), ("joblib", "JoblibLauncher"), ("submitit_local", "LocalLauncher"),
+    ("submitit_slurm", "SlurmLauncher"), ("slurm_gpu", "SlurmLauncher")])
+def test_sweep_launchers_compose(launcher, target):
+    """The Hydra launcher plugins are installed and the project's own Slurm preset composes on them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}", "task=bench"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    if launcher == "slurm_gpu":
+        assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.additional_parameters.exclusive
 
 
 def test_cli_missing_model_weights_is_a_clear_error(tmp_path):

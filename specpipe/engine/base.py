@@ -38,3 +38,22 @@ def claim_model(model: nn.Module, engine: str) -> bool:
             f"run it with engine={engine}")
     setattr(model, ENGINE_ATTRIBUTE, engine)
     return True
+
+
+def spread_description(model: nn.Module) -> str | None:
+    """Why the model is not one plain module on one device, in words (None when it is).
+
+    Engines that swap modules cannot rewrite a model that accelerate's hooks dispatch, that
+    tensor parallel shards into DTensors, or whose linears a quantization library replaced.
+    """
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map and (len(set(map(str, device_map.values()))) > 1 or "disk" in device_map.values()):
+        return f"the model is spread by a device map over {sorted(set(map(str, device_map.values())))}"
+    if getattr(model, "is_quantized", False):
+        method = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+        return f"the model is quantized ({getattr(method, 'quant_method', 'unknown method')})"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+        return "the model is sharded for tensor parallel"
+    return None

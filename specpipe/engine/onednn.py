@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model
+from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, row_blocks, split_linear
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,9 @@ class OneDNNEngine:
         return model
 
     def _linear_path(self, model: nn.Module) -> LinearPath | str:
+        spread = spread_description(model)
+        if spread is not None:
+            return f"{spread}; oneDNN prepacking is for a whole model on the CPU"
         parameter = next(model.parameters())
         if parameter.device.type != "cpu":
             return f"the model is on {parameter.device.type}, oneDNN prepacking is for the CPU"

@@ -47,7 +47,7 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, other: PreTrainedToken
 
 def load_model(model_cfg: DictConfig) -> LoadedModel:
     try:
-        source = instantiate(model_cfg)
+        source = instantiate(model_cfg, _convert_="all")  # plain dicts for device maps and quantization
     except Exception as error:  # instantiate wraps constructor errors; show the cause only
         raise ConfigError(f"cannot build model config {model_cfg.get('name')!r}: {error}") from None
     return source.load()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specpipe import distributed
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
@@ -44,7 +45,11 @@ class SpeculativeDecoder:
 
     def decode(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
                documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
-        rng = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        seed = sampling.seed
+        if seed is None and not sampling.greedy and distributed.active():
+            # tensor-parallel ranks must sample the same tokens: one fresh seed, drawn on rank 0
+            seed = distributed.broadcast_from_main(int(torch.seed()))
+        rng = torch.Generator().manual_seed(seed) if seed is not None else None
         cache = self.target.new_cache()
         clock = time.perf_counter
         started = clock()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from specpipe import distributed
 from specpipe.errors import ConfigError
 
 # task name -> (module, function); the function takes the composed config.
@@ -53,4 +54,5 @@ def run_task(cfg: DictConfig) -> None:
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; choose task={' | '.join(sorted(TASKS))}")
     module, function = TASKS[name]
-    getattr(importlib.import_module(module), function)(cfg)
+    with distributed.output_on_main_only():
+        getattr(importlib.import_module(module), function)(cfg)

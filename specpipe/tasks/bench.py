@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from specpipe import distributed
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
 from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline, load_model
@@ -497,6 +498,9 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
         "machine": {**bench_report.machine_info(), "load_avg_before": load_before,
                     "load_avg_after": os.getloadavg()[0]},
     }
+    if not distributed.is_main_process():  # tensor parallel: every rank ran the same decoding; rank 0 reports
+        return {**bench_report.summarize(bench_report.run_records(runs, settings.group_categories), meta["methods"]),
+                "meta": meta}
     summary = bench_report.write_report(runs, meta, settings.out)
     print(bench_report.markdown_table(summary))
     print(f"bench: report written to {settings.out}", file=sys.stderr)

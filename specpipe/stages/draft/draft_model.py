@@ -351,7 +351,7 @@ def _load_local(path: str, target: TargetModel, name: str) -> tuple[PreTrainedMo
                           f"nor a .safetensors draft: give a directory saved with save_pretrained, or a draft "
                           f"file from `python run.py task=distill_draft`")
     try:
-        draft = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=target.dtype).eval()
+        draft = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=target.dtype).to(target.device).eval()
         draft_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{name}: cannot load the draft model from drafter.path={path}: "

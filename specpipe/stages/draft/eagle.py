@@ -106,7 +106,7 @@ class EagleDrafter:
             raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
         self.name = name
         self.target = target
-        self.net = net.to(target.dtype).eval()
+        self.net = net.to(device=target.device, dtype=target.dtype).eval()
         self.embed = target.model.get_input_embeddings()  # the target's own, frozen
         self.head = head  # the target's output layer, or a ReducedVocabHead over its weights
         self.chain_length = chain_length

@@ -135,7 +135,7 @@ class MedusaDrafter:
             raise ConfigError(f"{name}: {len(heads)} heads need as many output layers, got {len(outputs)}")
         self.name = name
         self.target = target
-        self.heads = heads.to(target.dtype).eval()
+        self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
         self.outputs = outputs  # [K] modules hidden -> logits [vocab] (the head's own, reduced, or the target's)
         self.runner = None  # drafting reads hidden states the target already computed: no draft forward to cost
 
