@@ -29,6 +29,10 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))  # before transformers initializes the group
 
 
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
 def is_main_process() -> bool:
     return rank() == 0
 
@@ -58,10 +62,6 @@ def main_process_first() -> Iterator[None]:
             dist.barrier()
 
 
-def world_size() -> int:
-    return dist.get_world_size() if active() else 1
-
-
 @contextlib.contextmanager
 def output_on_main_only() -> Iterator[None]:
     """Under torchrun only rank 0 prints (the other ranks decode the same text); the process group
@@ -71,6 +71,7 @@ def output_on_main_only() -> Iterator[None]:
             yield
         else:
             logging.disable(logging.WARNING)  # errors still show: a failing rank must say why
+            os.environ["TQDM_DISABLE"] = "1"  # rank 0's progress bars are the run's
             with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
                 yield
     finally:

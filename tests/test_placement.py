@@ -185,3 +185,42 @@ def test_run_py_under_torchrun_prints_once(mixed_dir, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("[lookahead_trie] 8 tokens") == 1, done.stdout
+
+
+def _rank_worker(rank: int, world: int, port: int, folder: str) -> None:
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from specpipe import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    marker = Path(folder) / "built"
+    with distributed.main_process_first():
+        if rank == 0:
+            import time
+
+            time.sleep(1.0)  # a slow build: rank 1 must wait for it, not start its own
+            marker.write_text("rank 0")
+        seen = marker.read_text() if marker.exists() else "nothing"
+    value = distributed.broadcast_from_main(f"from rank {rank}")
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"seen": seen, "value": value}))
+    dist.destroy_process_group()
+
+
+def test_rank_zero_builds_first_and_its_decisions_are_broadcast(tmp_path):
+    """What the ranks of a tensor-parallel run share: a store built once by rank 0 (the others wait
+    and find it), and rank 0's values (cost curve, sampling seed)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report == {"seen": "rank 0", "value": "from rank 0"}, rank

@@ -7,7 +7,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from specpipe import distributed
 from specpipe.errors import InvalidRequest
+from specpipe.models import resolve_device
 from specpipe.stores.document_store import DocumentStore, RetrievedChunk, ensure_default_store
 
 DEFAULT_TEMPLATE = ("Answer the question using the documentation excerpts below.\n\n{context}\n\n"
@@ -28,7 +30,8 @@ class RagPrompt:
 
     def __init__(self, path: str | None = None, k: int = 3, draft_k: int | None = None, template: str = DEFAULT_TEMPLATE,
                  chunk_template: str = DEFAULT_CHUNK_TEMPLATE, min_score: float = -1.0,
-                 embedder_path: str | None = None, store: DocumentStore | None = None) -> None:
+                 embedder_path: str | None = None, embedder_device: str = "cpu",
+                 store: DocumentStore | None = None) -> None:
         if k < 1 or (draft_k is not None and draft_k < k):
             raise ValueError(f"augment: need 1 <= k <= draft_k, got k={k}, draft_k={draft_k}")
         for field in ("{context}", "{question}"):
@@ -46,6 +49,7 @@ class RagPrompt:
         self.chunk_template = chunk_template
         self.min_score = min_score  # chunks scoring below it are left out of the prompt
         self.embedder_path = embedder_path
+        self.embedder_device = embedder_device
         self._store = store
         self._embedder = store.embedder if store is not None else None
         self._loading = threading.Lock()
@@ -57,7 +61,8 @@ class RagPrompt:
             if self._embedder is None:
                 from specpipe.stores.embedder import SentenceEmbedder
 
-                self._embedder = SentenceEmbedder(self.embedder_path)
+                device = resolve_device(self.embedder_device)  # `auto`: a GPU when there is one
+                self._embedder = SentenceEmbedder(self.embedder_path, device=str(device))
             return self._embedder
 
     @property
@@ -65,8 +70,9 @@ class RagPrompt:
         embedder = self.embedder
         with self._loading:
             if self._store is None:
-                self._store = DocumentStore.load(self.path, embedder) if self.path \
-                    else ensure_default_store(embedder)
+                with distributed.main_process_first():  # under torchrun one rank builds the default store
+                    self._store = DocumentStore.load(self.path, embedder) if self.path \
+                        else ensure_default_store(embedder)
             return self._store
 
     def retrieve(self, question: str, documents: Documents = None, k: int | None = None) -> list[RetrievedChunk]:
