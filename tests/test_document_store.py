@@ -8,6 +8,7 @@ collections (a few dozen chunks, never the full Python documentation).
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import zlib
@@ -272,25 +273,172 @@ def test_ann_recall_against_flat(kind):
         assert recalls["uniform"] >= 0.9
 
 
-@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "ivfpq", "hnsw"])
 def test_every_index_kind_round_trips_through_disk(kind, tmp_path):
     sentences = [f"Record {i} mentions topic{i % 50} and subject{i % 7} with detail{i}." for i in range(400)]
     (tmp_path / "many.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences))
     embedder = HashingEmbedder(dim=128)
     store = build(tmp_path / "store", [tmp_path / "many.jsonl"], embedder=embedder, index=kind, unit="chars",
-                  chunk_size=200, overlap=0, embed_titles=False)
+                  chunk_size=200, overlap=0, embed_titles=False, pq_m=32)
     assert len(store) == 400 and store.index.ntotal == 400
     hit = store.search("detail123 topic23 subject4", 1)[0]
     assert hit.text == sentences[123] and hit.chunk_id == 123
     stats = json.loads((tmp_path / "store" / "manifest.json").read_text())["stats"]
     assert stats["index"] == kind
-    if kind == "ivf":
+    if kind in ("ivf", "ivfpq"):
         assert stats["nlist"] == 10 and stats["nprobe"] == 2  # 400 // 39 cells, a quarter searched
         assert store.index.nprobe == 2  # saved with the index
         assert DocumentStore.load(tmp_path / "store", embedder, nprobe=10).index.nprobe == 10
+        assert stats["built_on"] == "cpu"
+    if kind == "ivfpq":
+        assert isinstance(store.index, ds.faiss.IndexIVFPQ) and (stats["pq_m"], stats["pq_bits"]) == (32, 8)
+        assert store.index.code_size == 32  # bytes per vector, against 4 * 128 for the float vectors
     if kind == "hnsw":
         assert store.index.hnsw.efSearch == 128
         assert DocumentStore.load(tmp_path / "store", embedder, ef_search=16).index.hnsw.efSearch == 16
+
+
+def clustered_collection(count: int, dim: int = 384, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """([count, dim] unit vectors around 60 centres, noise twice the centre scale as in the ANN
+    test above; [200, dim] more from the same clusters, for queries)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((60, dim))
+    rows = unit_rows(centres[rng.integers(0, 60, count + 200)] + 2.0 * rng.standard_normal((count + 200, dim)))
+    return rows[:count], rows[count:]
+
+
+def test_ivfpq_returns_the_flat_top1_from_a_fraction_of_the_memory():
+    """IVF-PQ with the store's defaults (48 sub-quantizers of 8 bits over MiniLM's 384 dimensions)
+    on 3000 clustered vectors. Queries are stored vectors with noise (a question close to one chunk,
+    its flat top-1 cosine ~0.5 against ~0.25 for the runner-up): IVF-PQ must find that top-1.
+    Queries drawn from the clusters instead (top-1 ~0.3, runner-up a hair below) are beyond 8-dim
+    PQ codes at rank 1, but the flat top-1 must still be among IVF-PQ's ten best."""
+    data, centres_like = clustered_collection(3000)
+    rng = np.random.default_rng(1)
+    near = unit_rows(data[rng.integers(0, 3000, 200)] + 0.08 * rng.standard_normal((200, 384)))
+    flat, _ = IndexSettings("flat").build(data)
+    index, params = IndexSettings("ivfpq", device="cpu").build(data)
+    assert params == {"index": "ivfpq", "nlist": 76, "pq_m": 48, "pq_bits": 8, "nprobe": 19, "built_on": "cpu"}
+    truth = np.argmax(near @ data.T, axis=1)  # exact search, by hand: the flat index is built by the same code
+    np.testing.assert_array_equal(flat.search(near, 1)[1][:, 0], truth)
+    recall_at_1 = float(np.mean(index.search(near, 1)[1][:, 0] == truth))
+    hard_truth = np.argmax(centres_like @ data.T, axis=1)
+    in_top10 = float(np.mean([t in row for t, row in zip(hard_truth, index.search(centres_like, 10)[1])]))
+    print(f"ivfpq {params}: recall@1 on near queries {recall_at_1:.3f}, flat top-1 in top-10 {in_top10:.3f}")
+    assert recall_at_1 >= 0.95 and in_top10 >= 0.8
+    # what each vector adds: 48 bytes of codes + FAISS's 8-byte id, against 384 float32 (the
+    # centroids and codebooks, ~0.5 MB here, do not grow with the collection)
+    before = len(ds.faiss.serialize_index(index))
+    index.add(data)
+    assert (len(ds.faiss.serialize_index(index)) - before) / len(data) == 48 + 8
+    assert len(ds.faiss.serialize_index(flat)) / len(data) > 1536
+
+
+def test_ivfpq_refuses_what_it_cannot_build(tmp_path):
+    vectors = clustered_collection(300)[0]
+    with pytest.raises(ConfigError, match=r"pq_m=50 must divide the embedding dimension 384.*\[8, 12, 16, 24, 32, "
+                                          r"48, 64, 96, 128\]"):
+        IndexSettings("ivfpq", pq_m=50).build(vectors)
+    with pytest.raises(ConfigError, match="pq_bits=9 trains 512 centroids .* the collection has 300"):
+        IndexSettings("ivfpq", pq_bits=9).build(vectors)
+    for bad in ({"pq_m": 0}, {"pq_bits": 0}, {"pq_bits": 13}, {"pq_m": 2.5}):
+        with pytest.raises(ConfigError, match="index=ivfpq: pq_"):
+            IndexSettings("ivfpq", **bad)
+    # through the builder: refused before a single chunk is embedded, nothing written
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(20)))
+    embedder = HashingEmbedder(dim=384)
+    for options, message in (({"pq_m": 50}, "must divide the embedding dimension 384"),
+                             ({"pq_m": 48}, "needs at least as many chunks; the collection has 20")):
+        with pytest.raises(ConfigError, match=message):
+            build(tmp_path / "store", [tmp_path / "few.jsonl"], embedder=embedder, index="ivfpq", unit="chars",
+                  **options)
+    assert embedder.calls == 0 and not (tmp_path / "store").exists()
+
+
+@pytest.mark.skipif(ds.faiss_gpus() > 0, reason="FAISS has a GPU here: index_device=cuda is served")
+def test_cuda_index_device_without_gpu_faiss_is_a_config_error(built):
+    from specpipe.pipelines.builder import compose_config
+    from specpipe.tasks.build_store import run_build_store
+
+    install = r'pip install -e "\.\[gpu\]" \(faiss-gpu\)'
+    with pytest.raises(ConfigError, match=f"index_device=cuda: this FAISS has no GPU support.*{install}"):
+        IndexSettings("ivfpq", device="cuda")
+    with pytest.raises(ConfigError, match=install):
+        DocumentStore.load(built[0], embedder=HashingEmbedder(), index_device="cuda")
+    overrides = ["task=build_store", "store=documents", f"store.sources=[{built[0]}]", "store.index=ivfpq",
+                 "store.index_device=cuda"]
+    try:
+        config = compose_config(overrides)
+    except ConfigError:  # the task's defaults do not list the store group: add it
+        config = compose_config([o.replace("store=documents", "+store=documents") for o in overrides])
+    with pytest.raises(ConfigError, match=install):  # run.py prints a SpecpipeError's message, no traceback
+        run_build_store(config)
+
+
+def test_index_device_auto_builds_on_the_cpu_with_one_log_line(caplog):
+    vectors = clustered_collection(400, dim=64)[0]
+    with caplog.at_level(logging.INFO, logger=ds.__name__):
+        index, params = IndexSettings("ivf", device="auto").build(vectors)
+    records = [record for record in caplog.records if record.name == ds.__name__]
+    if ds.faiss_gpus() == 0:
+        assert len(records) == 1 and "building the ivf index on the CPU" in records[0].getMessage()
+        assert params["built_on"] == "cpu"
+    assert index.ntotal == 400
+    with pytest.raises(ConfigError, match="index_device='tpu'"):
+        IndexSettings("flat", device="tpu")
+    with pytest.raises(ConfigError, match="no GPU HNSW"):
+        IndexSettings("hnsw", device="cuda")
+
+
+class FakeGpuFaiss:
+    """Stands in for faiss-gpu's cloning functions with CPU copies, recording what they were
+    given: what is checked is the store's use of them (train and fill the GPU copy, store a
+    CPU index), not FAISS's GPU kernels."""
+
+    def __init__(self):
+        self.to_gpu: list[tuple[int, bool, bool]] = []  # (ntotal, is_trained, useFloat16) of each index sent
+        self.to_cpu: list[tuple[int, bool]] = []
+
+        class Options:
+            useFloat16 = False
+
+        self.GpuClonerOptions = Options
+        self.StandardGpuResources = object
+
+    def index_cpu_to_gpu(self, resources, device, index, options):
+        assert device == 0
+        self.to_gpu.append((index.ntotal, index.is_trained, options.useFloat16))
+        return ds.faiss.clone_index(index)
+
+    def index_gpu_to_cpu(self, index):
+        self.to_cpu.append((index.ntotal, index.is_trained))
+        return ds.faiss.clone_index(index)
+
+    def install(self, monkeypatch):
+        for name in ("GpuClonerOptions", "StandardGpuResources", "index_cpu_to_gpu", "index_gpu_to_cpu"):
+            monkeypatch.setattr(ds.faiss, name, getattr(self, name), raising=False)
+        monkeypatch.setattr(ds.faiss, "get_num_gpus", lambda: 1)
+
+
+def test_a_gpu_build_trains_the_gpu_copy_and_stores_a_cpu_index(monkeypatch, tmp_path):
+    vectors = clustered_collection(600, dim=64)[0]
+    cpu_index, cpu_params = IndexSettings("ivfpq", pq_m=16, device="cpu").build(vectors)
+    fake = FakeGpuFaiss()
+    fake.install(monkeypatch)
+    index, params = IndexSettings("ivfpq", pq_m=16, device="cuda").build(vectors)
+    assert fake.to_gpu == [(0, False, True)] and fake.to_cpu == [(600, True)]  # untrained out, trained and full back
+    assert params == {**cpu_params, "built_on": "cuda"} and type(index) is ds.faiss.IndexIVFPQ
+    assert index.nprobe == cpu_index.nprobe
+    np.testing.assert_array_equal(index.search(vectors[:50], 5)[1], cpu_index.search(vectors[:50], 5)[1])
+    IndexSettings("flat", device="cuda").build(vectors)  # nothing to train: stays on the CPU
+    assert len(fake.to_gpu) == 1
+
+    sentences = [f"Record {i} mentions topic{i % 50} and detail{i}." for i in range(100)]
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in sentences))
+    build(tmp_path / "store", [tmp_path / "few.jsonl"], embedder=HashingEmbedder(dim=64), unit="chars", chunk_size=200,
+          overlap=0, embed_titles=False)
+    store = DocumentStore.load(tmp_path / "store", embedder=HashingEmbedder(dim=64), index_device="cuda")
+    assert fake.to_gpu[-1] == (100, True, False) and store.search("detail42 topic42", 1)[0].chunk_id == 42
 
 
 def test_faiss_leaves_torch_with_its_threads(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.base import Proposer
 from specpipe.stages.retrieve.rest import RestRetriever
 from specpipe.stores.manifest import MANIFEST, tokenizer_fingerprint
-from specpipe.stores.token_datastore import (TokenDatastore, TokenDatastoreBuilder, build_token_datastore,
-                                             corpus_files)
+from specpipe.stores.token_datastore import (ShardedTokenDatastore, TokenDatastore, TokenDatastoreBuilder,
+                                             build_token_datastore, corpus_files)
 from specpipe.tasks.build_store import run_build_store
 from specpipe.types import DecodeState, VerifyResult
 
@@ -428,6 +429,308 @@ def test_build_refuses_to_replace_a_folder_that_is_not_a_store(tmp_path):
     assert precious.read_text() == "do not delete"
 
 
+# ---- sharded stores ----------------------------------------------------------------------------
+
+EVERYTHING = {"max_occurrences": 10**9}  # no sampling: a sharded lookup must equal the one-shard one exactly
+
+
+def mixed_corpus(rng: random.Random) -> list[list[int]]:
+    """Repetitive documents (long matches, thousands of occurrences, many ties) between short
+    random ones and empty ones, so shard cuts fall everywhere."""
+    documents: list[list[int]] = []
+    for document in repetitive_corpus(rng, documents=8):
+        documents.append(document[:rng.randrange(20, 300)])
+        documents.extend(random_corpus(rng, 6, documents=rng.randrange(0, 4), length=30))
+    return documents
+
+
+def expected_shards(documents: list[list[int]], shard_tokens: int) -> list[list[int]]:
+    """The tokens of each shard, by hand: whole non-empty documents, each followed by -1, a shard
+    closed by the document that brings it to shard_tokens tokens."""
+    shards, current, held = [], [], 0
+    for document in documents:
+        if document:
+            current += document + [-1]
+            held += len(document)
+            if held >= shard_tokens:
+                shards.append(current)
+                current, held = [], 0
+    return shards + ([current] if current else [])
+
+
+def shards_holding(store: ShardedTokenDatastore, pattern: list[int]) -> int:
+    return sum(hi > lo for lo, hi in store.find(pattern))
+
+
+@pytest.mark.parametrize("shard_tokens", [1, 45, 300, 1000, 10**9])
+def test_sharded_lookups_equal_the_one_shard_store(shard_tokens):
+    rng = random.Random(shard_tokens)
+    documents = mixed_corpus(rng)
+    one = TokenDatastore.from_documents(documents)
+    sharded = ShardedTokenDatastore.from_documents(documents, shard_tokens)
+    assert [shard.tokens.tolist() for shard in sharded.shards] == expected_shards(documents, shard_tokens)
+    assert len(sharded) == len(one)
+    settings = [{}, {"max_candidates": 2, "max_length": 3}, {"max_candidates": 1, "max_length": 1, "min_span": 1},
+                {"max_candidates": 10**6, "max_length": 8, "max_span": 5}]
+    in_several = 0
+    for pattern in probe_patterns(rng, documents, 6, 60):
+        assert sharded.count(pattern) == one.count(pattern), pattern
+        in_several += shards_holding(sharded, pattern) > 1
+        for context in (pattern, [0, 1] + pattern, [5] * 3 + pattern):
+            for setting in settings:
+                expected = one.lookup(context, **setting, **EVERYTHING)
+                assert sharded.lookup(context, **setting, **EVERYTHING) == expected, (context, setting)
+            length, ranges = sharded.longest_suffix_match(context)
+            assert length == one.longest_suffix_match(context)[0]
+            assert sum(hi - lo for lo, hi in ranges) == (one.count(context[-length:]) if length else 0)
+    if len(sharded.shards) > 2:
+        assert in_several > 10  # the merge is exercised, not just shards that hold nothing
+
+
+def test_sharded_ties_are_broken_by_content_as_in_one_store():
+    # After [1, 2]: [4] in the first shard, [3] in the second, once each: equal value, and the
+    # one-shard store's range puts [3] first. A merge that kept shard order would pick [4].
+    documents = [[1, 2, 4], [1, 2, 3], [7, 1, 2, 9, 9], [1, 2, 3, 0]]
+    one = TokenDatastore.from_documents(documents)
+    sharded = ShardedTokenDatastore.from_documents(documents, shard_tokens=1)
+    assert len(sharded.shards) == 4
+    assert one.lookup([1, 2], max_candidates=1, max_length=1).continuations == [[3]]
+    for candidates in (1, 2, 3):
+        for length in (1, 2):
+            assert sharded.lookup([1, 2], max_candidates=candidates, max_length=length) == \
+                one.lookup([1, 2], max_candidates=candidates, max_length=length)
+    # returned in lexicographic order, a document's end (after [3]) below every token
+    assert sharded.lookup([1, 2], max_candidates=3, max_length=2).continuations == [[3], [3, 0], [9, 9]]
+
+
+def test_sharded_sampling_gives_each_shard_its_share_of_the_occurrences():
+    # After [1, 2]: 7 three hundred times, all in the first shard; 8 seven hundred times after it.
+    documents = [[1, 2, 7, 5]] * 300 + [[1, 2, 8, 5]] * 700
+    sharded = ShardedTokenDatastore.from_documents(documents, shard_tokens=4 * 300)
+    assert [len(shard) for shard in sharded.shards] == [1200, 1200, 1200, 400]
+    match = sharded.lookup([1, 2], max_occurrences=100, max_length=2)
+    assert (match.occurrences, match.sampled) == (1000, 100)
+    assert {c[0]: pc[0] for c, pc in zip(match.continuations, match.prefix_counts)} == {7: 30, 8: 70}
+    assert sharded.lookup([1, 2], max_occurrences=1000) == TokenDatastore.from_documents(documents).lookup(
+        [1, 2], max_occurrences=1000)
+    # shuffled across many shards, each shard sampled evenly inside its own range
+    rng = random.Random(0)
+    shuffled = documents[:]
+    rng.shuffle(shuffled)
+    many = ShardedTokenDatastore.from_documents(shuffled, shard_tokens=4 * 90)
+    sample = many.lookup([1, 2], max_occurrences=100, max_length=2)
+    counts = {c[0]: pc[0] for c, pc in zip(sample.continuations, sample.prefix_counts)}
+    assert sum(counts.values()) == 100 and abs(counts[7] - 30) <= len(many.shards) // 2
+
+
+def write_ids(path: Path, documents: list[list[int]]) -> Path:
+    return write_text(path, "".join(json.dumps({"input_ids": document}) + "\n" for document in documents))
+
+
+@pytest.fixture
+def id_corpus(tmp_path) -> tuple[Path, list[list[int]]]:
+    """A corpus of ids (first file) and words (second file) the WordTokenizer can read."""
+    documents = mixed_corpus(random.Random(11))
+    write_ids(tmp_path / "corpus" / "a.jsonl", documents[:20])
+    write_text(tmp_path / "corpus" / "b.jsonl",
+               "".join(json.dumps({"text": words(document)}) + "\n" for document in documents[20:]))
+    return tmp_path / "corpus", documents
+
+
+def test_sharded_build_writes_whole_shards_and_loads_mapped(tmp_path, id_corpus):
+    corpus, documents = id_corpus
+    _, one_manifest = build(tmp_path, [corpus], out="one")
+    builder, manifest = build(tmp_path, [corpus], out="sharded", shard_tokens=200)
+    assert manifest.format_version == token_datastore.SHARDED_FORMAT_VERSION
+    names = [shard["name"] for shard in manifest.stats["shards"]]
+    assert names == [f"shard-{i:05d}" for i in range(len(names))] and len(names) > 4
+    assert manifest.stats["token_count"] == one_manifest.stats["token_count"] == sum(map(len, documents))
+    assert manifest.stats["documents"] == one_manifest.stats["documents"]
+    assert set(manifest.files) == {f"{name}/{file}" for name in names
+                                   for file in ("manifest.json", "tokens.npy", "suffix_array.npy", "prefix_keys.npy")}
+    one = TokenDatastore.load(tmp_path / "one", TOKENIZER)
+    store = TokenDatastore.load(builder.out, TOKENIZER, verify_checksums=True)
+    assert isinstance(store, ShardedTokenDatastore) and len(store) == len(one)
+    assert isinstance(ShardedTokenDatastore.load(builder.out), ShardedTokenDatastore)
+    # shards are cut at document ends only, each closed by the document that reached 200 tokens
+    cut = []
+    for shard, name in zip(store.shards, names):
+        assert isinstance(TokenDatastore.load(builder.out / name, TOKENIZER), TokenDatastore)  # a store of its own
+        for array in (shard.tokens, shard.suffix_array, shard.prefix_keys):
+            assert isinstance(array.base, np.memmap)
+        shard_documents = np.split(shard.tokens, np.flatnonzero(shard.tokens == -1) + 1)[:-1]
+        assert len(shard) >= 200 or name == names[-1]
+        assert len(shard) - (len(shard_documents[-1]) - 1) < 200
+        cut += shard.tokens.tolist()
+    assert cut == one.tokens.tolist()
+    rng = random.Random(5)
+    for pattern in probe_patterns(rng, documents, 6, 40):
+        assert store.lookup(pattern, **EVERYTHING) == one.lookup(pattern, **EVERYTHING)
+        assert store.lookup([3] + pattern, max_candidates=2, **EVERYTHING) == \
+            one.lookup([3] + pattern, max_candidates=2, **EVERYTHING)
+
+
+def staging_of(out: Path) -> Path:
+    return out.parent / f".{out.name}.building-sharded"
+
+
+def count_indexing(monkeypatch, fail_at: int | None = None) -> list[int]:
+    """Counts shards sorted (calls of _index); the call numbered `fail_at` is interrupted instead."""
+    calls: list[int] = []
+    real_index = token_datastore._index
+
+    def index(tokens):
+        calls.append(len(tokens))
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real_index(tokens)
+
+    monkeypatch.setattr(token_datastore, "_index", index)
+    return calls
+
+
+def shard_arrays(path: Path) -> list[list[int]]:
+    return [shard.tokens.tolist() for shard in TokenDatastore.load(path).shards]
+
+
+def test_an_interrupted_sharded_build_keeps_the_old_store_and_resumes(tmp_path, id_corpus, monkeypatch):
+    corpus, documents = id_corpus
+    builder, _ = build(tmp_path, [corpus])  # the store in place before the sharded builds
+    before = snapshot(builder.out)
+    _, reference = build(tmp_path, [corpus], out="reference", shard_tokens=200)
+    total = len(reference.stats["shards"])
+
+    count_indexing(monkeypatch, fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, [corpus], shard_tokens=200)
+    assert snapshot(builder.out) == before
+    assert TokenDatastore.load(builder.out, TOKENIZER).count([1, 2]) == TokenDatastore.load(
+        tmp_path / "reference").count([1, 2])
+    staging = staging_of(builder.out)
+    assert sorted(p.name for p in staging.iterdir()) == ["shard-00000", "shard-00001"]  # the third died mid-way
+    assert (staging.parent / f"{staging.name}.json").is_file()
+
+    calls = count_indexing(monkeypatch)
+    _, manifest = build(tmp_path, [corpus], shard_tokens=200)
+    assert len(calls) == total - 2  # the two finished shards were not sorted again
+    assert manifest.stats["shards"] == reference.stats["shards"]
+    assert shard_arrays(builder.out) == shard_arrays(tmp_path / "reference")
+    assert not staging.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "reference", "store"]
+    TokenDatastore.load(builder.out, TOKENIZER, verify_checksums=True)
+
+    # a shard left torn on disk is built again, and so is every shard after it
+    count_indexing(monkeypatch, fail_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, [corpus], out="other", shard_tokens=200)
+    torn = staging_of(tmp_path / "other") / "shard-00001" / "suffix_array.npy"
+    torn.write_bytes(torn.read_bytes()[:-4])
+    calls = count_indexing(monkeypatch)
+    build(tmp_path, [corpus], out="other", shard_tokens=200)
+    assert len(calls) == total - 1
+    assert shard_arrays(tmp_path / "other") == shard_arrays(tmp_path / "reference")
+
+    # other sources (or settings) than the interrupted build's: nothing is reused
+    count_indexing(monkeypatch, fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, [corpus], out="grown", shard_tokens=200)
+    with open(corpus / "a.jsonl", "a") as handle:
+        handle.write(json.dumps({"input_ids": [39, 38, 37]}) + "\n")
+    calls = count_indexing(monkeypatch)
+    build(tmp_path, [corpus], out="grown", shard_tokens=200)
+    assert len(calls) == len(TokenDatastore.load(tmp_path / "grown").shards) >= total
+    assert TokenDatastore.load(tmp_path / "grown").count([39, 38, 37]) == 1
+
+
+def test_a_failed_sharded_build_from_ids_leaves_nothing_behind(tmp_path, built_store):
+    before = snapshot(built_store)
+
+    def documents_then_failure():
+        for _ in range(10):
+            yield [5, 6, 7, 8]
+        raise RuntimeError("corpus reader died")
+
+    with pytest.raises(RuntimeError, match="corpus reader died"):
+        build_token_datastore(built_store, documents_then_failure(), tokenizer_fingerprint(TOKENIZER),
+                              progress=False, shard_tokens=8)
+    assert snapshot(built_store) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "store"]
+    manifest = build_token_datastore(tmp_path / "ids", [[5, 6, 7, 8]] * 10, tokenizer_fingerprint(TOKENIZER),
+                                     progress=False, shard_tokens=8)
+    assert [shard["token_count"] for shard in manifest.stats["shards"]] == [8] * 5
+    assert TokenDatastore.load(tmp_path / "ids").count([6, 7]) == 10
+
+
+@pytest.fixture
+def sharded_store(tmp_path, id_corpus) -> Path:
+    builder, _ = build(tmp_path, [id_corpus[0]], out="sharded", shard_tokens=300)
+    return builder.out
+
+
+def test_sharded_load_refuses_a_missing_or_truncated_shard(sharded_store):
+    keys = sharded_store / "shard-00001" / "prefix_keys.npy"
+    keys.write_bytes(keys.read_bytes()[:-8])
+    with pytest.raises(StoreError, match="shard-00001/prefix_keys.npy has .* bytes.*truncated"):
+        TokenDatastore.load(sharded_store)
+    shutil.rmtree(sharded_store / "shard-00001")
+    with pytest.raises(StoreError, match="shard shard-00001 is missing"):
+        TokenDatastore.load(sharded_store)
+
+
+def test_sharded_load_refuses_a_shard_of_another_tokenizer(tmp_path, sharded_store, id_corpus):
+    with pytest.raises(StoreError, match="built for another tokenizer.*vocab_sha256"):
+        TokenDatastore.load(sharded_store, OTHER_TOKENIZER)
+    # the same ids indexed for another tokenizer (same vocabulary size), slipped in as shard 1
+    foreign = TokenDatastoreBuilder(OTHER_TOKENIZER, [str(id_corpus[0])], out=str(tmp_path / "foreign"),
+                                    progress=False, shard_tokens=300).build()
+    assert foreign.stats["shards"] == json.loads((sharded_store / MANIFEST).read_text())["stats"]["shards"]
+    shutil.rmtree(sharded_store / "shard-00001")
+    shutil.copytree(tmp_path / "foreign" / "shard-00001", sharded_store / "shard-00001")
+    manifest = json.loads((sharded_store / MANIFEST).read_text())
+    manifest["files"].update({name: entry for name, entry in foreign.files.items() if name.startswith("shard-00001/")})
+    (sharded_store / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="shard shard-00001 was built for another tokenizer than the store"):
+        TokenDatastore.load(sharded_store, verify_checksums=True)
+
+
+@pytest.mark.parametrize("shard_tokens", [0, -5, 2.5, True, "many"])
+def test_shard_tokens_must_be_a_positive_count(tmp_path, shard_tokens):
+    with pytest.raises(ConfigError, match="store.shard_tokens must be a positive number"):
+        TokenDatastoreBuilder(TOKENIZER, [str(tmp_path)], out=str(tmp_path / "x"), shard_tokens=shard_tokens)
+
+
+def test_store_config_passes_shard_tokens(tmp_path):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(REPO / "conf" / "store" / "tokens_from_files.yaml")
+    assert config.shard_tokens is None
+    config.sources, config.shard_tokens = [str(tmp_path)], 1000
+    assert instantiate(config)(tokenizer=TOKENIZER).shard_tokens == 1000
+
+
+def test_rest_drafts_the_same_from_a_sharded_store(tmp_path, id_corpus):
+    corpus, documents = id_corpus
+    build(tmp_path, [corpus], out="one")
+    build(tmp_path, [corpus], out="sharded", shard_tokens=150)
+    options = {"tokenizer": TOKENIZER, "max_candidates": 4, "max_length": 6, "max_occurrences": 10**9}
+    one = RestRetriever(path=str(tmp_path / "one"), **options)
+    sharded = RestRetriever(path=str(tmp_path / "sharded"), **options)
+    assert isinstance(sharded.datastore, ShardedTokenDatastore) and len(sharded.datastore.shards) > 5
+    rng = random.Random(2)
+    proposed = 0
+    for pattern in probe_patterns(rng, documents, 6, 30):
+        proposals = []
+        for rest in (one, sharded):
+            state = DecodeState(tokens=[0] + pattern, prompt_length=len(pattern) + 1)
+            rest.reset(state)
+            proposals.append(rest.propose(state))
+        assert proposals[0].tokens.tolist() == proposals[1].tokens.tolist()
+        assert proposals[0].parents.tolist() == proposals[1].parents.tolist()
+        assert proposals[0].scores.tolist() == proposals[1].scores.tolist()
+        proposed += len(proposals[0]) > 0
+    assert proposed > 10
+
+
 # ---- the Retrieve stage ------------------------------------------------------------------------
 
 
@@ -524,6 +827,11 @@ def test_build_store_task_end_to_end(tmp_path, tiny_mixed):
     phrase = tokenizer("The quick brown fox jumps over", add_special_tokens=False)["input_ids"]
     match = store.lookup(phrase, max_length=4)
     assert match.continuations == [tokenizer(" the lazy dog.", add_special_tokens=False)["input_ids"][:4]]
+    sharded = run_build_store(compose_config([*overrides, f"store.sources=[{tmp_path / 'docs'}]",
+                                              f"store.out={tmp_path / 'stores' / 'sharded'}", "store.progress=false",
+                                              "store.shard_tokens=20"]))
+    assert len(sharded.stats["shards"]) == 2 and sharded.stats["token_count"] == len(store)  # one per document
+    assert TokenDatastore.load(tmp_path / "stores" / "sharded", tokenizer).lookup(phrase, max_length=4) == match
 
     cfg = tiny_mixed.config("lookahead_trie", "~pipeline.proposers.ngram",
                             "+retriever@pipeline.proposers.rest=token_datastore", f"pipeline.proposers.rest.path={out}")

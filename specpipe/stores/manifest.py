@@ -5,6 +5,10 @@ kind, format version, the fingerprint of what it was built for (tokenizer or emb
 statistics, sources and a SHA-256 per file. A build writes a sibling temporary folder and swaps
 it in by rename, so an interrupted build leaves the previous store intact and usable. Loading
 checks the manifest before any data file is opened; nothing on a load path unpickles.
+
+A store may hold stores: the sharded token datastore keeps one complete store per shard in a
+subfolder. The top-level manifest then lists every file under its folder by relative path
+(`shard-00000/tokens.npy`), each with its size and SHA-256.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,21 +58,27 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 
 def write_store(directory: Path, kind: str, format_version: int, fingerprint: dict,
-                write_files: Callable[[Path], dict], sources: list[str] | None = None) -> StoreManifest:
+                write_files: Callable[[Path], dict], sources: list[str] | None = None,
+                staging: Path | None = None) -> StoreManifest:
     """Builds a store atomically: `write_files(staging)` writes the data files into a fresh
     staging folder and returns the stats; the manifest is added and the folder renamed into place.
 
     The previous store at `directory` stays in place until the new one is complete; on any
     failure (or an interrupt) the staging folder is removed and the old store is untouched.
+    A caller that gives its own `staging` folder keeps it on failure: a rerun can resume from
+    what it holds (the finished shards of a sharded token datastore).
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    keep_on_failure = staging is not None
+    if staging is None:
+        staging = directory.parent / f".{directory.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    else:
+        staging.mkdir(exist_ok=True)
     try:
         stats = write_files(staging) or {}
-        files = {path.name: {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-                 for path in sorted(staging.iterdir()) if path.is_file()}
+        files = _file_entries(staging)
         if not files:
             raise StoreError(f"building {kind} at {directory}: nothing was written")
         manifest = StoreManifest(kind, format_version, fingerprint, files, stats, list(sources or []),
@@ -76,9 +86,33 @@ def write_store(directory: Path, kind: str, format_version: int, fingerprint: di
         (staging / MANIFEST).write_text(manifest.to_json())
         _swap_in(staging, directory)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not keep_on_failure:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _file_entries(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file under `folder`, by relative path. A file of a nested store
+    takes the checksum that store's manifest recorded when the file was written, if its size still
+    matches: hashing a sharded store's every byte again at the end would double its build's reads."""
+    recorded: dict[str, dict] = {}
+    for nested in sorted(folder.glob(f"*/{MANIFEST}")):
+        try:
+            entries = json.loads(nested.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a store's manifest: its folder's files are hashed like any other
+        for name, entry in entries.items():
+            recorded[f"{nested.parent.name}/{name}"] = entry
+    files = {}
+    for path in sorted(candidate for candidate in folder.rglob("*") if candidate.is_file()):
+        name = path.relative_to(folder).as_posix()
+        size = path.stat().st_size
+        entry = recorded.get(name)
+        if not (isinstance(entry, dict) and entry.get("bytes") == size and isinstance(entry.get("sha256"), str)):
+            entry = {"sha256": sha256_file(path), "bytes": size}
+        files[name] = {"sha256": entry["sha256"], "bytes": size}
+    return files
 
 
 def _swap_in(staging: Path, directory: Path) -> None:
@@ -99,8 +133,9 @@ def _swap_in(staging: Path, directory: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def read_manifest(directory: Path, kind: str, format_version: int) -> StoreManifest:
-    """The manifest of the store at `directory`, with clear errors for every way it can be wrong."""
+def read_manifest(directory: Path, kind: str, format_version: int | Collection[int]) -> StoreManifest:
+    """The manifest of the store at `directory`, with clear errors for every way it can be wrong.
+    `format_version`: the version this reader reads, or every version it reads."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -116,9 +151,10 @@ def read_manifest(directory: Path, kind: str, format_version: int) -> StoreManif
         raise StoreError(f"{path} is corrupt ({type(error).__name__}: {error}); rebuild the store") from None
     if manifest.kind != kind:
         raise StoreError(f"{directory} holds a {manifest.kind}, not a {kind}")
-    if manifest.format_version != format_version:
+    readable = sorted({format_version} if isinstance(format_version, int) else set(format_version))
+    if manifest.format_version not in readable:
         raise StoreError(f"{directory} was written in {kind} format {manifest.format_version}; this specpipe "
-                         f"reads format {format_version}. Rebuild the store")
+                         f"reads format {' or '.join(map(str, readable))}. Rebuild the store")
     return manifest
 
 

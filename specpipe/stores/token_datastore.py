@@ -18,14 +18,29 @@ On disk (a store folder, written atomically by `specpipe.stores.manifest.write_s
 checksums are opt-in (`verify_checksums=True`): they read every byte, ~0.25 s for a
 10M-token store (160 MB) on this machine against ~2 ms for sizes + mapping, and grow with
 the store, which would defeat memory-mapping a store opened by every process.
+
+Sharded (`shard_tokens` set when building; format 2): a corpus whose suffix sort would not fit in
+memory is cut at document boundaries into shards of about `shard_tokens` tokens, each a complete
+store of the layout above in `shard-00000/`, `shard-00001/`, ... with its own manifest, sorted
+one after another (a build holds one shard at a time). The top-level manifest lists the shards
+and every file under the folder. `TokenDatastore.load` opens either layout; a sharded folder
+gives a `ShardedTokenDatastore`, whose lookups search every shard and merge (`lookup` equals the
+one-shard store's over the same corpus whenever `max_occurrences` is not reached). An
+interrupted sharded build of `TokenDatastoreBuilder` keeps its finished shards in
+`.<name>.building-sharded/` next to the store; a rerun with the same sources and settings
+resumes after them.
 """
 from __future__ import annotations
 
 import bisect
+import fcntl
+import itertools
 import json
+import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,11 +49,12 @@ from tqdm.auto import tqdm
 
 from specpipe.errors import ConfigError, StoreError
 from specpipe.models import cache_root
-from specpipe.stores.manifest import (StoreManifest, check_fingerprint, read_manifest, tokenizer_fingerprint,
-                                      verify_files, write_store)
+from specpipe.stores.manifest import (MANIFEST, StoreManifest, check_fingerprint, read_manifest,
+                                      tokenizer_fingerprint, verify_files, write_store)
 
 KIND = "token_datastore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # one suffix array: a one-shard store, and every shard of a sharded one
+SHARDED_FORMAT_VERSION = 2  # a folder of shards, each a format-1 store
 SEPARATOR = -1
 TOKENS_FILE = "tokens.npy"
 SUFFIX_ARRAY_FILE = "suffix_array.npy"
@@ -104,10 +120,20 @@ class TokenDatastore:
         return cls(tokens, suffix_array, prefix_keys, key_bits)
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer=None, verify_checksums: bool = False) -> "TokenDatastore":
-        """Memory-maps a built store; refuses one built for a tokenizer other than `tokenizer`."""
+    def load(cls, path: str | Path, tokenizer=None,
+             verify_checksums: bool = False) -> "TokenDatastore | ShardedTokenDatastore":
+        """Memory-maps a built store, one-shard or sharded (then a `ShardedTokenDatastore`, which
+        has the same lookups); refuses one built for a tokenizer other than `tokenizer`."""
         path = Path(path).expanduser()
-        manifest = read_manifest(path, KIND, FORMAT_VERSION)
+        manifest = read_manifest(path, KIND, (FORMAT_VERSION, SHARDED_FORMAT_VERSION))
+        if manifest.format_version == SHARDED_FORMAT_VERSION:
+            return ShardedTokenDatastore.from_manifest(path, manifest, tokenizer, verify_checksums)
+        return cls.from_manifest(path, manifest, tokenizer, verify_checksums)
+
+    @classmethod
+    def from_manifest(cls, path: Path, manifest: StoreManifest, tokenizer=None,
+                      verify_checksums: bool = False) -> "TokenDatastore":
+        """load() once the format-1 `manifest` of the store at `path` has been read."""
         missing = {TOKENS_FILE, SUFFIX_ARRAY_FILE, PREFIX_KEYS_FILE} - set(manifest.files)
         if missing:
             raise StoreError(f"{KIND} at {path}: the manifest lists no {sorted(missing)}; rebuild the store")
@@ -178,24 +204,11 @@ class TokenDatastore:
         Past `max_occurrences` occurrences, an evenly spaced sample of them is read: the range
         is sorted by what follows the match, so even spacing keeps every continuation's share.
         Continuations are ranked by the sum of their prefix counts (the accepted length they
-        promise if drafted alone); the best `max_candidates` are returned in suffix-array
-        (lexicographic) order.
+        promise if drafted alone), ties going to the one that sorts first (token ids compared in
+        order, a document's end below every token); the best `max_candidates` are returned in
+        that (lexicographic) order.
         """
-        if max_length < 1 or max_candidates < 1 or max_occurrences < 1:
-            raise ValueError(f"lookup needs max_length, max_candidates and max_occurrences >= 1, got "
-                             f"{max_length}, {max_candidates}, {max_occurrences}")
-        length, lo, hi = self.longest_suffix_match(context, max_span, min_span)
-        if length == 0:
-            return DatastoreMatch.none()
-        occurrences = hi - lo
-        if occurrences > max_occurrences:
-            rows = lo + (np.arange(max_occurrences, dtype=np.int64) * occurrences) // max_occurrences
-        else:
-            rows = np.arange(lo, hi, dtype=np.int64)
-        starts = self.suffix_array[rows].astype(np.int64) + length  # [s]
-        followers = self._read_after(starts, max_length)  # [s, max_length], SEPARATOR past a document's end
-        continuations, prefix_counts = _distinct_continuations(followers, max_candidates)
-        return DatastoreMatch(length, occurrences, int(rows.shape[0]), continuations, prefix_counts)
+        return merged_lookup([self], context, max_span, min_span, max_length, max_candidates, max_occurrences)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -238,6 +251,11 @@ class TokenDatastore:
         hi = bisect.bisect_right(self.suffix_array, rest, lo, hi, key=following)
         return lo, hi
 
+    def _followers(self, rows: np.ndarray, length: int, max_length: int) -> np.ndarray:
+        """rows [s] of the suffix array, whose suffixes share their first `length` tokens ->
+        [s, max_length] the tokens after those, SEPARATOR from a document's end on."""
+        return self._read_after(self.suffix_array[rows].astype(np.int64) + length, max_length)
+
     def _read_after(self, starts: np.ndarray, max_length: int) -> np.ndarray:
         """starts [s] -> [s, max_length] the tokens from each start, SEPARATOR from a document's end on."""
         last = len(self.tokens) - 1  # always a separator, so reads past the end see one
@@ -246,10 +264,175 @@ class TokenDatastore:
         return np.where(inside, window, SEPARATOR)
 
 
+class ShardedTokenDatastore:
+    """A token datastore kept as several suffix arrays (shards cut at document boundaries), with
+    the lookups of `TokenDatastore`: counts add up, the longest match is the longest in any shard,
+    and `lookup` reads the continuations of every shard's occurrences together.
+
+    A suffix-array range belongs to one shard, so `find` and `longest_suffix_match` give one range
+    per shard where `TokenDatastore` gives one range. Immutable, like the shards.
+    """
+
+    def __init__(self, shards: Sequence[TokenDatastore], path: Path | None = None) -> None:
+        if not shards:
+            raise StoreError(f"a sharded {KIND} needs at least one shard")
+        self.shards = list(shards)
+        self.path = path
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[Sequence[int]], shard_tokens: int) -> "ShardedTokenDatastore":
+        """In memory, cut into shards exactly as a build with this `shard_tokens` would cut them."""
+        shards = [TokenDatastore(tokens, *_index(tokens))
+                  for tokens, _, _ in _shards_of(enumerate(documents), shard_tokens, vocab_size=None)]
+        if not shards:
+            raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
+        return cls(shards)
+
+    @classmethod
+    def load(cls, path: str | Path, tokenizer=None, verify_checksums: bool = False) -> "ShardedTokenDatastore":
+        path = Path(path).expanduser()
+        return cls.from_manifest(path, read_manifest(path, KIND, SHARDED_FORMAT_VERSION), tokenizer,
+                                 verify_checksums)
+
+    @classmethod
+    def from_manifest(cls, path: Path, manifest: StoreManifest, tokenizer=None,
+                      verify_checksums: bool = False) -> "ShardedTokenDatastore":
+        """Maps every shard the format-2 `manifest` of the store at `path` lists, after checking
+        that each is there, whole, and built for the store's tokenizer."""
+        listed = manifest.stats.get("shards")
+        if not isinstance(listed, list) or not listed or not all(
+                isinstance(entry, dict) and isinstance(entry.get("name"), str) for entry in listed):
+            raise StoreError(f"sharded {KIND} at {path}: its manifest lists no shards; rebuild the store")
+        for entry in listed:
+            if not (path / entry["name"]).is_dir():
+                raise StoreError(f"sharded {KIND} at {path}: shard {entry['name']} is missing (the manifest lists "
+                                 f"{len(listed)} shards); rebuild the store")
+        verify_files(path, manifest, checksums=verify_checksums)  # every shard's files: sizes, checksums
+        if tokenizer is not None:
+            check_fingerprint(path, manifest, _content_fingerprint(tokenizer), "tokenizer")
+        expected = {key: manifest.fingerprint.get(key) for key in ("vocab_size", "vocab_sha256")}
+        shards = []
+        for entry in listed:
+            folder = path / entry["name"]
+            shard_manifest = read_manifest(folder, KIND, FORMAT_VERSION)
+            differing = [key for key, value in expected.items() if shard_manifest.fingerprint.get(key) != value]
+            if differing:
+                raise StoreError(f"sharded {KIND} at {path}: shard {entry['name']} was built for another tokenizer "
+                                 f"than the store ({', '.join(differing)} differ): its ids would mean other text. "
+                                 f"Rebuild the store")
+            if shard_manifest.stats.get("token_count") != entry.get("token_count"):
+                raise StoreError(f"sharded {KIND} at {path}: shard {entry['name']} holds "
+                                 f"{shard_manifest.stats.get('token_count')} tokens, the store's manifest says "
+                                 f"{entry.get('token_count')} (a shard from another build?); rebuild the store")
+            shards.append(TokenDatastore.from_manifest(folder, shard_manifest))  # sizes were checked above
+        total = sum(len(shard) for shard in shards)
+        if total != manifest.stats.get("token_count"):
+            raise StoreError(f"sharded {KIND} at {path}: its shards hold {total} tokens, the manifest says "
+                             f"{manifest.stats.get('token_count')}; rebuild the store")
+        return cls(shards, path)
+
+    def __len__(self) -> int:
+        """Real tokens in the corpus (separators excluded)."""
+        return sum(len(shard) for shard in self.shards)
+
+    def find(self, pattern: Sequence[int]) -> list[tuple[int, int]]:
+        """The range [lo, hi) of the suffixes starting with `pattern` in each shard's suffix array."""
+        return [shard.find(pattern) for shard in self.shards]
+
+    def count(self, pattern: Sequence[int]) -> int:
+        return sum(shard.count(pattern) for shard in self.shards)
+
+    def longest_suffix_match(self, context: Sequence[int], max_span: int = 16,
+                             min_span: int = 2) -> tuple[int, list[tuple[int, int]]]:
+        """(length, ranges): the longest suffix of `context` of min_span..max_span tokens that
+        occurs in any shard, and its range in each shard ((0, 0) where it does not occur)."""
+        return _longest_in_shards(self.shards, context, max_span, min_span)
+
+    def lookup(self, context: Sequence[int], max_span: int = 16, min_span: int = 2, max_length: int = 16,
+               max_candidates: int = 8, max_occurrences: int = 256) -> DatastoreMatch:
+        """`TokenDatastore.lookup` over every shard: the same result as one store over the same corpus
+        while the match occurs at most `max_occurrences` times. Past that, each shard is sampled
+        in proportion to its share of the occurrences (evenly spaced inside its range, so each
+        continuation keeps its share); a one-shard store samples its single range, so the two agree
+        on every continuation's share, not row for row."""
+        return merged_lookup(self.shards, context, max_span, min_span, max_length, max_candidates,
+                             max_occurrences)
+
+
+TokenStore = TokenDatastore | ShardedTokenDatastore  # what TokenDatastore.load returns; REST takes either
+
+
+def _longest_in_shards(shards: Sequence[TokenDatastore], context: Sequence[int], max_span: int,
+                       min_span: int) -> tuple[int, list[tuple[int, int]]]:
+    """(length, ranges): the longest suffix of `context` of min_span..max_span tokens found in any
+    shard, and its range in each ((0, 0) where it does not occur)."""
+    window = list(context[-max_span:])
+    best, ranges = 0, [(0, 0)] * len(shards)
+    for number, shard in enumerate(shards):
+        # Spans shorter than the best so far are no use, and a shard without the shortest span
+        # still useful holds no longer one: one range search rules most shards out, where a
+        # binary search over the spans takes about four.
+        shortest = max(1, min_span, best)
+        if shortest > len(window):
+            break
+        lo, hi = shard.find(window[len(window) - shortest:])
+        if lo == hi:
+            continue
+        length, longer_lo, longer_hi = shard.longest_suffix_match(window, max_span, shortest + 1)
+        if length:
+            lo, hi = longer_lo, longer_hi
+        else:
+            length = shortest
+        if length > best:
+            best, ranges = length, [(0, 0)] * len(shards)
+        ranges[number] = (lo, hi)
+    return best, ranges
+
+
+def merged_lookup(shards: Sequence[TokenDatastore], context: Sequence[int], max_span: int, min_span: int,
+                  max_length: int, max_candidates: int, max_occurrences: int) -> DatastoreMatch:
+    """The lookup of `TokenDatastore` and `ShardedTokenDatastore` (a one-shard store is the case of
+    one shard): the longest match, a sample of its occurrences, their distinct continuations.
+
+    The sample takes `max_occurrences` evenly spaced positions over the shards' ranges laid end to
+    end: with one shard, even spacing over its sorted range; with several, each shard's share of
+    the sample is its share of the occurrences, evenly spaced inside it. The continuations read are
+    sorted as one suffix-array range would order them, so `_distinct_continuations` (and its
+    tie-break) sees the same rows whichever way the corpus was cut whenever nothing was sampled out.
+    """
+    if max_length < 1 or max_candidates < 1 or max_occurrences < 1:
+        raise ValueError(f"lookup needs max_length, max_candidates and max_occurrences >= 1, got "
+                         f"{max_length}, {max_candidates}, {max_occurrences}")
+    length, ranges = _longest_in_shards(shards, context, max_span, min_span)
+    if length == 0:
+        return DatastoreMatch.none()
+    sizes = np.array([hi - lo for lo, hi in ranges], dtype=np.int64)  # [shards]
+    occurrences = int(sizes.sum())
+    sampled = min(occurrences, max_occurrences)
+    picks = (np.arange(sampled, dtype=np.int64) * occurrences) // sampled  # [s] positions in the ranges end to end
+    ends = np.cumsum(sizes)  # [shards] where each shard's range ends in that line-up
+    cuts = np.searchsorted(picks, np.concatenate(([0], ends)))  # [shards + 1] each shard's slice of picks
+    parts = []
+    for shard, (lo, _), start, begin, end in zip(shards, ranges, ends - sizes, cuts[:-1], cuts[1:]):
+        if end > begin:
+            parts.append(shard._followers(lo + picks[begin:end] - start, length, max_length))
+    followers = parts[0]  # [s, max_length]
+    if len(parts) > 1:
+        followers = np.concatenate(parts)
+        followers = followers[np.lexsort(followers.T[::-1])]  # rows in order, first column most significant
+    continuations, prefix_counts = _distinct_continuations(followers, max_candidates)
+    return DatastoreMatch(length, occurrences, sampled, continuations, prefix_counts)
+
+
 def _distinct_continuations(followers: np.ndarray, max_candidates: int) -> tuple[list[list[int]], list[list[int]]]:
     """followers [s, L] sorted rows (a suffix-array range is sorted by what follows) -> the
     best `max_candidates` distinct non-empty rows, cut at their first SEPARATOR, with their
-    prefix counts (how many rows share each prefix)."""
+    prefix counts (how many rows share each prefix).
+
+    Best = the largest sum of prefix counts; between equal sums, the row that comes first in the
+    sorted order (the lexicographically smaller continuation, a document's end below every token).
+    The order of the rows is the order of their content, so the choice does not depend on where
+    the occurrences sit in the corpus or in which shard."""
     sampled, width = followers.shape
     if sampled == 0 or width == 0:
         return [], []
@@ -288,24 +471,49 @@ def _load_array(directory: Path, name: str, dtypes: tuple) -> np.ndarray:
 
 def _concatenate(documents: Iterable[Sequence[int]], vocab_size: int | None) -> tuple[np.ndarray, int]:
     """Documents -> (tokens [n] int32 with a SEPARATOR after each document, document count)."""
+    for tokens, count, _ in _shards_of(enumerate(documents), None, vocab_size):
+        return tokens, count
+    raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
+
+
+def _shards_of(documents: Iterable[tuple[int, Sequence[int]]], shard_tokens: int | None,
+               vocab_size: int | None) -> Iterator[tuple[np.ndarray, int, int]]:
+    """(number, ids) documents -> per shard (tokens [n] int32 with a SEPARATOR after each document,
+    its document count, the number of the document after its last). A shard is closed by the
+    document that brings it to `shard_tokens` real tokens or more (None: one shard for all), so a
+    document is never split and a document longer than `shard_tokens` is a shard of its own.
+    Empty documents are skipped; only the open shard is held in memory."""
+    separator = np.array([SEPARATOR], dtype=np.int32)
     parts: list[np.ndarray] = []
-    count = 0
-    for document in documents:
-        ids = np.asarray(document, dtype=np.int64)
-        if ids.ndim != 1:
-            raise StoreError(f"document {count} is not a flat sequence of token ids (shape {ids.shape})")
+    held, count, after = 0, 0, 0
+    for number, document in documents:
+        ids = _document_ids(document, number, vocab_size)
+        after = number + 1
         if ids.size == 0:
             continue
+        parts += [ids, separator]
+        held += int(ids.size)
+        count += 1
+        if shard_tokens is not None and held >= shard_tokens:
+            shard, closed = np.concatenate(parts), count
+            parts, held, count = [], 0, 0
+            yield shard, closed, after
+            del shard  # written by now: not held while the next shard fills
+    if parts:
+        yield np.concatenate(parts), count, after
+
+
+def _document_ids(document: Sequence[int], number: int, vocab_size: int | None) -> np.ndarray:
+    """One document's ids as int32 [k], refused when one cannot be a token of the tokenizer."""
+    ids = np.asarray(document, dtype=np.int64)
+    if ids.ndim != 1:
+        raise StoreError(f"document {number} is not a flat sequence of token ids (shape {ids.shape})")
+    if ids.size:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or (vocab_size is not None and high >= vocab_size) or high >= np.iinfo(np.int32).max:
-            raise StoreError(f"document {count} has token id {low if low < 0 else high}, outside the tokenizer's "
+            raise StoreError(f"document {number} has token id {low if low < 0 else high}, outside the tokenizer's "
                              f"0..{(vocab_size or np.iinfo(np.int32).max) - 1}: ids from another tokenizer?")
-        parts.append(ids.astype(np.int32))
-        parts.append(np.array([SEPARATOR], dtype=np.int32))
-        count += 1
-    if not parts:
-        raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
-    return np.concatenate(parts), count
+    return ids.astype(np.int32)
 
 
 def _index(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -331,31 +539,142 @@ def _index(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def build_token_datastore(out: str | Path, documents: Iterable[Sequence[int]], fingerprint: dict,
-                          sources: Sequence[str] = (), progress: bool = True) -> StoreManifest:
+                          sources: Sequence[str] = (), progress: bool = True,
+                          shard_tokens: int | None = None) -> StoreManifest:
     """Builds a token datastore from token-id documents (e.g. a corpus shipped as ids).
 
     `fingerprint` is the tokenizer's (`tokenizer_fingerprint`); ids at or above its vocab_size
-    are refused. Nothing at `out` changes unless the whole build succeeds.
+    are refused. `shard_tokens`: cut into shards of about that many tokens (None: one suffix
+    array). Nothing at `out` changes unless the whole build succeeds; an interrupted build starts
+    over (an iterable cannot be checked to be the same again: `TokenDatastoreBuilder` resumes).
     """
     started = time.perf_counter()
-    tokens, document_count = _concatenate(documents, fingerprint.get("vocab_size"))
-    return _write(Path(out), tokens, document_count, fingerprint, list(sources), started, progress)
+    if shard_tokens is None:
+        tokens, document_count = _concatenate(documents, fingerprint.get("vocab_size"))
+        return _write(Path(out), tokens, document_count, fingerprint, list(sources), started, progress)
+    _check_shard_tokens(shard_tokens)
+    numbered = enumerate(documents)  # read once: without a resume key the build always starts at document 0
+    return _write_sharded(Path(out), lambda resume_at: numbered, fingerprint, list(sources), shard_tokens, started,
+                          progress, resume_key=None)
+
+
+def _check_shard_tokens(shard_tokens) -> None:
+    if shard_tokens is not None and (isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int)
+                                     or shard_tokens < 1):
+        raise ConfigError(f"store.shard_tokens must be a positive number of tokens per shard, or null for one "
+                          f"suffix array; got {shard_tokens!r}")
 
 
 def _write(out: Path, tokens: np.ndarray, document_count: int, fingerprint: dict, sources: list[str],
-           started: float, progress: bool) -> StoreManifest:
+           started: float, progress: bool, extra_stats: dict | None = None) -> StoreManifest:
     def write_files(staging: Path) -> dict:
         if progress:
-            print(f"token_datastore: sorting the suffixes of {len(tokens) - document_count:,} tokens",
-                  file=sys.stderr)
+            tqdm.write(f"token_datastore: sorting the suffixes of {len(tokens) - document_count:,} tokens"
+                       f"{f' ({out.name})' if extra_stats else ''}", file=sys.stderr)
         suffix_array, prefix_keys, key_bits = _index(tokens)
         for name, array in ((TOKENS_FILE, tokens), (SUFFIX_ARRAY_FILE, suffix_array), (PREFIX_KEYS_FILE, prefix_keys)):
             np.save(staging / name, array, allow_pickle=False)
         return {"token_count": int(len(suffix_array)), "documents": document_count, "key_bits": key_bits,
                 "build_seconds": round(time.perf_counter() - started, 3),
-                "bytes": sum(path.stat().st_size for path in staging.iterdir())}
+                "bytes": sum(path.stat().st_size for path in staging.iterdir()), **(extra_stats or {})}
 
     return write_store(out, KIND, FORMAT_VERSION, fingerprint, write_files, sources)
+
+
+def _shard_name(number: int) -> str:
+    return f"shard-{number:05d}"
+
+
+def _write_sharded(out: Path, documents_from: Callable[[int], Iterable[tuple[int, Sequence[int]]]],
+                   fingerprint: dict, sources: list[str], shard_tokens: int, started: float, progress: bool,
+                   resume_key: dict | None) -> StoreManifest:
+    """Builds a sharded store at `out`: `documents_from(n)` gives the (number, ids) documents from
+    number n on; each shard is indexed and written (a complete store, atomically) before the next
+    is read, and the folder of shards is swapped in whole at the end.
+
+    With a `resume_key` (what identifies the corpus and the settings), the shards are staged in
+    `.<name>.building-sharded/`, which outlives a failed run: a rerun with the same key skips the
+    documents of the shards it finds finished there. Without one, a failure discards them.
+    """
+    def write_files(staging: Path) -> dict:
+        finished = _finished_shards(staging, fingerprint)
+        resume_at = finished[-1].stats["source_end"] if finished else 0
+        if finished and progress:
+            tqdm.write(f"token_datastore: resuming the build of {out}: {len(finished)} shards done, from "
+                       f"document {resume_at:,}", file=sys.stderr)
+        for tokens, document_count, source_end in _shards_of(documents_from(resume_at), shard_tokens,
+                                                             fingerprint.get("vocab_size")):
+            finished.append(_write(staging / _shard_name(len(finished)), tokens, document_count, fingerprint, [],
+                                   time.perf_counter(), progress, {"source_end": source_end}))
+            del tokens  # let the next shard's tokens take its place rather than sit beside it
+        if not finished:
+            raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
+        shards = [{"name": _shard_name(number), "token_count": manifest.stats["token_count"],
+                   "documents": manifest.stats["documents"]} for number, manifest in enumerate(finished)]
+        return {"token_count": sum(shard["token_count"] for shard in shards),
+                "documents": sum(shard["documents"] for shard in shards), "shards": shards,
+                "shard_tokens": shard_tokens, "build_seconds": round(time.perf_counter() - started, 3),
+                "bytes": sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())}
+
+    if resume_key is None:
+        return write_store(out, KIND, SHARDED_FORMAT_VERSION, fingerprint, write_files, sources)
+    staging = out.parent / f".{out.name}.building-sharded"
+    with _resumable(staging, resume_key, out):
+        return write_store(out, KIND, SHARDED_FORMAT_VERSION, fingerprint, write_files, sources, staging=staging)
+
+
+@contextmanager
+def _resumable(staging: Path, key: dict, out: Path) -> Iterator[None]:
+    """Holds the lock of the staging folder `staging` (a sibling `.json` file recording `key`) for
+    one build; empties the folder when it was started for another key. The record is removed when
+    the build succeeds and kept, with the folder, when it fails."""
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    record = staging.parent / f"{staging.name}.json"
+    with open(record, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreError(f"another build of {out} is running (it holds {record}); wait for it to finish or "
+                             f"stop it") from None
+        handle.seek(0)
+        try:
+            previous = json.loads(handle.read() or "null")
+        except json.JSONDecodeError:
+            previous = None
+        if previous != key:  # other sources or settings: its shards would be other cuts of other text
+            shutil.rmtree(staging, ignore_errors=True)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(key, sort_keys=True))
+            handle.flush()
+        yield
+        record.unlink(missing_ok=True)  # still locked by this handle until it closes
+
+
+def _finished_shards(staging: Path, fingerprint: dict) -> list[StoreManifest]:
+    """The manifests of the shards a previous run completed in `staging` (consecutive from the
+    first, each whole); everything else there is removed: a shard cut off mid-write, one after a
+    gap, a stray file."""
+    finished: list[StoreManifest] = []
+    while (staging / _shard_name(len(finished)) / MANIFEST).is_file():
+        folder = staging / _shard_name(len(finished))
+        try:
+            manifest = read_manifest(folder, KIND, FORMAT_VERSION)
+            verify_files(folder, manifest, checksums=False)
+        except StoreError:
+            break
+        if manifest.fingerprint != fingerprint or not isinstance(manifest.stats.get("source_end"), int):
+            break
+        finished.append(manifest)
+    keep = {_shard_name(number) for number in range(len(finished))}
+    for entry in list(staging.iterdir()):
+        if entry.name in keep:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return finished
 
 
 class TokenDatastoreBuilder:
@@ -365,11 +684,17 @@ class TokenDatastoreBuilder:
     A JSONL record or Parquet row gives token ids (`ids_field`, taken as they are), text
     (`text_field`), or a chat: `turns` (strings) or `messages` ({role, content}), one
     document per turn. A text or markdown file is one document.
+
+    `shard_tokens`: None builds one suffix array (the whole corpus in memory while it sorts, ~55
+    bytes per token at peak); a number streams the corpus into shards of about that many tokens,
+    each sorted and written before the next is read, so memory is bounded by one shard. A sharded
+    build that is interrupted resumes from its finished shards when rerun with the same sources
+    (same paths, sizes and modification times) and settings.
     """
 
     def __init__(self, tokenizer, sources: Sequence[str] | str | None = None, out: str | None = None,
                  name: str = "tokens_from_files", text_field: str = "text", ids_field: str = "input_ids",
-                 batch_size: int = 64, progress: bool = True) -> None:
+                 batch_size: int = 64, progress: bool = True, shard_tokens: int | None = None) -> None:
         if isinstance(sources, str):
             sources = [sources]
         self.sources = [str(source) for source in sources or ()]
@@ -378,48 +703,69 @@ class TokenDatastoreBuilder:
                               "(.jsonl, .parquet, .txt, .md files, or folders of them)")
         if batch_size < 1:
             raise ConfigError(f"store.batch_size must be >= 1, got {batch_size}")
+        _check_shard_tokens(shard_tokens)
         self.tokenizer = tokenizer
         self.out = Path(out).expanduser() if out else default_store_path(name)
         self.text_field = text_field
         self.ids_field = ids_field
         self.batch_size = batch_size
         self.progress = progress
+        self.shard_tokens = shard_tokens
 
     def build(self) -> StoreManifest:
         started = time.perf_counter()
         files = corpus_files(self.sources)  # every path checked before anything is read or written
+        fingerprint = tokenizer_fingerprint(self.tokenizer)
+        sources = [str(path) for path in files]
         bar = tqdm(desc="token_datastore: tokenizing", unit=" doc", file=sys.stderr, disable=not self.progress)
         try:
-            tokens, document_count = _concatenate(self._tokenized(files, bar), len(self.tokenizer))
+            if self.shard_tokens is not None:
+                return _write_sharded(self.out, lambda resume_at: self._tokenized(files, bar, resume_at), fingerprint,
+                                      sources, self.shard_tokens, started, self.progress,
+                                      self._resume_key(files, fingerprint))
+            tokens, document_count = _concatenate((ids for _, ids in self._tokenized(files, bar)),
+                                                  len(self.tokenizer))
         finally:
             bar.close()
-        return _write(self.out, tokens, document_count, tokenizer_fingerprint(self.tokenizer),
-                      [str(path) for path in files], started, self.progress)
+        return _write(self.out, tokens, document_count, fingerprint, sources, started, self.progress)
 
-    def _tokenized(self, files: list[Path], bar) -> Iterator[Sequence[int]]:
-        """Token ids per document, in file order, counted on the progress bar."""
-        token_total = 0
-        for batch in self._batches(files):
+    def _resume_key(self, files: list[Path], fingerprint: dict) -> dict:
+        """What an interrupted sharded build must share with its rerun: the same documents cut the same way."""
+        sources = []
+        for path in files:
+            stat = path.stat()
+            sources.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+        return {"format_version": SHARDED_FORMAT_VERSION, "fingerprint": fingerprint, "shard_tokens": self.shard_tokens,
+                "text_field": self.text_field, "ids_field": self.ids_field, "sources": sources}
+
+    def _tokenized(self, files: list[Path], bar, first: int = 0) -> Iterator[tuple[int, Sequence[int]]]:
+        """(number, token ids) per document, in file order from document `first` on (those before
+        are read, not tokenized), counted on the progress bar."""
+        token_total, number = 0, first
+        bar.update(first)
+        for batch in self._batches(files, first):
             token_total += sum(len(ids) for ids in batch)
             bar.update(len(batch))
             bar.set_postfix(tokens=f"{token_total:,}", refresh=False)
-            yield from batch
+            for ids in batch:
+                yield number, ids
+                number += 1
 
-    def _batches(self, files: list[Path]) -> Iterator[list[Sequence[int]]]:
+    def _batches(self, files: list[Path], first: int = 0) -> Iterator[list[Sequence[int]]]:
         """Texts are tokenized `batch_size` at a time; documents given as ids pass through."""
         texts: list[str] = []
-        for path in files:
-            for document in read_documents(path, self.text_field, self.ids_field):
-                if isinstance(document, str):
-                    texts.append(document)
-                    if len(texts) == self.batch_size:
-                        yield self._encode(texts)
-                        texts = []
-                    continue
-                if texts:  # keep file order: the texts read before these ids go first
+        documents = (document for path in files for document in read_documents(path, self.text_field, self.ids_field))
+        for document in itertools.islice(documents, first, None):
+            if isinstance(document, str):
+                texts.append(document)
+                if len(texts) == self.batch_size:
                     yield self._encode(texts)
                     texts = []
-                yield [document]
+                continue
+            if texts:  # keep file order: the texts read before these ids go first
+                yield self._encode(texts)
+                texts = []
+            yield [document]
         if texts:
             yield self._encode(texts)
 

@@ -8,12 +8,15 @@ from specpipe.errors import StoreError
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import sha256_file
-from specpipe.stores.token_datastore import TokenDatastore, default_store_path
+from specpipe.stores.token_datastore import TokenDatastore, TokenStore, default_store_path
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 
 class RestRetriever:
-    """Looks the context up in a TokenDatastore and proposes its frequent continuations.
+    """Looks the context up in a token datastore and proposes its frequent continuations.
+
+    The store at `path` may be one suffix array or sharded: `TokenDatastore.load` opens either,
+    and both answer `lookup` alike (a sharded store merges what every shard holds).
 
     Node scores estimate acceptance: the frequency ratio of the branch among the sampled
     occurrences of the match (occurrences followed by a document's end count as misses),
@@ -24,7 +27,7 @@ class RestRetriever:
                  name: str = "token_datastore", max_span: int = 16, min_span: int = 2, max_candidates: int = 8,
                  max_length: int = 16, max_occurrences: int = 256, prior: float = 0.5,
                  memory: float = float("inf"), verify_checksums: bool = False,
-                 datastore: TokenDatastore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
+                 datastore: TokenStore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
                  target=None) -> None:
         # `target` is what the pipeline builder hands every partial stage; REST has no use for it.
         if not 1 <= min_span <= max_span:
