@@ -429,7 +429,8 @@ def default_store_path() -> Path:
     return cache_root() / "stores" / DEFAULT_STORE_NAME
 
 
-def ensure_default_store(embedder: TextEmbedder | None = None, path: str | Path | None = None) -> DocumentStore:
+def ensure_default_store(embedder: TextEmbedder | None = None, path: str | Path | None = None,
+                         index_device: str = "cpu") -> DocumentStore:
     """The default store (Python's documentation, as `conf/store/pydoc_docs.yaml` describes it),
     built on first use with progress bars (a few minutes on a laptop CPU). An existing store is
     loaded as it is: a corrupt one or one of another embedder is an error, never rebuilt silently."""
@@ -438,7 +439,7 @@ def ensure_default_store(embedder: TextEmbedder | None = None, path: str | Path 
         print(f"specpipe: building the default document store (Python documentation) at {path}; "
               f"this happens once", file=sys.stderr)
         _default_builder(path, embedder).build()
-    return DocumentStore.load(path, embedder=embedder)
+    return DocumentStore.load(path, embedder=embedder, index_device=index_device)
 
 
 def _default_builder(path: Path, embedder: TextEmbedder | None) -> DocumentStoreBuilder:

@@ -30,7 +30,7 @@ class RagPrompt:
 
     def __init__(self, path: str | None = None, k: int = 3, draft_k: int | None = None, template: str = DEFAULT_TEMPLATE,
                  chunk_template: str = DEFAULT_CHUNK_TEMPLATE, min_score: float = -1.0,
-                 embedder_path: str | None = None, embedder_device: str = "cpu",
+                 embedder_path: str | None = None, embedder_device: str = "cpu", index_device: str = "cpu",
                  store: DocumentStore | None = None) -> None:
         if k < 1 or (draft_k is not None and draft_k < k):
             raise ValueError(f"augment: need 1 <= k <= draft_k, got k={k}, draft_k={draft_k}")
@@ -50,6 +50,7 @@ class RagPrompt:
         self.min_score = min_score  # chunks scoring below it are left out of the prompt
         self.embedder_path = embedder_path
         self.embedder_device = embedder_device
+        self.index_device = index_device
         self._store = store
         self._embedder = store.embedder if store is not None else None
         self._loading = threading.Lock()
@@ -71,8 +72,8 @@ class RagPrompt:
         with self._loading:
             if self._store is None:
                 with distributed.main_process_first():  # under torchrun one rank builds the default store
-                    self._store = DocumentStore.load(self.path, embedder) if self.path \
-                        else ensure_default_store(embedder)
+                    self._store = DocumentStore.load(self.path, embedder, index_device=self.index_device) \
+                        if self.path else ensure_default_store(embedder, index_device=self.index_device)
             return self._store
 
     def retrieve(self, question: str, documents: Documents = None, k: int | None = None) -> list[RetrievedChunk]:

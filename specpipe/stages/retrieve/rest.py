@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specpipe import distributed
 from specpipe.errors import StoreError
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
@@ -40,8 +41,9 @@ class RestRetriever:
             source = corpus_file(corpus, folder)
             # one store per corpus version: a corpus that grew (or changed) gets its own, built once
             folder = default_store_path(f"{store}-{sha256_file(source)[:12]}")
-            if not folder.exists():
-                build_from_corpus(folder, source, ids_field, tokenizer)
+            with distributed.main_process_first():  # under torchrun one rank builds it, the others load it
+                if not folder.exists():
+                    build_from_corpus(folder, source, ids_field, tokenizer)
         self.datastore = datastore if datastore is not None else TokenDatastore.load(
             folder, tokenizer, verify_checksums=verify_checksums)
         self.max_span, self.min_span = max_span, min_span
