@@ -118,8 +118,9 @@ class Placement:
             raise ConfigError("model.device_map and model.tp_plan both spread the model; give one: a device map "
                               "runs the layers one device after another, tensor parallel splits every layer")
         if spread and self.device != "cpu":
-            raise ConfigError(f"model.device={self.device} and {spread[0]} both place the model; leave "
-                              f"model.device at cpu when {spread[0]} decides")
+            raise ConfigError(f"model.device={self.device} and {spread[0]} both place the model; leave model.device "
+                              f"at its default: a device map names its devices, and tensor parallel puts each "
+                              f"rank's shard on its own GPU (cuda:LOCAL_RANK) where there are GPUs, else on the CPU")
         if self.quantization is not None and self.tp_plan is not None:
             raise ConfigError("model.quantization with model.tp_plan is not supported: quantize to fit one GPU, "
                               "or shard with tensor parallel")
@@ -166,6 +167,12 @@ class Placement:
                 "model.tp_plan shards the model over the processes torchrun starts, and this run is one "
                 "process: start it as `torchrun --nproc-per-node N run.py ... model.tp_plan=auto` (gloo on CPUs, "
                 "NCCL on GPUs)")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", distributed_world_size()))
+        if torch.cuda.is_available() and torch.cuda.device_count() < local_ranks:
+            raise ModelNotAvailable(
+                f"model.tp_plan: torchrun started {local_ranks} processes on this node but it has "
+                f"{torch.cuda.device_count()} GPU(s); NCCL tensor parallel needs one GPU per process: "
+                f"--nproc-per-node {torch.cuda.device_count()} or fewer")
         from transformers import DistributedConfig
 
         return {"distributed_config": DistributedConfig(tp_plan=self.tp_plan)}

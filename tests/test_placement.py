@@ -83,7 +83,7 @@ def test_device_option_places_the_model(device):
     (["model.device_map=everywhere"], ConfigError, "use one of auto, balanced"),
     (["model.max_memory={cpu: 1GiB}"], ConfigError, "give model.device_map=auto"),
     (["model.device_map=auto", "model.tp_plan=auto"], ConfigError, "give one"),
-    (["model.device=auto", "model.device_map=auto"], ConfigError, "leave model.device at cpu"),
+    (["model.device=auto", "model.device_map=auto"], ConfigError, "leave model.device at its default"),
     (["model.tp_plan=auto"], ConfigError, "torchrun --nproc-per-node N"),
     (["model.quantization=3bit"], ConfigError, "use 8bit or 4bit"),
     (["model.quantization={quant_method: no_such_method}"], ConfigError, "not a transformers quantization config"),
