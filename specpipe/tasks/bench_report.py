@@ -225,6 +225,7 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
+    from specpipe import distributed
     from specpipe.engine.cpu import cpu_description
 
     description = cpu_description()
@@ -240,6 +241,8 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "world_size": distributed.world_size(),  # > 1: a tensor-parallel run under torchrun
     }
 
 
@@ -247,8 +250,10 @@ def machine_line(machine: dict) -> str:
     """The CPU with the ISA its kernels ran (reports from CPUs of different classes do not compare)."""
     isa = (f" (ATen {machine['cpu_capability']}, oneDNN cap {machine.get('onednn_max_cpu_isa', 'unset')}, "
            f"prepacked linears: {machine.get('onednn_linear', '?')})" if machine.get("cpu_capability") else "")
-    return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}, "
-            f"torch {machine.get('torch')}, transformers {machine.get('transformers')}")
+    gpus = f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""
+    ranks = f", tensor parallel over {machine['world_size']} processes" if machine.get("world_size", 1) > 1 else ""
+    return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}"
+            f"{gpus}{ranks}, torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
 
 def _decoding(sampling: dict | None) -> str:
