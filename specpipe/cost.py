@@ -141,7 +141,7 @@ def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = Non
     curve, read or measured there: tree sizes drawn from per-rank timings would differ and the
     ranks' verify forwards would no longer match.
     """
-    curve = distributed.broadcast_from_main(_read_cost_curve(target, kv_length, cache_dir))
+    curve = distributed.broadcast_from_main(read_cost_curve(target, kv_length, cache_dir))
     if curve is None:
         curve = distributed.broadcast_from_main(measure_cost_curve(target, kv_length=kv_length))
         if distributed.is_main_process():
@@ -149,7 +149,8 @@ def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = Non
     return curve
 
 
-def _read_cost_curve(target, kv_length: int, cache_dir: Path | None) -> CostCurve | None:
+def read_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve | None:
+    """The cached curve, or None when there is none yet (or it cannot be read: logged)."""
     path = cost_curve_path(target, kv_length, cache_dir)
     if path.is_file():
         try:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 from transformers import logging as hf_logging
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PretrainedConfig, PreTrainedModel)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError, ModelNotAvailable
@@ -239,6 +240,31 @@ class LocalModel(Placement):
     architecture: dict | None = None
 
     def load(self) -> LoadedModel:
+        folder = self._folder()
+        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype), self, self.name)
+        return LoadedModel(model, tokenizer, self.name)
+
+    def hf_config(self) -> PretrainedConfig:
+        """The model's transformers config without its weights: from model.path, else from `architecture`."""
+        if self.path or not self.architecture:
+            if not self.path:
+                raise ConfigError(
+                    f"model {self.name!r} has neither model.path (a local Hugging Face directory with config.json) "
+                    f"nor model.architecture (its config.json fields: model_type, hidden_size, intermediate_size, "
+                    f"num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, ...): give one so its "
+                    f"shape is known")
+            return AutoConfig.from_pretrained(self._folder(), local_files_only=True)
+        fields = dict(self.architecture)
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise ConfigError(f"model {self.name!r}: model.architecture needs model_type (e.g. llama), as "
+                              f"config.json has")
+        try:
+            return AutoConfig.for_model(model_type, **fields)
+        except ValueError as error:
+            raise ConfigError(f"model {self.name!r}: model.architecture: {error}") from None
+
+    def _folder(self) -> Path:
         what = f"model {self.name!r}" + (f" ({self.hub_id})" if self.hub_id else "")
         if not self.path:
             raise ModelNotAvailable(
@@ -250,8 +276,7 @@ class LocalModel(Placement):
             raise ModelNotAvailable(
                 f"{what}: model.path={self.path} {reason}; give model.path=DIR, a local Hugging Face "
                 f"model directory (config.json, weights, tokenizer)")
-        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype), self, self.name)
-        return LoadedModel(model, tokenizer, self.name)
+        return folder
 
 
 @dataclass
@@ -308,11 +333,15 @@ class EmbeddedGGUFModel(Placement):
         return target
 
     def load(self) -> LoadedModel:
-        folder = Path(self.path).expanduser() if self.path else self.convert()
-        if self.path and not (folder / "config.json").is_file():
-            return LocalModel(self.name, self.path, dtype=self.dtype).load()  # says what is wrong with the path
-        model, tokenizer = _load_pretrained_dir(folder, parse_dtype(self.dtype), self, self.name)
+        model, tokenizer = _load_pretrained_dir(self._folder(), parse_dtype(self.dtype), self, self.name)
         return LoadedModel(model, tokenizer, self.name)
+
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self._folder(), local_files_only=True)
+
+    def _folder(self) -> Path:
+        """The converted cache, or `path` (checked as any local model directory)."""
+        return LocalModel(self.name, self.path)._folder() if self.path else self.convert()
 
 
 @dataclass
@@ -336,13 +365,8 @@ class TinyRandomLlama(Placement):
 
     def load(self) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_from.convert(), local_files_only=True)
-        config = LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-        )
+        config = self.hf_config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
         if not self.placed_in_memory():
             # device maps, tensor parallel and quantization are applied by from_pretrained, so they
             # load a saved copy of the same weights
@@ -352,6 +376,14 @@ class TinyRandomLlama(Placement):
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         return LoadedModel(model, tokenizer, self.name)
+
+    def hf_config(self, **special_token_ids: int | None) -> LlamaConfig:
+        """Its shape (and, when given, the tokenizer's bos/eos/pad ids)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=True, **special_token_ids)
 
     def _build(self, config: LlamaConfig) -> LlamaForCausalLM:
         generator_state = torch.random.get_rng_state()

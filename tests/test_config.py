@@ -24,8 +24,9 @@ DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; oth
     next(iter(entry)) for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]
     if isinstance(entry, dict)
 }
-# placement: the device options every model config includes (tests/test_placement.py)
-STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task", "store", "placement")]
+# placement: the device options every model config includes (tests/test_placement.py); hardware: the
+# device figures task=plan reads (tests/test_plan.py)
+STAGE_GROUPS = [g for g in config_groups() if g not in ("model", "pipeline", "task", "store", "placement", "hardware")]
 ALL_OPTIONS = [(group, option) for group in config_groups() for option in config_options(group)]
 MODELS_WITHOUT_WEIGHTS = {"llama70b", "llama3_8b", "vicuna7b", "local"}
 

@@ -45,12 +45,16 @@ def check_same_tokenizer(target: PreTrainedTokenizerBase, other: PreTrainedToken
             f"with the target's tokenizer")
 
 
-def load_model(model_cfg: DictConfig) -> LoadedModel:
+def model_source(model_cfg: DictConfig):
+    """The model source `cfg.model` describes (LocalModel, EmbeddedGGUFModel, ...), not loaded yet."""
     try:
-        source = instantiate(model_cfg, _convert_="all")  # plain dicts for device maps and quantization
+        return instantiate(model_cfg, _convert_="all")  # plain dicts for device maps and quantization
     except Exception as error:  # instantiate wraps constructor errors; show the cause only
         raise ConfigError(f"cannot build model config {model_cfg.get('name')!r}: {error}") from None
-    return source.load()
+
+
+def load_model(model_cfg: DictConfig) -> LoadedModel:
+    return model_source(model_cfg).load()
 
 
 def build_engine(cfg: DictConfig) -> Engine:
