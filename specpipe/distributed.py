@@ -23,6 +23,12 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def launched_processes() -> int:
+    """How many processes `torchrun` started for this run (1 when it did not start this one), known
+    before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def rank() -> int:
     if active():
         return dist.get_rank()

@@ -18,6 +18,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Llama
                           PretrainedConfig, PreTrainedModel)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from specpipe import distributed
 from specpipe.errors import ConfigError, ModelNotAvailable
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -77,11 +78,6 @@ def _require_cuda(what: str) -> None:
 def _names_cuda(device) -> bool:
     """A device_map / max_memory key or value that means a GPU: an index, `cuda` or `cuda:N`."""
     return (isinstance(device, int) and not isinstance(device, bool)) or str(device).startswith("cuda")
-
-
-def distributed_world_size() -> int:
-    """How many processes `torchrun` started for this run (1 when it did not start this one)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @dataclass(kw_only=True)
@@ -163,12 +159,12 @@ class Placement:
         return options
 
     def _tensor_parallel_options(self) -> dict:
-        if distributed_world_size() < 2:
+        if distributed.launched_processes() < 2:
             raise ConfigError(
                 "model.tp_plan shards the model over the processes torchrun starts, and this run is one "
                 "process: start it as `torchrun --nproc-per-node N run.py ... model.tp_plan=auto` (gloo on CPUs, "
                 "NCCL on GPUs)")
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", distributed_world_size()))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.launched_processes()))
         if torch.cuda.is_available() and torch.cuda.device_count() < local_ranks:
             raise ModelNotAvailable(
                 f"model.tp_plan: torchrun started {local_ranks} processes on this node but it has "

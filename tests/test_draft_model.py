@@ -6,7 +6,6 @@ grows, and the errors.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
