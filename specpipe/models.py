@@ -127,7 +127,7 @@ class Placement:
         if self.device_map is not None:
             options.update(self._device_map_options(name, folder, dtype))
         elif self.tp_plan is not None:
-            options.update(self._tensor_parallel_options())
+            options.update(self._tensor_parallel_options(folder))
         else:
             device = resolve_device(self.device)
             if device.type != "cpu":
@@ -158,12 +158,23 @@ class Placement:
             options["offload_folder"] = str(folder)
         return options
 
-    def _tensor_parallel_options(self) -> dict:
-        if distributed.launched_processes() < 2:
+    def _tensor_parallel_options(self, folder: Path) -> dict:
+        processes = distributed.launched_processes()
+        if processes < 2:
             raise ConfigError(
                 "model.tp_plan shards the model over the processes torchrun starts, and this run is one "
                 "process: start it as `torchrun --nproc-per-node N run.py ... model.tp_plan=auto` (gloo on CPUs, "
                 "NCCL on GPUs)")
+        from transformers import AutoConfig
+
+        from specpipe.capacity import Architecture, valid_tensor_parallel
+
+        architecture = Architecture.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
+        valid = valid_tensor_parallel(architecture, processes)
+        if processes not in valid:  # transformers would fail later, inside a reshape
+            raise ConfigError(f"model.tp_plan: {processes} processes cannot split this model evenly (its attention "
+                              f"heads, KV heads, MLP width and vocabulary must divide by N); valid up to "
+                              f"{processes}: {', '.join(map(str, valid))}. `python run.py task=plan model=...` lists them")
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.launched_processes()))
         if torch.cuda.is_available() and torch.cuda.device_count() < local_ranks:
             raise ModelNotAvailable(

@@ -224,3 +224,10 @@ def test_rank_zero_builds_first_and_its_decisions_are_broadcast(tmp_path):
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report == {"seen": "rank 0", "value": "from rank 0"}, rank
+
+
+def test_tensor_parallel_over_a_count_that_does_not_divide_the_heads_is_refused(mixed_dir, monkeypatch):
+    """The tiny model has 4 heads and 2 KV heads: 3 ranks would fail inside a reshape, mid-forward."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="3 processes cannot split this model evenly.*valid up to 3: 1"):
+        load_model(compose_config(local(mixed_dir, "model.tp_plan=auto")).model)
