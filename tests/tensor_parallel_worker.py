@@ -2,7 +2,9 @@
 with a tensor-parallel target on every rank and writes what rank 0 saw, and whether every rank
 saw the same, to the JSON file named on the command line.
 
-    torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py MODEL_DIR PROMPTS.json OUT.json
+    torchrun --nproc-per-node 2 tests/tensor_parallel_worker.py MODEL_DIR REQUEST.json OUT.json
+
+REQUEST.json: {"prompts": [[ids...]...], "max_new_tokens": N, "pipelines": {NAME: [overrides...]}}.
 """
 from __future__ import annotations
 
@@ -16,15 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specpipe.pipelines.builder import build_pipeline, compose_config  # noqa: E402
 
-PIPELINES = ("vanilla", "lookahead_trie", "prompt_lookup")
 
 
-def main(model_dir: str, prompts_file: str, out_file: str) -> None:
-    prompts, max_new_tokens = json.loads(Path(prompts_file).read_text())
+def main(model_dir: str, request_file: str, out_file: str) -> None:
+    request = json.loads(Path(request_file).read_text())
+    prompts, max_new_tokens = request["prompts"], request["max_new_tokens"]
     results: dict = {}
-    for name in PIPELINES:
+    for name, overrides in request["pipelines"].items():
         cfg = compose_config(["model=local", f"model.path={model_dir}", "model.tp_plan=auto", f"pipeline={name}",
-                              "cost_curve=measured"])
+                              "cost_curve=measured", *overrides])
         pipe = build_pipeline(cfg)
         results[name] = [pipe.generate(prompt, max_new_tokens=max_new_tokens).token_ids for prompt in prompts]
     # sampling without a seed: the ranks must still agree (rank 0 draws the seed)

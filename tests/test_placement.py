@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, random_prompts, run_cli, run_steps, save_model_dir
+from conftest import REPO, head_overrides, random_prompts, run_cli, run_steps, save_model_dir
 from specpipe.engine.base import ENGINE_ATTRIBUTE, spread_description
 from specpipe.errors import ConfigError, ModelNotAvailable
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
@@ -159,11 +159,18 @@ def test_a_quantized_target_decodes_exactly_what_it_would_alone(tiny_mixed, mixe
 
 def test_tensor_parallel_over_two_gloo_processes_decodes_what_one_process_does(tiny_mixed, mixed_dir, tmp_path):
     """`torchrun --nproc-per-node 2` with model.tp_plan=auto: the weights are DTensor shards, every
-    rank decodes the same tokens (greedy under the measured cost curve, and sampling without a seed),
-    and greedy output equals the single-process model's."""
+    rank decodes the same tokens (greedy under the measured cost curves, and sampling without a seed),
+    and greedy output equals the single-process model's, for n-gram drafts, a draft model and heads."""
     prompts, max_new_tokens = random_prompts(4, seed=8), 12
-    prompts_file = tmp_path / "prompts.json"
-    prompts_file.write_text(json.dumps([prompts, max_new_tokens]))
+    model = tiny_mixed.loaded.model
+    pipelines = {name: [] for name in PIPELINES} | {
+        # a draft model of its own on every rank (not sharded), grown by EAGLE-2 under its own cost curve
+        "draft_model": [f"pipeline.drafters.model.path={tiny_mixed.self_draft()}",
+                        "pipeline.drafters.model.vocab_top_k=0", "pipeline.tree.min_score=0"],
+        "eagle": head_overrides("eagle", model),  # heads on the sharded target's gathered hidden states
+        "eagle3": head_overrides("eagle3", model)}  # ... and on the hidden states of three of its layers
+    prompts_file = tmp_path / "request.json"
+    prompts_file.write_text(json.dumps({"prompts": prompts, "max_new_tokens": max_new_tokens, "pipelines": pipelines}))
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                str(REPO / "tests" / "tensor_parallel_worker.py"), str(mixed_dir), str(prompts_file), str(out)]
@@ -173,7 +180,7 @@ def test_tensor_parallel_over_two_gloo_processes_decodes_what_one_process_does(t
     assert report["world_size"] == 2 and report["sharded"] == "DTensor"
     assert report["ranks_agree"]
     expected = [tiny_mixed.greedy_hf(prompt, max_new_tokens) for prompt in prompts]
-    for pipeline in ("vanilla", "lookahead_trie", "prompt_lookup"):
+    for pipeline in pipelines:
         assert report["tokens"][pipeline] == expected, pipeline
     assert len(report["tokens"]["sampled"]) == len(prompts)
 
