@@ -165,8 +165,6 @@ class Placement:
                 "model.tp_plan shards the model over the processes torchrun starts, and this run is one "
                 "process: start it as `torchrun --nproc-per-node N run.py ... model.tp_plan=auto` (gloo on CPUs, "
                 "NCCL on GPUs)")
-        from transformers import AutoConfig
-
         from specpipe.capacity import Architecture, valid_tensor_parallel
 
         architecture = Architecture.from_config(AutoConfig.from_pretrained(folder, local_files_only=True))
@@ -175,7 +173,7 @@ class Placement:
             raise ConfigError(f"model.tp_plan: {processes} processes cannot split this model evenly (its attention "
                               f"heads, KV heads, MLP width and vocabulary must divide by N); valid up to "
                               f"{processes}: {', '.join(map(str, valid))}. `python run.py task=plan model=...` lists them")
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.launched_processes()))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
         if torch.cuda.is_available() and torch.cuda.device_count() < local_ranks:
             raise ModelNotAvailable(
                 f"model.tp_plan: torchrun started {local_ranks} processes on this node but it has "
@@ -186,7 +184,6 @@ class Placement:
         return {"distributed_config": DistributedConfig(tp_plan=self.tp_plan)}
 
     def _quantization_config(self, dtype: torch.dtype):
-        from transformers import BitsAndBytesConfig
         from transformers.quantizers.auto import AutoQuantizationConfig
 
         if isinstance(self.quantization, str):
@@ -197,9 +194,7 @@ class Placement:
                 raise ModelNotAvailable(f"model.quantization={self.quantization} loads the target through "
                                         f"bitsandbytes, which is not installed: pip install bitsandbytes (or "
                                         f"the project's [quant] extra)")
-            if self.quantization == "8bit":
-                return BitsAndBytesConfig(load_in_8bit=True)
-            return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+            return bitsandbytes_config(8 if self.quantization == "8bit" else 4, dtype)
         try:
             return AutoQuantizationConfig.from_dict(dict(self.quantization))
         except (ValueError, KeyError, TypeError) as error:
@@ -207,11 +202,36 @@ class Placement:
                               f"({error})") from None
 
 
+def save_model_folder(target: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """`model` and `tokenizer` saved as the model directory `target`, atomically: written into a
+    sibling staging folder and renamed, so a half-written copy is never loaded. Another process
+    that got there first wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def bitsandbytes_config(bits: int, compute_dtype: torch.dtype):
+    """transformers' bitsandbytes config for 8- or 4-bit linears (what `model.quantization=8bit|4bit` loads)."""
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype)
+
+
 def _planned_device_map(folder: Path, dtype: torch.dtype, max_memory: dict) -> dict:
     """accelerate's device map for the model in `folder` within `max_memory`, planned on the meta
     device (no weights read)."""
     from accelerate import infer_auto_device_map, init_empty_weights
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with init_empty_weights():
@@ -327,17 +347,7 @@ class EmbeddedGGUFModel(Placement):
         model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{self.name}-", dir=target.parent))
-        try:
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(target)  # atomic: a half-written cache is never seen as converted
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            if not (target / "config.json").is_file():
-                raise
-        return target
+        return save_model_folder(target, model, tokenizer)
 
     def load(self) -> LoadedModel:
         model, tokenizer = _load_pretrained_dir(self._folder(), parse_dtype(self.dtype), self, self.name)
@@ -406,14 +416,4 @@ class TinyRandomLlama(Placement):
         folder = cache_root() / "models" / f"{self.name}-{key}"
         if (folder / "config.json").is_file():
             return folder
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            self._build(config).save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(folder)  # atomic: a half-written copy is never loaded
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            if not (folder / "config.json").is_file():
-                raise
-        return folder
+        return save_model_folder(folder, self._build(config), tokenizer)

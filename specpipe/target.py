@@ -240,7 +240,5 @@ class TargetModel:
     def _output(self, out) -> ForwardOutput:
         # Under a device map the last layers may run on another GPU than the first: hand every
         # stage its rows on the runner's device (a no-op for a model on one device).
-        device = self.device
-        aux_hidden = self._aux_hidden(out.hidden_states)
-        return ForwardOutput(out.logits[0].float().to(device), out.hidden_states[-1][0].to(device),
-                             aux_hidden=aux_hidden.to(device) if aux_hidden is not None else None)
+        return ForwardOutput(out.logits[0].float().to(self.device), out.hidden_states[-1][0].to(self.device),
+                             aux_hidden=self._aux_hidden(out.hidden_states))  # gathered on self.device there

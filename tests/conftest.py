@@ -283,13 +283,7 @@ class ModelUnderTest:
         eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
         key = (tuple(prompt_ids), max_new_tokens, tuple(eos))
         if key not in self._greedy:
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long)
-            with torch.inference_mode():
-                out = self.reference.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                    min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=eos,
-                    pad_token_id=self.tokenizer.pad_token_id, temperature=None, top_p=None, top_k=None)
-            self._greedy[key] = out[0, len(prompt_ids):].tolist()
+            self._greedy[key] = hf_greedy(self.reference, prompt_ids, max_new_tokens, eos, self.tokenizer.pad_token_id)
         return list(self._greedy[key])
 
     def greedy_loop(self, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=None) -> list[int]:
@@ -311,6 +305,17 @@ class ModelUnderTest:
         model = self.loaded.model if engine else self.reference
         with torch.inference_mode():
             return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int],
+              pad_token_id: int | None) -> list[int]:
+    """Plain greedy decoding of `model` with HF `generate(do_sample=False)`: the new tokens."""
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=eos_token_ids,
+                             pad_token_id=pad_token_id, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt_ids):].tolist()
 
 
 def _rescale(model: torch.nn.Module, mix: float, sharpen: float) -> None:

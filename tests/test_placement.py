@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, head_overrides, random_prompts, run_cli, run_steps, save_model_dir
+from conftest import REPO, head_overrides, hf_greedy, random_prompts, run_cli, run_steps, save_model_dir
 from specpipe.engine.base import ENGINE_ATTRIBUTE, spread_description
 from specpipe.errors import ConfigError, ModelNotAvailable
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
@@ -49,18 +49,9 @@ def decodes_like(tiny_mixed, overrides: list[str], prompts: list[list[int]], max
         pipe = build_pipeline(compose_config([*overrides, f"pipeline={pipeline}"]), loaded=loaded)
         for i, prompt in enumerate(prompts):
             tokens, _ = run_steps(pipe, prompt, max_new_tokens)
-            expected = tiny_mixed.greedy_hf(prompt, max_new_tokens) if reference is None \
-                else greedy(reference, prompt, max_new_tokens, tiny_mixed.eos_token_ids)
+            expected = tiny_mixed.greedy_hf(prompt, max_new_tokens) if reference is None else hf_greedy(
+                reference, prompt, max_new_tokens, tiny_mixed.eos_token_ids, tiny_mixed.tokenizer.pad_token_id)
             assert tokens == expected, f"{pipeline}, prompt {i}: {tokens} != {expected}"
-
-
-def greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None,
-                             top_k=None)
-    return out[0, len(prompt):].tolist()
 
 
 def test_every_model_config_has_the_placement_options():

@@ -64,15 +64,22 @@ def build_engine(cfg: DictConfig) -> Engine:
     return _instantiate_stage(cfg.engine, "engine")
 
 
-def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeline:
-    """Instantiates every stage of `cfg.pipeline` around the target model `cfg.model`."""
+def build_target(cfg: DictConfig, loaded: LoadedModel) -> tuple[TargetModel, Engine]:
+    """The target runner a pipeline of `cfg` verifies with: `cfg.threads`, the model rewritten by
+    `cfg.engine`, `cfg.attention` (together the key its measured cost curve is cached under)."""
     if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
-    loaded = loaded or load_model(cfg.model)
+        torch.set_num_threads(int(cfg.threads))  # before the engine: its GEMM splits follow the threads
     engine = build_engine(cfg)
     engine.apply(loaded.model)
     target = TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")),
                          engine=engine.name)
+    return target, engine
+
+
+def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeline:
+    """Instantiates every stage of `cfg.pipeline` around the target model `cfg.model`."""
+    loaded = loaded or load_model(cfg.model)
+    target, engine = build_target(cfg, loaded)
     pipeline_cfg = cfg.pipeline
     proposers = [_build_source(stage_cfg, f"pipeline.proposers.{key}", target, loaded, engine)
                  for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items()]

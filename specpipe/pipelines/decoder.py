@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ class SpeculativeDecoder:
                documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
         seed = sampling.seed
         if seed is None and not sampling.greedy and distributed.active():
-            # tensor-parallel ranks must sample the same tokens: one fresh seed, drawn on rank 0
-            seed = distributed.broadcast_from_main(int(torch.seed()))
+            # tensor-parallel ranks must sample the same tokens: one fresh seed, drawn on rank 0 from
+            # the OS (torch.seed() would also reseed rank 0's global generator, and only rank 0's)
+            seed = distributed.broadcast_from_main(int.from_bytes(os.urandom(8), "little") >> 1)
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         cache = self.target.new_cache()
         clock = time.perf_counter

@@ -100,10 +100,10 @@ def model_config(model_cfg: DictConfig):
 
 
 def compute_dtype(model_cfg: DictConfig) -> str:
+    from specpipe.engine.cpu import DTYPE_NAMES
     from specpipe.models import parse_dtype
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return names[parse_dtype(model_cfg.get("dtype", "fp32"))]
+    return DTYPE_NAMES[parse_dtype(model_cfg.get("dtype", "fp32"))]
 
 
 # ---- draft stages -------------------------------------------------------------------------------
@@ -146,26 +146,27 @@ def _checkpoint_params(path: Path, skip: tuple[str, ...] = ()) -> tuple[int | No
     return None, f"n/a: {path} holds no .safetensors or config.json"
 
 
-def _default_checkpoint(target: str, stage_cfg: DictConfig) -> tuple[Path, tuple[str, ...]] | None:
+def _default_checkpoint(target: str, stage_cfg: DictConfig) -> Path | None:
+    """The checkpoint a draft stage loads for the embedded model when it is given no path."""
     from specpipe.pipelines.builder import CONFIG_DIR
 
     repo = CONFIG_DIR.parent
     if target.endswith("draft_model.load_drafter"):
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH
 
-        return Path(DEFAULT_DRAFT_PATH), ()
+        return Path(DEFAULT_DRAFT_PATH)
     if target.endswith("eagle.load_eagle"):
-        from specpipe.stages.draft.eagle import BASE_MODEL_KEYS, DEFAULT_EAGLE_DIR
+        from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
 
-        return repo / DEFAULT_EAGLE_DIR, BASE_MODEL_KEYS
+        return repo / DEFAULT_EAGLE_DIR
     if target.endswith("eagle3.load_eagle3"):
-        from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR, UNUSED_KEYS
+        from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
 
-        return repo / DEFAULT_EAGLE3_DIR, UNUSED_KEYS
+        return repo / DEFAULT_EAGLE3_DIR
     if target.endswith("medusa.load_medusa"):
         from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 
-        return repo / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR), ()
+        return repo / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR)
     return None
 
 
@@ -205,7 +206,7 @@ def draft_stages(cfg: DictConfig, dtype_bytes: int) -> list[DraftStage]:
                 if path:
                     params, source = _checkpoint_params(Path(str(path)).expanduser(), _skipped_keys(target))
                 elif default is not None and embedded:
-                    params, source = _checkpoint_params(*default)
+                    params, source = _checkpoint_params(default, _skipped_keys(target))
                 else:
                     params, source = None, ("n/a: no drafter.path given (the default checkpoint is the embedded "
                                             "model's)")
@@ -245,14 +246,11 @@ def quantizer_max_memory(precision: capacity.Precision, dtype: str):
     quantized model with device_map=auto (bitsandbytes keeps 10% back); None when unquantized."""
     if precision.bits is None:
         return None
-    from transformers import BitsAndBytesConfig
     from transformers.quantizers.auto import AutoHfQuantizer
 
-    from specpipe.models import parse_dtype
+    from specpipe.models import bitsandbytes_config, parse_dtype
 
-    config = BitsAndBytesConfig(load_in_8bit=True) if precision.bits == 8 else \
-        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=parse_dtype(dtype))
-    return AutoHfQuantizer.from_config(config).adjust_max_memory
+    return AutoHfQuantizer.from_config(bitsandbytes_config(precision.bits, parse_dtype(dtype))).adjust_max_memory
 
 
 def roofline_devices(mode: str, fit: Fit, settings: PlanSettings, valid_ranks: list[int]) -> int | None:
@@ -263,13 +261,26 @@ def roofline_devices(mode: str, fit: Fit, settings: PlanSettings, valid_ranks: l
     return max(n for n in valid_ranks if n <= max(settings.gpus, fit.devices))
 
 
-def build_plan(cfg: DictConfig, settings: PlanSettings, hardware: Hardware) -> dict:
-    config = model_config(cfg.model)
+@dataclass(frozen=True)
+class ModelShape:
+    """The configured model without weights: its architecture, a copy on the meta device (what
+    accelerate plans device maps on) and its parameters by kind."""
+
+    arch: Architecture
+    model: torch.nn.Module
+    inv: capacity.WeightInventory
+
+
+def model_shape(model_cfg: DictConfig) -> ModelShape:
+    config = model_config(model_cfg)
+    model = capacity.build_meta_model(config)
+    return ModelShape(Architecture.from_config(config), model, capacity.inventory(model))
+
+
+def build_plan(cfg: DictConfig, settings: PlanSettings, hardware: Hardware, shape: ModelShape) -> dict:
     dtype = compute_dtype(cfg.model)
     dtype_bytes = capacity.DTYPE_BYTES[dtype]
-    arch = Architecture.from_config(config)
-    model = capacity.build_meta_model(config)
-    inv = capacity.inventory(model)
+    arch, model, inv = shape.arch, shape.model, shape.inv
     tree_tokens = max(settings.queries)
     buffers = capacity.tree_buffers(arch, tree_tokens, settings.context_tokens, dtype_bytes)
     drafts = draft_stages(cfg, dtype_bytes)
@@ -339,18 +350,13 @@ def measure_matmul_tflops(size: int = 2048, rounds: int = 7) -> float:
 def plan_target(cfg: DictConfig):
     """The target runner a pipeline of this config verifies with (model, engine, attention, threads):
     the key under which task=bench_cost stored its cost curve."""
-    from specpipe.pipelines.builder import build_engine, load_model
-    from specpipe.target import TargetModel
+    from specpipe.pipelines.builder import build_target, load_model
 
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))  # the curve's key holds the thread count, as build_pipeline sets it
-    loaded = load_model(cfg.model)
-    engine = build_engine(cfg)
-    engine.apply(loaded.model)
-    return TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")), engine=engine.name)
+    return build_target(cfg, load_model(cfg.model))[0]
 
 
-def measured_check(cfg: DictConfig, plan: dict, settings: PlanSettings, hardware: Hardware) -> dict | None:
+def measured_check(cfg: DictConfig, plan: dict, settings: PlanSettings, hardware: Hardware,
+                   shape: ModelShape) -> dict | None:
     """The cost curve task=bench_cost stored for this model, engine, dtype and CPU, beside the
     roofline at the KV length it was measured at. Looked up only (plan.measure=true measures a
     missing one); None when the hardware is not a CPU or the model does not fit in its memory."""
@@ -369,10 +375,8 @@ def measured_check(cfg: DictConfig, plan: dict, settings: PlanSettings, hardware
               "measured": curve is not None}
     if curve is None:
         return result
-    config = model_config(cfg.model)
-    arch, dtype = Architecture.from_config(config), plan["dtype"]
-    inv = capacity.inventory(capacity.build_meta_model(config))
-    step = StepModel(arch, inv, capacity.precision(dtype, dtype), POLICY_KV_LENGTH)
+    dtype = plan["dtype"]
+    step = StepModel(shape.arch, shape.inv, capacity.precision(dtype, dtype), POLICY_KV_LENGTH)
     analytic = step.weight_bytes_read()
     rows = []
     for q, ms in zip(curve.queries, curve.milliseconds):
@@ -531,9 +535,10 @@ def check_markdown(check: dict, hardware: Hardware) -> str:
 def run_plan(cfg: DictConfig) -> dict:
     settings = read_settings(cfg)
     hardware = load_hardware(cfg)
-    plan = build_plan(cfg, settings, hardware)
+    shape = model_shape(cfg.model)
+    plan = build_plan(cfg, settings, hardware, shape)
     text = markdown(plan)
-    check = measured_check(cfg, plan, settings, hardware)
+    check = measured_check(cfg, plan, settings, hardware, shape)
     if check is not None:
         plan["measured_check"] = check
         text += "\n" + check_markdown(check, hardware)
