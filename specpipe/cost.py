@@ -112,9 +112,10 @@ def _machine_key(target, kv_length: int) -> str:
         parts += [spread, str(getattr(model, "hf_device_map", "")), f"world={distributed.world_size()}"]
     if target.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(target.device))
-    else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
+    else:  # one CPU model string can hide an ISA cap (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS)
         description = cpu_description()
         parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"]),
+                  description["mkl_enable_instructions"],
                   str(getattr(getattr(target, "model", None), REWRITE_ATTRIBUTE, ""))]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

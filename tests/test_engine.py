@@ -361,32 +361,41 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     without_native_bf16(monkeypatch)
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
-        OneDNNEngine(bf16_small_rows=2).apply(model)
+        OneDNNEngine(bf16_small_rows=2, fp32_split_rows=3).apply(model)
     assert linears(model) == [] and model.specpipe_engine == "fast"
     packed = model.lm_head.packed
     assert packed.compute_dtype == torch.float32 and packed.packed.dtype == torch.float32
-    assert packed.split_rows == 0 and packed.plain is None  # split GEMMs are for fp32 models only
+    assert packed.split_rows == 3 and packed.plain.dtype == torch.float32  # fp32 split GEMMs for the 3rd row
     line = [record.message for record in caplog.records if "bf16 linears" in record.message]
     assert len(line) == 1 and "avx512bw" in line[0]
-    assert "bf16 F.linear for up to 2 rows, prepacked fp32 oneDNN (inputs upcast from bf16) above" in line[0]
+    assert ("bf16 F.linear for up to 2 rows, fp32 GEMMs split over the threads by weight rows for up to 3 rows, "
+            "prepacked fp32 oneDNN (inputs upcast from bf16) above") in line[0]
+    calls = []
+    monkeypatch.setattr(onednn, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     # up to small_rows rows: transformers' own bf16 product on the untouched weight, bitwise
     hidden = model.config.hidden_size
     for rows in (1, 2):
         x = torch.randn(1, rows, hidden).bfloat16()  # [batch, rows, hidden]
         assert torch.equal(model.lm_head(x), stock.lm_head(x))
-    # more rows: the fp32 product of the bf16 values rounded to bf16, as a bf16 GEMM's (which
-    # accumulates in fp32): only the order of the sums may differ, i.e. at most one bf16 rounding step
-    x = torch.randn(3, hidden).bfloat16()  # [rows, hidden]
-    out = model.lm_head(x)
-    expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert calls == []
+    # more rows (split GEMMs for 3, oneDNN for 4): the fp32 product of the bf16 values rounded to bf16,
+    # as a bf16 GEMM's (which accumulates in fp32): only the order of the sums may differ, i.e. at
+    # most one bf16 rounding step
+    for rows in (3, 4):
+        x = torch.randn(rows, hidden).bfloat16()  # [rows, hidden]
+        out = model.lm_head(x)
+        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert calls == ["split", "onednn"]
     # a one-token step streams the bf16 weights, a verify the fp32 packing
     from specpipe.cost import streamed_weight_bytes
 
     stock_bytes = streamed_weight_bytes(stock)
     assert streamed_weight_bytes(model, rows=1) == stock_bytes
     assert streamed_weight_bytes(model, rows=3) > 1.9 * stock_bytes
+    assert streamed_weight_bytes(model, rows=4) > 1.9 * stock_bytes
 
 
 def test_bf16_fallback_decodes_as_transformers_bf16_does(monkeypatch):
@@ -476,19 +485,25 @@ def test_weight_row_blocks_divide_the_rows_evenly_up_to_one_per_thread():
     assert cpu.weight_row_blocks(576, 1) == 1
 
 
-def test_fp32_split_rows_auto_takes_split_gemms_only_without_avx512(monkeypatch, caplog):
+def test_fp32_split_rows_auto_follows_the_measured_cpu_class(monkeypatch, caplog):
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
-    assert cpu._prefers_split_gemm("brg_matmul:avx2") and cpu._prefers_split_gemm("x64:gemm:jit")
-    assert not cpu._prefers_split_gemm("brg_matmul:avx512_core") and not cpu._prefers_split_gemm("brgemm:avx512_core_amx")
+    assert cpu.auto_split_rows("brg_matmul:avx2") == cpu.auto_split_rows("x64:gemm:jit") == cpu.AUTO_SPLIT_ROWS
+    assert cpu.auto_split_rows("brg_matmul:avx512_core") == cpu.AUTO_SPLIT_ROWS_AVX512
+    assert cpu.auto_split_rows("brgemm:avx512_core_amx") == 0  # not measured there
     monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
-    assert not cpu._prefers_split_gemm("gemm:acl")
+    assert cpu.auto_split_rows("gemm:acl") == 0
     monkeypatch.undo()
     auto = cpu.probe_linear_path(torch.float32)
-    assert auto.split_rows == (cpu.AUTO_SPLIT_ROWS if cpu._prefers_split_gemm(auto.kernel) else 0)
-    # an explicit count holds whatever the CPU; bf16 models never split (their few rows run bf16 F.linear)
+    assert auto.split_rows == cpu.auto_split_rows(auto.kernel)
+    # an explicit count holds whatever the CPU
     assert cpu.probe_linear_path(torch.float32, split_rows=4).split_rows == 4
     assert cpu.probe_linear_path(torch.float32, split_rows=0).split_rows == 0
-    assert cpu.probe_linear_path(torch.bfloat16, split_rows=4).split_rows == 0
+    # bf16 weights packed in fp32 split only the rows above those bf16 F.linear serves; native bf16 never
+    upcast = cpu.probe_linear_path(torch.bfloat16, prefer_fp32_compute=True, small_rows=3, split_rows=4)
+    assert (upcast.small_rows, upcast.split_rows) == (3, 4)
+    assert cpu.probe_linear_path(torch.bfloat16, prefer_fp32_compute=True, small_rows=3, split_rows=3).split_rows == 0
+    native = cpu.probe_linear_path(torch.bfloat16, split_rows=4)
+    assert native.compute_dtype == torch.float32 or native.split_rows == 0
     model = fresh_tiny()
     with caplog.at_level(logging.INFO):
         OneDNNEngine(fp32_split_rows=2).apply(model)
@@ -519,3 +534,19 @@ def test_split_rows_and_the_lean_forward_are_part_of_the_cost_curve_key(tmp_path
         OneDNNEngine(fp32_split_rows=split_rows, lean_forward=lean_forward).apply(model)
         paths.add(cost_curve_path(TargetModel(model, name="tiny", engine="fast"), cache_dir=tmp_path))
     assert len(paths) == 3
+
+
+def test_an_mkl_isa_cap_is_part_of_the_cost_curve_key_and_the_machine_line(tmp_path, monkeypatch):
+    """Split GEMMs run on MKL, which ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY do not hold back."""
+    from specpipe.cost import cost_curve_path
+    from specpipe.tasks.bench_report import machine_info, machine_line
+
+    model = fresh_tiny()
+    OneDNNEngine().apply(model)
+    target = TargetModel(model, name="tiny", engine="fast")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    uncapped, line = cost_curve_path(target, cache_dir=tmp_path), machine_line(machine_info())
+    assert "MKL cap" not in line
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert cost_curve_path(target, cache_dir=tmp_path) != uncapped
+    assert "MKL cap AVX2" in machine_line(machine_info())

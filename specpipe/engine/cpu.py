@@ -24,12 +24,15 @@ import torch.nn.functional as F
 PACKING_ROWS_HINT = 16
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# engine.fp32_split_rows=auto on CPUs where split GEMMs pay (see `_prefers_split_gemm`): measured in
-# SmolLM2-135M's whole forward with the lean model forward on a 2-core AVX2 EPYC (KV 256, 11
-# interleaved rounds), split GEMMs for up to 1 / 8 rows, ms: q=1 37.5 / 36.7, q=2 47.0 / 44.1,
-# q=4 53.4 / 46.3, q=5 53.6 / 53.1, q=8 60.4 / 64.8, q=12 67.0 / 68.8 (16 rows: 107 at q=12).
-# Before the lean forward they won for 1 row only.
-AUTO_SPLIT_ROWS = 4
+# engine.fp32_split_rows=auto (see `auto_split_rows`), measured in SmolLM2-135M's whole forward with
+# the lean model forward (KV 256, interleaved rounds, ms):
+# - 2-core AMD EPYC, AVX2 only: split GEMMs for up to 1 / 8 rows, q=1 37.5 / 36.7, q=2 47.0 / 44.1,
+#   q=4 53.4 / 46.3, q=5 53.6 / 53.1, q=8 60.4 / 64.8, q=12 67.0 / 68.8 (16 rows: 107 at q=12);
+# - 2-core AMD EPYC with AVX-512 (oneDNN brg_matmul:avx512_core), oneDNN for every product / split
+#   GEMMs up to 2 / up to 4 rows: q=1 18.7 / 16.6 / 16.6, q=2 20.2 / 19.3 / 19.7, q=3 21.5 / 21.0 /
+#   23.2, q=4 19.9 / 19.7 / 21.7.
+AUTO_SPLIT_ROWS = 4  # x86 CPUs whose oneDNN fp32 kernel is AVX2 (or older)
+AUTO_SPLIT_ROWS_AVX512 = 2
 
 
 def onednn_available() -> bool:
@@ -87,13 +90,13 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
     return out.view(*x.shape[:-1], out_features)  # [..., out]
 
 
-def _prefers_split_gemm(onednn_kernel: str) -> bool:
-    """engine.fp32_split_rows=auto: split GEMMs on x86 CPUs whose oneDNN fp32 kernel is not AVX-512/AMX
-    (measured faster than oneDNN there for up to 4 rows, see AUTO_SPLIT_ROWS); on AVX-512 CPUs oneDNN's
-    prepacked kernels measured 2x+ faster than transformers' own forward, and split GEMMs were not
-    measured."""
+def auto_split_rows(onednn_kernel: str) -> int:
+    """engine.fp32_split_rows=auto: how many rows split GEMMs serve on a CPU whose oneDNN fp32 kernel is
+    `onednn_kernel` (see AUTO_SPLIT_ROWS). None on AMX CPUs and off x86, where they were not measured."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-    return x86 and not re.search(r"avx512|amx", onednn_kernel)
+    if not x86 or "amx" in onednn_kernel:
+        return 0
+    return AUTO_SPLIT_ROWS_AVX512 if "avx512" in onednn_kernel else AUTO_SPLIT_ROWS
 
 
 @dataclass(frozen=True)
@@ -117,12 +120,14 @@ class LinearPath:
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
-        how = f"prepacked {compute} oneDNN" + (f" (inputs upcast from {name})" if compute != name else "")
-        if self.split_rows:
-            how = f"{name} GEMMs split over the threads by weight rows for up to {self.split_rows} rows, {how} above"
+        paths = []  # fewest rows first
         if self.small_rows:
-            how = f"{name} F.linear for up to {self.small_rows} rows, {how} above"
-        return f"{name} linears: {how}, kernel {self.kernel}; {self.reason}"
+            paths.append(f"{name} F.linear for up to {self.small_rows} rows")
+        if self.split_rows:
+            paths.append(f"{compute} GEMMs split over the threads by weight rows for up to {self.split_rows} rows")
+        packed = f"prepacked {compute} oneDNN" + (f" (inputs upcast from {name})" if compute != name else "")
+        paths.append(f"{packed} above" if paths else packed)
+        return f"{name} linears: {', '.join(paths)}, kernel {self.kernel}; {self.reason}"
 
 
 def _run_probe(dtype: torch.dtype) -> str:
@@ -152,7 +157,8 @@ def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, sma
     token (half the bytes to stream) but ~290 ms for 16 (no bf16 arithmetic on AVX2).
 
     fp32 models run products of up to `split_rows` rows as `split_linear` on plain weights ("auto":
-    AUTO_SPLIT_ROWS on x86 CPUs without an AVX-512 oneDNN kernel, else none).
+    `auto_split_rows(kernel)`). bf16 weights packed in fp32 take split GEMMs for the rows above
+    `small_rows` up to `split_rows` (on a 2-core AVX2-held EPYC, 4 rows: 21.5 vs 25.9 ms).
     """
     if not onednn_available():
         return "this torch build has no oneDNN linear"
@@ -172,20 +178,20 @@ def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, sma
         kernel = _run_probe(torch.float32)
     except RuntimeError as error:
         return f"oneDNN cannot run a prepacked fp32 linear here ({_first_line(error)})"
+    if split_rows == "auto":
+        split_rows = auto_split_rows(kernel)
+        split_why = (f"split GEMMs outran oneDNN's {kernel} for up to {split_rows} rows on such CPUs" if split_rows
+                     else f"oneDNN {kernel} for every fp32 product")
+    else:
+        split_why = f"engine.fp32_split_rows={split_rows}"
     if dtype == torch.float32:
-        if split_rows == "auto":
-            split_rows = AUTO_SPLIT_ROWS if _prefers_split_gemm(kernel) else 0
-            why = (f"split GEMMs outran oneDNN's {kernel} for up to {split_rows} rows on such CPUs" if split_rows
-                   else f"oneDNN {kernel} for every product")
-        else:
-            why = f"engine.fp32_split_rows={split_rows}"
-        return LinearPath(dtype, dtype, kernel, f"ATen capability {aten_capability()}, {why}",
+        return LinearPath(dtype, dtype, kernel, f"ATen capability {aten_capability()}, {split_why}",
                           split_rows=int(split_rows))
-    if prefer_fp32_compute:
-        return LinearPath(dtype, torch.float32, kernel, "fp32 compute was asked for (engine.bf16_compute=fp32)",
-                          small_rows)
-    return LinearPath(dtype, torch.float32, kernel,
-                      f"this CPU has no oneDNN bf16 kernel ({native_failure}); weights prepacked in fp32", small_rows)
+    # bf16 F.linear serves up to small_rows rows, so fp32 split GEMMs only the rows above that
+    split_rows = int(split_rows) if int(split_rows) > small_rows else 0
+    why = ("fp32 compute was asked for (engine.bf16_compute=fp32)" if prefer_fp32_compute
+           else f"this CPU has no oneDNN bf16 kernel ({native_failure}); weights prepacked in fp32")
+    return LinearPath(dtype, torch.float32, kernel, f"{why}; {split_why}", small_rows, split_rows)
 
 
 def _first_line(error: BaseException) -> str:
@@ -233,4 +239,7 @@ def cpu_description() -> dict:
                                      + (f"+split<={path.split_rows}" if path.split_rows else "")
                                      if isinstance(path, LinearPath) else "none")
     return {"cpu_model": model, "aten_capability": aten_capability(), "isa_flags": isa_flags,
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "onednn_linear": paths}
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            # MKL runs split GEMMs' bmm and dispatches its own ISA: ONEDNN_MAX_CPU_ISA and
+            # ATEN_CPU_CAPABILITY do not hold it back, MKL_ENABLE_INSTRUCTIONS does
+            "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""), "onednn_linear": paths}

@@ -53,9 +53,11 @@ class PackedWeight(nn.Module):
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
         self.packed = pack_weight(weight.to(self.compute_dtype))
-        # Products of at most `split_rows` rows in the weight's own dtype run split_linear on it.
-        self.split_rows = split_rows if self.compute_dtype == weight.dtype else 0
-        self.plain = weight.contiguous() if self.split_rows else None  # [sum out, in]
+        # Products of at most `split_rows` rows computed in fp32 run split_linear on a plain fp32
+        # copy (above `small_rows` for a bf16 weight packed in fp32); bf16 split GEMMs measured no
+        # faster than F.linear.
+        self.split_rows = split_rows if self.compute_dtype == torch.float32 and split_rows > self.small_rows else 0
+        self.plain = weight.to(self.compute_dtype).contiguous() if self.split_rows else None  # [sum out, in]
         self._blocked: tuple[int, Tensor] | None = None  # (threads, row_blocks(plain, threads)), made on first use
         biases = [linear.bias.detach() if linear.bias is not None else None for linear in linears]
         if all(bias is None for bias in biases):
@@ -76,6 +78,8 @@ class PackedWeight(nn.Module):
             return packed_linear(x, self.packed, self.bias)
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
+        if x.numel() <= self.split_rows * self.in_features:
+            return split_linear(x.to(self.compute_dtype), self._row_blocks(), self.bias).to(x.dtype)
         return packed_linear(x.to(self.compute_dtype), self.packed, self.bias).to(x.dtype)
 
     def _row_blocks(self) -> Tensor:
@@ -149,9 +153,10 @@ class OneDNNEngine:
     # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
     # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
     bf16_small_rows: int = 3
-    # fp32 models: products of up to this many rows run as one batched GEMM over a row block per
-    # thread of a plain copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the
-    # weights' memory); "auto" = 1 on x86 CPUs whose oneDNN kernel is not AVX-512, else 0.
+    # Products computed in fp32 (fp32 models, and bf16 weights packed in fp32 above bf16_small_rows)
+    # of up to this many rows run as one batched GEMM over a row block per thread of a plain fp32
+    # copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the weights' memory);
+    # "auto" = specpipe.engine.cpu.auto_split_rows for this CPU's oneDNN kernel.
     fp32_split_rows: int | str = "auto"
     name: str = "fast"
 

@@ -234,6 +234,7 @@ def machine_info() -> dict:
         "cpu_capability": description["aten_capability"],  # ATen's vector ISA (AVX2, AVX512, ...)
         "isa_flags": " ".join(description["isa_flags"]),
         "onednn_max_cpu_isa": description["onednn_max_cpu_isa"] or "unset",
+        "mkl_enable_instructions": description["mkl_enable_instructions"] or "unset",
         "onednn_linear": ", ".join(f"{dtype} {path}" for dtype, path in description["onednn_linear"].items()),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -248,7 +249,9 @@ def machine_info() -> dict:
 
 def machine_line(machine: dict) -> str:
     """The CPU with the ISA its kernels ran (reports from CPUs of different classes do not compare)."""
-    isa = (f" (ATen {machine['cpu_capability']}, oneDNN cap {machine.get('onednn_max_cpu_isa', 'unset')}, "
+    mkl = machine.get("mkl_enable_instructions", "unset")
+    isa = (f" (ATen {machine['cpu_capability']}, oneDNN cap {machine.get('onednn_max_cpu_isa', 'unset')}"
+           f"{'' if mkl == 'unset' else f', MKL cap {mkl}'}, "
            f"prepacked linears: {machine.get('onednn_linear', '?')})" if machine.get("cpu_capability") else "")
     gpus = f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""
     ranks = f", tensor parallel over {machine['world_size']} processes" if machine.get("world_size", 1) > 1 else ""
