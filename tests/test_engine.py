@@ -472,9 +472,20 @@ def test_split_linear_equals_f_linear(threads, out_features, rows):
             out = cpu.split_linear(x, cpu.row_blocks(weight, threads), b)
             assert out.shape == (2, rows, out_features) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=1e-5, rtol=1e-5)
-            one_row = x[:1, :1]  # [1, 1, in]: the one-token step's shape, which skips the transposed copy
-            torch.testing.assert_close(cpu.split_linear(one_row, cpu.row_blocks(weight, threads), b),
-                                       torch.nn.functional.linear(one_row, weight, b), atol=1e-5, rtol=1e-5)
+            # [1, 1, in]: the one-token step's shape, which views its one row in a single op (one at an
+            # offset into its storage too): bit for bit the product of the transposed-and-expanded view
+            # the general path makes; the same values not contiguous take the general path
+            blocked = cpu.row_blocks(weight, threads)  # [blocks, out / blocks, in]
+            for one_row in (x[:1, :1], x[1:, -1:]):
+                fast = cpu.split_linear(one_row, blocked, b)
+                columns = one_row.reshape(1, 48).t().expand(blocked.shape[0], 48, 1)  # [blocks, in, 1]
+                general = torch.bmm(blocked, columns).view(1, 1, out_features)
+                assert torch.equal(fast, general if b is None else general + b)
+                torch.testing.assert_close(fast, torch.nn.functional.linear(one_row, weight, b), atol=1e-5, rtol=1e-5)
+                spread = torch.zeros(1, 1, 96)
+                spread[..., ::2] = one_row
+                assert not spread[..., ::2].is_contiguous()
+                torch.testing.assert_close(cpu.split_linear(spread[..., ::2], blocked, b), fast, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(saved)
 

@@ -16,14 +16,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, eager_attention_forward,
-                                                      rotate_half)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, eager_attention_forward
 
 from specpipe.engine.onednn import OneDNNLinear, PackedWeight
+
+
+def rotary_tables(position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """(cos, sin) [batch, q, head_dim] -> (cos, signed_sin) [batch, q, 1, head_dim], broadcast over the
+    heads, signed_sin being sin with its first half negated: then rotate_half(x) * sin equals
+    cat(x2, x1) * signed_sin bit for bit ((-a) * b == a * (-b) in IEEE arithmetic), one op fewer per
+    layer, and the lean model forward makes the tables once for all layers."""
+    cos, sin = position_embeddings
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(2), signed_sin.unsqueeze(2)
+
+
+def _direct_product(linear: nn.Module) -> Callable[[Tensor], Tensor]:
+    """What computes linear(x): a lone OneDNNLinear's own product without the module call, else the module."""
+    if isinstance(linear, OneDNNLinear) and len(linear.packed.splits) == 1:
+        return linear.packed.product
+    return linear
 
 
 def _shared_packing(module: nn.Module, names: tuple[str, ...]) -> PackedWeight | None:
@@ -52,22 +70,27 @@ class FusedQKVAttention(nn.Module):
         self.is_causal = attention.is_causal
         self.qkv = qkv
         self.o_proj = attention.o_proj
+        self._o_product = _direct_product(self.o_proj)
         self.query_heads = qkv.splits[0] // self.head_dim
         self.kv_heads = qkv.splits[1] // self.head_dim
+        self.half_head = self.head_dim // 2
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                 attention_mask: Tensor | None = None, past_key_values=None,
-                attention_function: Callable | None = None, **kwargs) -> tuple[Tensor, None]:
+                attention_function: Callable | None = None, rotary: tuple[Tensor, Tensor] | None = None,
+                **kwargs) -> tuple[Tensor, None]:
         # hidden_states [batch, q, hidden]; cos, sin [batch, q, head_dim]. `attention_function`: the
         # attention implementation when the caller has looked it up (the lean model forward does, once
-        # per forward: reading config._attn_implementation costs ~20 us, 30 times per step)
+        # per forward: reading config._attn_implementation costs ~20 us, 30 times per step); `rotary`:
+        # rotary_tables(position_embeddings) when the caller has made them
         batch, q, _ = hidden_states.shape
         rotated_heads = self.query_heads + self.kv_heads
         qkv = self.qkv.product(hidden_states).view(batch, q, rotated_heads + self.kv_heads, self.head_dim)
-        cos, sin = position_embeddings
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [batch, q, 1, head_dim]: broadcast over heads
+        cos, signed_sin = rotary if rotary is not None else rotary_tables(position_embeddings)  # [batch, q, 1, hd]
         query_key = qkv[:, :, :rotated_heads]  # [batch, q, heads + kv_heads, head_dim]
-        query_key = query_key * cos + rotate_half(query_key) * sin  # apply_rotary_pos_emb, q and k at once
+        half = self.half_head
+        swapped = torch.cat((query_key[..., half:], query_key[..., :half]), dim=-1)
+        query_key = query_key * cos + swapped * signed_sin  # apply_rotary_pos_emb, q and k at once
         query = query_key[:, :, : self.query_heads].transpose(1, 2)  # [batch, heads, q, head_dim]
         key = query_key[:, :, self.query_heads :].transpose(1, 2)  # [batch, kv_heads, q, head_dim]
         value = qkv[:, :, rotated_heads:].transpose(1, 2)  # [batch, kv_heads, q, head_dim]
@@ -76,7 +99,7 @@ class FusedQKVAttention(nn.Module):
         attention = attention_function or ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                                 eager_attention_forward)
         out, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        return self.o_proj(out.reshape(batch, q, -1)), None  # out [batch, q, heads, head_dim]
+        return self._o_product(out.reshape(batch, q, -1)), None  # out [batch, q, heads, head_dim]
 
 
 class FusedGatedMLP(nn.Module):
@@ -87,11 +110,12 @@ class FusedGatedMLP(nn.Module):
         self.gate_up = gate_up
         self.intermediate_size = gate_up.splits[0]
         self.down_proj = mlp.down_proj
+        self._down_product = _direct_product(self.down_proj)
 
     def forward(self, x: Tensor) -> Tensor:
         # x [batch, q, hidden] -> gate, up [batch, q, intermediate] -> [batch, q, hidden]
         gate, up = self.gate_up.product(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self._down_product(F.silu(gate) * up)
 
 
 def _lean_block(module: nn.Module) -> nn.Module | None:

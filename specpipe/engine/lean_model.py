@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
                                                       eager_attention_forward)
 
-from specpipe.engine.blocks import FusedQKVAttention
+from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
@@ -78,7 +78,8 @@ class LeanLlamaModel(LlamaModel):
                                   past_key_values=past_key_values, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         lean_attention = {"attention_function": ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward)}
+            self.config._attn_implementation, eager_attention_forward),
+            "rotary": rotary_tables(position_embeddings)}  # made once for every layer
         recorded = [hidden] if output_hidden_states else None
         for layer in self.layers[: self.config.num_hidden_layers]:
             # LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its input
