@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import platform
+import shutil
 
 import pytest
 import torch
@@ -361,7 +363,7 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     without_native_bf16(monkeypatch)
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
-        OneDNNEngine(bf16_small_rows=2, fp32_split_rows=3).apply(model)
+        OneDNNEngine(bf16_small_rows=2, fp32_split_rows=3, bf16_kernel_rows=0).apply(model)  # no AVX2 kernel
     assert linears(model) == [] and model.specpipe_engine == "fast"
     packed = model.lm_head.packed
     assert packed.compute_dtype == torch.float32 and packed.packed.dtype == torch.float32
@@ -396,6 +398,84 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     assert streamed_weight_bytes(model, rows=1) == stock_bytes
     assert streamed_weight_bytes(model, rows=3) > 1.9 * stock_bytes
     assert streamed_weight_bytes(model, rows=4) > 1.9 * stock_bytes
+
+
+# ---- the bf16-weight kernel (CPUs without a oneDNN bf16 kernel) ----------------------------------
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None or platform.machine().lower() not in ("x86_64", "amd64")
+    or "avx2" not in " ".join(cpu.cpu_description()["isa_flags"]),
+    reason="the bf16 kernel is built with g++ for x86 CPUs with AVX2")
+
+
+@needs_compiler
+def test_bf16_kernel_builds_and_equals_an_fp32_product_of_the_bf16_weights():
+    from specpipe.engine.bf16_kernel import Bf16Kernel
+
+    kernel = Bf16Kernel()
+    assert kernel.product is not None, kernel.reason
+    generator = torch.Generator().manual_seed(5)
+    # a vector tail (75, 9), sizes the passes of 4 and 6 rows split unevenly (7, 9, 13)
+    for in_features in (9, 75, 576):
+        for out_features in (1, 37, 96):
+            weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
+            for rows in (1, 2, 3, 4, 5, 6, 7, 9, 13):
+                x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
+                torch.testing.assert_close(kernel.product(x, weight), x @ weight.float().t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="x: contiguous fp32"):
+        kernel.product(torch.randn(2, 75).bfloat16(), weight)
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        kernel.product(torch.randn(2, 74), weight)
+
+
+@needs_compiler
+def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monkeypatch, caplog):
+    without_native_bf16(monkeypatch)
+    model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(bf16_kernel_rows=5).apply(model)
+    assert "bf16 weights widened to fp32 in registers (specpipe's AVX2 kernel) for up to 5 rows" in caplog.text
+    packed = model.lm_head.packed
+    assert packed.kernel_rows == 5 and packed.small_weight.dtype == torch.bfloat16 and packed.split_rows == 0
+    calls = []
+    kernel = packed.kernel
+    monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    hidden = model.config.hidden_size
+    for rows in (1, 5, 6):
+        x = torch.randn(1, rows, hidden).bfloat16()  # [batch, rows, hidden]
+        out = model.lm_head(x)
+        # the fp32 product of the bf16 values rounded once to bf16, as a bf16 GEMM's
+        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+        assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert calls == ["kernel", "kernel", "onednn"]
+    from specpipe.cost import streamed_weight_bytes
+
+    assert streamed_weight_bytes(model, rows=5) == streamed_weight_bytes(stock)  # the bf16 bytes
+    assert streamed_weight_bytes(model, rows=6) > 1.9 * streamed_weight_bytes(stock)
+    with pytest.raises(ConfigError, match="engine.bf16_kernel_rows must be a row count"):
+        OneDNNEngine(bf16_kernel_rows=-1)
+
+
+def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, caplog):
+    from specpipe.engine import bf16_kernel
+
+    without_native_bf16(monkeypatch)
+
+    def no_ninja(build_dir):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(bf16_kernel, "_build", no_ninja)
+    monkeypatch.setattr(bf16_kernel, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(bf16_kernel.platform, "machine", lambda: "x86_64")
+    model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine().apply(model)
+    assert "the bf16 kernel could not be built or run (Ninja is required to load C++ extensions)" in caplog.text
+    packed = model.lm_head.packed
+    assert packed.kernel is None and packed.kernel_rows == 0 and packed.small_rows == 3
+    x = torch.randn(1, 1, model.config.hidden_size).bfloat16()  # one row: transformers' own bf16 product
+    assert torch.equal(model.lm_head(x), stock.lm_head(x))
 
 
 def test_bf16_fallback_decodes_as_transformers_bf16_does(monkeypatch):

@@ -125,13 +125,17 @@ class LinearPath:
     reason: str  # why this path, for the log line
     small_rows: int = 0
     split_rows: int = 0
+    kernel_rows: int = 0  # bf16 weights packed in fp32: products of up to this many rows run specpipe.engine.bf16_kernel
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
         paths = []  # fewest rows first
-        if self.small_rows:
+        if self.kernel_rows:
+            paths.append(f"{name} weights widened to fp32 in registers (specpipe's AVX2 kernel) for up to "
+                         f"{self.kernel_rows} rows")
+        if self.small_rows > self.kernel_rows:
             paths.append(f"{name} F.linear for up to {self.small_rows} rows")
-        if self.split_rows:
+        if self.split_rows > max(self.small_rows, self.kernel_rows):
             paths.append(f"{compute} GEMMs split over the threads by weight rows for up to {self.split_rows} rows")
         packed = f"prepacked {compute} oneDNN" + (f" (inputs upcast from {name})" if compute != name else "")
         paths.append(f"{packed} above" if paths else packed)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,21 +42,28 @@ class PackedWeight(nn.Module):
     (and, for products of up to `split_rows` rows, kept plain for `split_linear`)."""
 
     def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
-                 small_rows: int = 0, split_rows: int = 0) -> None:
+                 small_rows: int = 0, split_rows: int = 0, kernel: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 kernel_rows: int = 0) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
-        # Products of at most `small_rows` rows run F.linear on the weight in its own dtype (see
-        # LinearPath): kept only when the packing is in another dtype.
-        self.small_rows = small_rows if self.compute_dtype != weight.dtype else 0
-        self.small_weight = weight if self.small_rows else None  # [sum out, in]
+        # bf16 weights packed in fp32: products of at most `kernel_rows` rows run `kernel` (the bf16-weight
+        # product of specpipe.engine.bf16_kernel) on the bf16 weight itself.
+        upcast_bf16 = weight.dtype == torch.bfloat16 and self.compute_dtype == torch.float32
+        self.kernel = kernel if upcast_bf16 and kernel_rows > 0 else None
+        self.kernel_rows = kernel_rows if self.kernel is not None else 0
+        # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
+        # dtype (see LinearPath): kept only when the packing is in another dtype.
+        self.small_rows = small_rows if self.compute_dtype != weight.dtype and small_rows > self.kernel_rows else 0
+        self.small_weight = weight if self.small_rows or self.kernel_rows else None  # [sum out, in]
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
         self.packed = pack_weight(weight.to(self.compute_dtype))
         # Products of at most `split_rows` rows computed in fp32 run split_linear on a plain fp32
         # copy (above `small_rows` for a bf16 weight packed in fp32); bf16 split GEMMs measured no
         # faster than F.linear.
-        self.split_rows = split_rows if self.compute_dtype == torch.float32 and split_rows > self.small_rows else 0
+        self.split_rows = (split_rows if self.compute_dtype == torch.float32
+                           and split_rows > max(self.small_rows, self.kernel_rows) else 0)
         self.plain = weight.to(self.compute_dtype).contiguous() if self.split_rows else None  # [sum out, in]
         self._blocked: tuple[int, Tensor] | None = None  # (threads, row_blocks(plain, threads)), made on first use
         biases = [linear.bias.detach() if linear.bias is not None else None for linear in linears]
@@ -76,6 +83,12 @@ class PackedWeight(nn.Module):
             if x.numel() <= self.split_rows * self.in_features:
                 return split_linear(x, self._row_blocks(), self.bias)
             return packed_linear(x, self.packed, self.bias)
+        if x.numel() <= self.kernel_rows * self.in_features:
+            rows = x.numel() // self.in_features
+            out = self.kernel(x.reshape(rows, self.in_features).float(), self.small_weight)  # [rows, sum out] fp32
+            if self.bias is not None:
+                out += self.bias
+            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
         if x.numel() <= self.split_rows * self.in_features:
@@ -91,7 +104,9 @@ class PackedWeight(nn.Module):
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
-        if rows <= self.small_rows:
+        if rows <= self.kernel_rows:
+            weight, bias = self.small_weight, self.bias
+        elif rows <= self.small_rows:
             weight, bias = self.small_weight, self.small_bias
         else:
             weight, bias = (self.plain if rows <= self.split_rows else self.packed), self.bias
@@ -153,6 +168,10 @@ class OneDNNEngine:
     # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
     # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
     bf16_small_rows: int = 3
+    # bf16 weights packed in fp32: products of up to this many rows run specpipe's AVX2 bf16-weight kernel
+    # (specpipe.engine.bf16_kernel, built once per machine; where it cannot be built the paths below serve
+    # every product); 0 = never.
+    bf16_kernel_rows: int = 8
     # Products computed in fp32 (fp32 models, and bf16 weights packed in fp32 above bf16_small_rows)
     # of up to this many rows run as one batched GEMM over a row block per thread of a plain fp32
     # copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the weights' memory);
@@ -165,6 +184,8 @@ class OneDNNEngine:
 
         if self.bf16_compute not in BF16_COMPUTE_CHOICES:
             raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
+        if not (isinstance(self.bf16_kernel_rows, int) and self.bf16_kernel_rows >= 0):
+            raise ConfigError(f"engine.bf16_kernel_rows must be a row count >= 0, got {self.bf16_kernel_rows!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -175,9 +196,10 @@ class OneDNNEngine:
             return model
         if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
+        path, kernel = self._with_bf16_kernel(path)
         try:
             swaps = [(module, name, replacement) for module in model.modules()
-                     for name, replacement in self._replacements(module, path)]
+                     for name, replacement in self._replacements(module, path, kernel)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -211,7 +233,19 @@ class OneDNNEngine:
         return probe_linear_path(parameter.dtype, prefer_fp32_compute=self.bf16_compute == "fp32",
                                  small_rows=self.bf16_small_rows, split_rows=self.fp32_split_rows)
 
-    def _replacements(self, module: nn.Module, path: LinearPath) -> list[tuple[str, nn.Module]]:
+    def _with_bf16_kernel(self, path: LinearPath) -> tuple[LinearPath, Callable | None]:
+        """The path with specpipe's bf16-weight kernel where it applies and builds, and the kernel."""
+        if not (path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32 and self.bf16_kernel_rows > 0):
+            return path, None
+        from specpipe.engine.bf16_kernel import Bf16Kernel
+
+        kernel = Bf16Kernel()
+        if kernel.product is None:
+            return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
+        return replace(path, kernel_rows=self.bf16_kernel_rows), kernel.product
+
+    def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
+                      ) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
@@ -227,6 +261,6 @@ class OneDNNEngine:
         replacements = []
         for group in groups:
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
-                                  path.split_rows)
+                                  path.split_rows, kernel, path.kernel_rows)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements
