@@ -181,13 +181,17 @@ def _build(build_dir: Path | None):
     folder = (build_dir or cache_root() / "kernels") / name
     folder.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
-    bin_folder = str(Path(sys.executable).parent)
+    # (.venv/bin/python run without activating the environment), for the build only
     path = os.environ.get("PATH", "")
+    bin_folder = str(Path(sys.executable).parent)
     if bin_folder not in path.split(os.pathsep):
         os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
-    return cpp_extension.load_inline(
-        name=name, cpp_sources=[_SOURCE], functions=["bf16_weight_product"], build_directory=str(folder),
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    try:
+        return cpp_extension.load_inline(
+            name=name, cpp_sources=[_SOURCE], functions=["bf16_weight_product"], build_directory=str(folder),
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    finally:
+        os.environ["PATH"] = path
 
 
 def _self_check(product) -> None:

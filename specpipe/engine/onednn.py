@@ -171,7 +171,7 @@ class OneDNNEngine:
     # bf16 weights packed in fp32: products of up to this many rows run specpipe's AVX2 bf16-weight kernel
     # (specpipe.engine.bf16_kernel, built once per machine; where it cannot be built the paths below serve
     # every product); 0 = never.
-    bf16_kernel_rows: int = 8
+    bf16_kernel_rows: int = 32
     # Products computed in fp32 (fp32 models, and bf16 weights packed in fp32 above bf16_small_rows)
     # of up to this many rows run as one batched GEMM over a row block per thread of a plain fp32
     # copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the weights' memory);
