@@ -409,7 +409,7 @@ needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None
     or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     or platform.machine().lower() not in ("x86_64", "amd64")
-    or "avx2" not in cpu.cpu_description()["isa_flags"],
+    or not {"avx2", "fma"} <= cpu.cpu_flags(),
     reason="the bf16 kernel is built with a C++ compiler and Python's headers for x86 CPUs with AVX2")
 
 
@@ -472,7 +472,7 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(bf16_kernel, "_build", no_ninja)
-    monkeypatch.setattr(bf16_kernel, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(bf16_kernel.platform, "machine", lambda: "x86_64")
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):

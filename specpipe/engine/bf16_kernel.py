@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from specpipe.engine.cpu import _first_line, cpu_flags
+
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -137,18 +139,6 @@ torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight) {
 """
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx2", "fma"} <= flags
-    except OSError:
-        pass
-    return False
-
-
 class Bf16Kernel:
     """Loads (building it once per machine) the bf16-weight product; `product` is None and `reason`
     says why where it is not available. One instance per engine apply: nothing is kept at module level."""
@@ -159,7 +149,7 @@ class Bf16Kernel:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"the bf16 kernel is for x86 CPUs, this is {platform.machine()}"
             return
-        if not _cpu_has_avx2_fma():
+        if not {"avx2", "fma"} <= cpu_flags():
             self.reason = "this CPU has no AVX2/FMA for the bf16 kernel"
             return
         try:
@@ -168,7 +158,7 @@ class Bf16Kernel:
             _self_check(self.product)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = None
-            self.reason = f"the bf16 kernel could not be built or run ({_first_line(error)})"
+            self.reason = f"the bf16 kernel could not be built or run ({_first_line(error)[:300]})"
 
 
 def _build(build_dir: Path | None):
@@ -204,7 +194,3 @@ def _self_check(product) -> None:
         if not torch.allclose(product(x, weight), expected, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"the bf16 kernel disagrees with an fp32 product for {rows} rows")
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__

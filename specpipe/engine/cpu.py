@@ -84,15 +84,12 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
         # a decoding step's one row: the same [blocks, in, 1] view as below, made by one op instead
         # of three (this runs ~120 times per step, where every op's fixed cost shows)
         columns = x.as_strided((blocks, in_features, 1), (0, 1, in_features), x.storage_offset())
-        out = torch.bmm(blocked_weight, columns).view(*x.shape[:-1], out_features)  # [..., out]
-        if bias is not None:
-            out += bias  # a fresh tensor: bmm's output
-        return out
-    # [in, rows] as the transpose of x's rows, not a copy: this layout runs BLAS's fast path (a
-    # contiguous [in, 1] column measured 4x slower for one row)
-    columns = x.reshape(rows, in_features).t().expand(blocks, in_features, rows)  # [blocks, in, rows]
+    else:
+        # [in, rows] as the transpose of x's rows, not a copy: this layout runs BLAS's fast path (a
+        # contiguous [in, 1] column measured 4x slower for one row)
+        columns = x.reshape(rows, in_features).t().expand(blocks, in_features, rows)  # [blocks, in, rows]
     product = torch.bmm(blocked_weight, columns)  # [blocks, out / blocks, rows]
-    out = product.view(1, out_features) if rows == 1 else product.view(out_features, rows).t().contiguous()
+    out = product.view(out_features) if rows == 1 else product.view(out_features, rows).t().contiguous()
     if bias is not None:
         out += bias  # out is a fresh tensor: bmm's output or its contiguous copy
     return out.view(*x.shape[:-1], out_features)  # [..., out]
@@ -100,7 +97,7 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
 
 def auto_split_rows(onednn_kernel: str) -> int:
     """engine.fp32_split_rows=auto: how many rows split GEMMs serve on a CPU whose oneDNN fp32 kernel is
-    `onednn_kernel` (see AUTO_SPLIT_ROWS). None on AMX CPUs and off x86, where they were not measured."""
+    `onednn_kernel` (see AUTO_SPLIT_ROWS). 0 on AMX CPUs and off x86, where they were not measured."""
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
     if not x86 or "amx" in onednn_kernel:
         return 0
@@ -229,9 +226,9 @@ class _captured_stdout:
         self._file.close()
 
 
-def cpu_description() -> dict:
-    """CPU facts every benchmark report's machine line and the cost-curve cache key carry."""
-    flags = set()
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name, feature flags) of the first CPU in /proc/cpuinfo; empty where it cannot be read."""
+    flags: set[str] = set()
     model = ""
     try:
         with open("/proc/cpuinfo") as handle:
@@ -242,6 +239,17 @@ def cpu_description() -> dict:
                     model = line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (avx2, fma, avx512f, ...) as the kernel reports them; empty off Linux."""
+    return _cpuinfo()[1]
+
+
+def cpu_description() -> dict:
+    """CPU facts every benchmark report's machine line and the cost-curve cache key carry."""
+    model, flags = _cpuinfo()
     isa_flags = [flag for flag in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16")
                  if flag in flags]
     paths = {}
