@@ -109,6 +109,9 @@ class EagleDrafter:
         self.net = net.to(device=target.device, dtype=target.dtype).eval()
         self.embed = target.model.get_input_embeddings()  # the target's own, frozen
         self.head = head  # the target's output layer, or a ReducedVocabHead over its weights
+        # The pipeline builder runs the draft's own output layer under the target's engine (the
+        # target's output layer already is).
+        self.engine_modules = (head,) if isinstance(head, ReducedVocabHead) else ()
         self.chain_length = chain_length
         self.min_score = min_score
         # Committed rows read the target's last hidden states (EAGLE-1), or with `aux_hidden` the

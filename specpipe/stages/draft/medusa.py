@@ -138,6 +138,10 @@ class MedusaDrafter:
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
         self.outputs = outputs  # [K] modules hidden -> logits [vocab] (the head's own, reduced, or the target's)
         self.runner = None  # drafting reads hidden states the target already computed: no draft forward to cost
+        # The pipeline builder runs the heads and their reduced output layers under the target's engine.
+        target_head = target.model.get_output_embeddings()
+        own = {id(output): output for output in outputs if output is not target_head}
+        self.engine_modules = (self.heads, *own.values())
 
     def reset(self, state: DecodeState) -> None:
         state.stage_state[self] = None
@@ -315,7 +319,7 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
         if ids is not None:
             outputs = [ReducedVocabHead(linear.weight.to(target.dtype), ids, target.vocab_size) for linear in own]
         else:
-            outputs = [linear.to(target.dtype) for linear in own]
+            outputs = [nn.Sequential(linear.to(target.dtype)) for linear in own]  # a parent the engine can swap it in
     else:
         shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
         outputs = [shared] * len(module)
