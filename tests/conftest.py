@@ -77,11 +77,20 @@ def tiny_draft_dir(dtype: str = "fp32") -> Path:
     return _TINY_DRAFT_DIRS[dtype]
 
 
-def save_model_dir(model, tokenizer, name: str) -> Path:
-    """`model` and `tokenizer` saved as a local Hugging Face directory in a fresh temporary folder."""
+def scratch_dir(prefix: str) -> Path:
+    """A fresh temporary folder for a model or head the session caches, removed when the session ends."""
+    import atexit
+    import shutil
     import tempfile
 
-    folder = Path(tempfile.mkdtemp(prefix=f"specpipe-{name}-"))
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def save_model_dir(model, tokenizer, name: str) -> Path:
+    """`model` and `tokenizer` saved as a local Hugging Face directory in a fresh temporary folder."""
+    folder = scratch_dir(f"specpipe-{name}-")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -100,8 +109,6 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
 
     key = (config.hidden_size, config.vocab_size, config.num_attention_heads, kind, seed)
     if key not in _EAGLE_HEAD_DIRS:
-        import tempfile
-
         fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
         torch.manual_seed(seed)
         net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}))
@@ -113,7 +120,7 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
                 net.fc.bias.zero_()
                 net.layers[0].self_attn.o_proj.weight.zero_()
                 net.layers[0].mlp.down_proj.weight.zero_()
-        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-eagle-{kind}-"))
+        folder = scratch_dir(f"specpipe-eagle-{kind}-")
         save_eagle(net, folder, dtype=torch.float32)
         _EAGLE_HEAD_DIRS[key] = folder
     return _EAGLE_HEAD_DIRS[key]
@@ -129,13 +136,11 @@ def medusa_head_dir(config, kind: str = "identity", heads: int = 3, seed: int = 
 
     key = ("hydra" if hydra else "medusa", config.hidden_size, kind, heads, seed)
     if key not in _EAGLE_HEAD_DIRS:
-        import tempfile
-
         torch.manual_seed(seed)
         module = (HydraHeads if hydra else MedusaHeads)(config.hidden_size, heads, layers=1)
         if kind == "identity":
             module.start_as_medusa()
-        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-medusa-{kind}-"))
+        folder = scratch_dir(f"specpipe-medusa-{kind}-")
         save_medusa(module, folder, dtype=torch.float32)
         _EAGLE_HEAD_DIRS[key] = folder
     return _EAGLE_HEAD_DIRS[key]
@@ -158,8 +163,6 @@ def eagle3_head_dir(model, kind: str = "identity", seed: int = 0) -> Path:
     weights = float(model.get_input_embeddings().weight.detach().double().sum())  # the tiny variants differ in weights
     key = ("eagle3", config.hidden_size, config.vocab_size, config.num_attention_heads, weights, kind, seed)
     if key not in _EAGLE_HEAD_DIRS:
-        import tempfile
-
         fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
         torch.manual_seed(seed)
         vocab, hidden = config.vocab_size, config.hidden_size
@@ -174,7 +177,7 @@ def eagle3_head_dir(model, kind: str = "identity", seed: int = 0) -> Path:
                 net.midlayer.mlp.down_proj.weight.zero_()
                 net.lm_head.weight.copy_(model.get_input_embeddings().weight.detach().float())
                 net.norm.weight.fill_(1.0)
-        folder = Path(tempfile.mkdtemp(prefix=f"specpipe-eagle3-{kind}-"))
+        folder = scratch_dir(f"specpipe-eagle3-{kind}-")
         save_eagle3(net, folder, dtype=torch.float32)
         _EAGLE_HEAD_DIRS[key] = folder
     return _EAGLE_HEAD_DIRS[key]

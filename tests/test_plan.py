@@ -67,17 +67,15 @@ def test_parameter_counts_and_weight_bytes_are_exact(llama8b, llama70b):
         6_979_321_856 // 2 + 4 * 6_979_321_856 // 64 + 2 * rest
 
 
-def test_quantized_bytes_match_bitsandbytes():
+def test_quantized_bytes_match_bitsandbytes(tmp_path):
     """The 8-bit and 4-bit sizes are bitsandbytes' own: a small Llama quantized by transformers holds
     exactly the weight bytes (get_memory_footprint) and scale bytes the plan counts."""
     pytest.importorskip("bitsandbytes")
-    import tempfile
-
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    folder = tempfile.mkdtemp(prefix="specpipe-plan-bnb-")
+    folder = tmp_path / "bnb"
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
     inv = capacity.inventory(capacity.build_meta_model(config))
     for name, quantization in (("int8", BitsAndBytesConfig(load_in_8bit=True)),
