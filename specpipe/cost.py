@@ -122,8 +122,9 @@ def _machine_key(target, kv_length: int) -> str:
 
 def cost_curve_path(target, kv_length: int = 256, cache_dir: Path | None = None) -> Path:
     folder = (cache_dir or cache_root()) / "cost"
-    # v3: draft runners' output layers run under the engine since (v2 curves overstate their cost)
-    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v3.json"
+    # v3: draft runners' output layers run under the engine since (v2 curves overstate their cost);
+    # v4: EAGLE heads over a reduced vocabulary take their log-softmax over it, not the whole vocabulary
+    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v4.json"
 
 
 def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: Path | None = None) -> Path:

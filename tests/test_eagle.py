@@ -86,15 +86,25 @@ def test_tree_nodes_see_exactly_their_path(tiny_mixed, variant):
     state = DecodeState(tokens=list(tokens), prompt_length=len(prompt),
                         **{"prompt_aux_hidden" if variant == "eagle3" else "prompt_hidden": features})
     drafter.reset(state)
+    vocab = drafter.draft_vocab  # [k] the target ids of the drafter's columns (EAGLE-3), or None (all)
+
+    def columns(full: torch.Tensor) -> torch.Tensor:
+        return full if vocab is None else full[..., vocab]
+
+    def token_ids(indices: torch.Tensor) -> torch.Tensor:
+        return indices if vocab is None else vocab[indices]
+
     root = drafter.start(state)
-    torch.testing.assert_close(root, reference_logprobs(drafter, features, tokens, []), atol=1e-4, rtol=1e-4)
-    if variant == "eagle3":  # only its draft vocabulary is scored
-        assert torch.isinf(root).sum() == root.numel() - drafter.head.width
+    reference = reference_logprobs(drafter, features, tokens, [])
+    torch.testing.assert_close(root, columns(reference), atol=1e-4, rtol=1e-4)
+    if variant == "eagle3":  # only its draft vocabulary is scored, and only those columns handed out
+        assert root.shape == (drafter.head.width,) and torch.isfinite(root).all()
+        assert torch.isinf(reference).sum() == reference.numel() - drafter.head.width
     tree, parents = [], []
-    children = drafter.step(state, tree, parents, [ROOT]).topk(3).indices  # [1, 3]
+    children = token_ids(drafter.step(state, tree, parents, [ROOT]).topk(3).indices)  # [1, 3]
     tree += children[0].tolist()
     parents += [ROOT] * 3
-    grandchildren = drafter.step(state, tree, parents, [2, 0]).topk(3).indices  # [2, 3]
+    grandchildren = token_ids(drafter.step(state, tree, parents, [2, 0]).topk(3).indices)  # [2, 3]
     tree += grandchildren.flatten().tolist()
     parents += [2] * 3 + [0] * 3
     drafter.step(state, tree, parents, [len(tree) - 1, 3])  # depth 3, two branches
@@ -105,7 +115,28 @@ def test_tree_nodes_see_exactly_their_path(tiny_mixed, variant):
             path.append(tree[walk])
             walk = parents[walk]
         expected = reference_logprobs(drafter, features, tokens, path[::-1])
-        torch.testing.assert_close(session.logprobs[node], expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(session.logprobs[node], columns(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_the_tree_holds_the_heads_best_tokens_of_its_draft_vocabulary(tiny_mixed):
+    """EAGLE-3's head scores its draft vocabulary only (a random 3/4 of the tokens) and hands out
+    those columns: the tree builder's children of the root are the head's most likely target
+    tokens, with their probabilities."""
+    from specpipe.cost import CostCurve
+    from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
+
+    drafter = drafter_for(tiny_mixed, variant="eagle3")
+    prompt = random_prompts(1, seed=37)[0][:30]
+    tokens = prompt + [777]
+    features = target_features(tiny_mixed, prompt, "eagle3")
+    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt), prompt_aux_hidden=features)
+    drafter.reset(state)
+    assert not torch.equal(drafter.draft_vocab, torch.arange(len(drafter.draft_vocab)))  # columns are not ids
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=1, top_k=1, children=4, min_score=0.0)
+    grown, _ = builder.grow(state, drafter)
+    best = reference_logprobs(drafter, features, tokens, []).topk(4)  # over the whole vocabulary, -inf outside
+    assert grown.tokens.tolist() == best.indices.tolist()
+    torch.testing.assert_close(grown.scores, best.values.exp(), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -288,6 +288,29 @@ class TopTokensClaimedSampled(Eagle2TreeBuilder):
         return tokens, torch.stack(rows)
 
 
+class ReducedVocabDrafts:
+    """A drafter handing out log-probs over part of the vocabulary only (StepDrafter.draft_vocab), as
+    EAGLE heads over their frequent tokens do: the tree builder must map its columns to token ids
+    and give the verifier each node's distribution over the whole vocabulary."""
+
+    def __init__(self, drafter, draft_vocab: torch.Tensor) -> None:
+        self.drafter = drafter
+        self.draft_vocab = draft_vocab  # [k] target ids, not in order
+        self.name = drafter.name
+
+    def reset(self, state):
+        self.drafter.reset(state)
+
+    def on_commit(self, state, result):
+        self.drafter.on_commit(state, result)
+
+    def start(self, state):
+        return torch.log_softmax(self.drafter.start(state)[self.draft_vocab], dim=-1)  # [k]
+
+    def step(self, state, tokens, parents, frontier):
+        return torch.log_softmax(self.drafter.step(state, tokens, parents, frontier)[:, self.draft_vocab], dim=-1)
+
+
 @torch.inference_mode()
 def exact_second_and_third(target, prompt, sampling):
     """P(t2, t3) of plain sampling (t1 summed out): [vocab * vocab]."""
@@ -304,7 +327,7 @@ def exact_second_and_third(target, prompt, sampling):
     return joint.flatten()
 
 
-@pytest.mark.parametrize("layout", ["eagle2", "eagle2_and_deterministic", "sps_chain"])
+@pytest.mark.parametrize("layout", ["eagle2", "eagle2_and_deterministic", "eagle2_reduced_vocab", "sps_chain"])
 def test_sampled_model_drafts_reproduce_the_target(small_vocab_target, small_vocab_draft, layout):
     """t2 and t3 are decided by the first speculative step: the draft model's sampled tree (alone, or
     beside deterministic drafts), or its sampled chain under the trie builder. Their joint must be
@@ -320,6 +343,8 @@ def test_sampled_model_drafts_reproduce_the_target(small_vocab_target, small_voc
             return SpeculativeDecoder(target, [drafter], TrieTreeBuilder(CostCurve.flat(), max_nodes=8),
                                       RejectionSamplingVerifier())
         proposers = [ModelGreedyDrafter(target.model, length=2)] if layout == "eagle2_and_deterministic" else []
+        if layout == "eagle2_reduced_vocab":
+            drafter = ReducedVocabDrafts(drafter, torch.tensor([9, 3, 7, 1, 0, 5, 11, 2]))
         tree = tree_class(CostCurve.flat(), depth=2, top_k=2, children=3, max_nodes=12, min_score=0.0)
         return SpeculativeDecoder(target, proposers, tree, RejectionSamplingVerifier(), drafters=[drafter])
 

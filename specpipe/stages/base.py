@@ -36,6 +36,11 @@ class StepDrafter(Proposer, Protocol):
 
     Per step the builder calls `start` once, then `step` once per depth with the tree grown so
     far; nodes only ever get appended to that tree within a step.
+
+    A drafter that scores only part of the vocabulary may have a `draft_vocab` attribute: a tensor
+    [k] of target token ids. Its `start` and `step` then return log-probs over those tokens only
+    ([k], [m, k]; column j is token draft_vocab[j]), sparing the builder a top-k over the whole
+    vocabulary. Without it (or with None) they cover the whole vocabulary.
     """
 
     def start(self, state: DecodeState) -> Tensor:

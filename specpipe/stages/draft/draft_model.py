@@ -51,9 +51,18 @@ class ReducedVocabHead(nn.Module):
         self.vocab_size = vocab_size
         self.width = int(ids.shape[0])  # the tokens it scores
 
+    @property
+    def target_ids(self) -> Tensor:
+        """[k] the target token each column of `reduced_logits` scores."""
+        return self.ids
+
+    def reduced_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., hidden] -> logits [..., k] over `target_ids` only (what a tree builder's top-k needs)."""
+        return self.linear(hidden)
+
     def forward(self, hidden: Tensor) -> Tensor:
         # hidden [..., hidden] -> logits [..., vocab]: -inf but at `ids`
-        reduced = self.linear(hidden)  # [..., k]
+        reduced = self.reduced_logits(hidden)  # [..., k]
         logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
         return logits.index_copy_(-1, self.ids, reduced)
 

@@ -112,6 +112,9 @@ class EagleDrafter:
         # The pipeline builder runs the draft's own output layer under the target's engine (the
         # target's output layer already is).
         self.engine_modules = (head,) if isinstance(head, ReducedVocabHead) else ()
+        # A head over a reduced vocabulary hands out log-probs over its own tokens only (StepDrafter's
+        # `draft_vocab`): a top-k over 8192 columns instead of all 49152 saves ~0.5 ms per draft level.
+        self.draft_vocab: Tensor | None = head.target_ids if hasattr(head, "reduced_logits") else None  # [k]
         self.chain_length = chain_length
         self.min_score = min_score
         # Committed rows read the target's last hidden states (EAGLE-1), or with `aux_hidden` the
@@ -139,11 +142,11 @@ class EagleDrafter:
         scores: list[float] = []
         cumulative = 1.0
         for depth in range(self.chain_length):
-            token = int(logprobs.argmax())
-            cumulative *= math.exp(float(logprobs[token]))
+            column = int(logprobs.argmax())
+            cumulative *= math.exp(float(logprobs[column]))
             if cumulative < self.min_score:
                 break
-            tokens.append(token)
+            tokens.append(column if self.draft_vocab is None else int(self.draft_vocab[column]))
             scores.append(cumulative)
             if depth + 1 < self.chain_length:
                 logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
@@ -165,7 +168,8 @@ class EagleDrafter:
 
     # ---- StepDrafter ------------------------------------------------------------------------
     def start(self, state: DecodeState) -> Tensor:
-        """Feeds the committed rows not fed yet; returns the draft's log-probs [vocab] after the root."""
+        """Feeds the committed rows not fed yet; returns the draft's log-probs [vocab] after the root
+        ([k] over `draft_vocab` where the head scores a reduced vocabulary, as `step`'s rows)."""
         session: EagleSession = state.stage_state[self]
         session.cache.crop(session.synced)  # this step's tree rows go
         if session.pending_tokens:
@@ -216,7 +220,9 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def _logprobs(self, features: Tensor) -> Tensor:
-        return torch.log_softmax(self.head(features).float(), dim=-1)  # [q, vocab]
+        """features [q, hidden] -> log-probs [q, vocab], or [q, k] over `draft_vocab`."""
+        logits = self.head(features) if self.draft_vocab is None else self.head.reduced_logits(features)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 class EagleRunner:

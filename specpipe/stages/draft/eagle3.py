@@ -122,10 +122,19 @@ class DraftVocabHead(nn.Module):
         self.vocab_size = vocab_size
         self.width = int(net.d2t.shape[0])
 
+    @property
+    def target_ids(self) -> Tensor:
+        """[draft_vocab] the target token each column of `reduced_logits` scores."""
+        return self.net.target_ids()
+
+    def reduced_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., hidden] -> logits [..., draft_vocab] (draft ids)."""
+        return self.net.draft_logits(hidden)
+
     def forward(self, hidden: Tensor) -> Tensor:
-        reduced = self.net.draft_logits(hidden)  # [..., draft_vocab]
+        reduced = self.reduced_logits(hidden)  # [..., draft_vocab]
         logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.net.target_ids(), reduced)
+        return logits.index_copy_(-1, self.target_ids, reduced)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

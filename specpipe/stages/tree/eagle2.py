@@ -77,6 +77,7 @@ class Eagle2TreeBuilder:
     def _grow_top(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
         drafter.start(state)
         draft_cost = getattr(drafter, "cost_curve", None)
+        draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
         tokens: list[int] = []
         parents: list[int] = []
         log_scores: list[float] = []
@@ -89,12 +90,13 @@ class Eagle2TreeBuilder:
                                              [math.exp(s) for s in frontier_scores], drafting_ms, step_ms):
                     break
                 drafting_ms += step_ms
-            logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab]
+            logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
+            chosen = top.indices if draft_vocab is None else draft_vocab[top.indices]  # [m, c] token ids
             cumulative = torch.tensor(frontier_scores)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
             for row, node in enumerate(frontier):
-                tokens.extend(top.indices[row].tolist())
+                tokens.extend(chosen[row].tolist())
                 parents.extend([node] * top.indices.shape[1])
                 log_scores.extend(cumulative[row].tolist())
             best = cumulative.flatten().topk(min(self.top_k, len(tokens) - first_new))
@@ -109,7 +111,17 @@ class Eagle2TreeBuilder:
     def _grow_sampled(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
         sampling = state.sampling
         draft_cost = getattr(drafter, "cost_curve", None)
-        frontier_probs = target_probs(drafter.start(state)[None], sampling)  # [1, vocab]
+        draft_vocab = getattr(drafter, "draft_vocab", None)
+
+        def full_vocab(logprobs: Tensor) -> Tensor:
+            """[m, vocab] from a drafter's [m, vocab] or [m, k] over draft_vocab: the verifier needs
+            each node's distribution over the whole vocabulary."""
+            if draft_vocab is None:
+                return logprobs
+            full = logprobs.new_full((logprobs.shape[0], state.logits.shape[-1]), float("-inf"))
+            return full.index_copy_(-1, draft_vocab, logprobs)
+
+        frontier_probs = target_probs(full_vocab(drafter.start(state)[None]), sampling)  # [1, vocab]
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -122,7 +134,8 @@ class Eagle2TreeBuilder:
                 if not self._worth_expanding(scores, frontier_scores, drafting_ms, step_ms):
                     break
                 drafting_ms += step_ms
-                frontier_probs = target_probs(drafter.step(state, tokens, parents, frontier), sampling)  # [m, vocab]
+                frontier_probs = target_probs(full_vocab(drafter.step(state, tokens, parents, frontier)),
+                                              sampling)  # [m, vocab]
             counts, expected = self._allot_children(frontier_probs, frontier_scores, expected, len(tokens), drafting_ms)
             if depth == 0 and not self._beats_plain_step(expected, sum(counts), drafting_ms):
                 counts = [0] * len(counts)
