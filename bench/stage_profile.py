@@ -1,0 +1,92 @@
+"""Interleaved A/B of pipelines in one process: accepted tokens, speed and where each step's time goes.
+
+The benchmark (`python run.py task=bench`) compares methods each on its own; on a VM whose speed
+drifts by 15-25% within minutes, small differences between two variants of one pipeline need
+both in one process, taking turns question by question (two rounds, the second in reverse
+order). Per-stage times are the decoder's own `StepStats` (propose, tree = drafting and tree
+building, forward = the verify forward, verify, commit), per step after the prefill.
+
+    python bench/stage_profile.py --dtype fp32 --prompts bench/dev_chat_prompts.jsonl \\
+        eagle eagle@full_vocab 'eagle_mix+pipeline.tree.max_nodes=16'
+
+A method is a pipeline name, `+override` for each config override of its own, and optionally
+`@full_vocab`: its drafters hand the tree builder log-probs over the whole vocabulary even where
+their head scores a reduced one (how EAGLE drafted before run 16). `vanilla` (the first pipeline
+without drafting) is always added. First turns only; each question is a new request.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from specpipe.pipelines.pipeline import Pipeline
+from specpipe.tasks.bench import read_questions, resolve_prompts_path, select_questions
+
+STAGES = ("propose", "tree", "forward", "verify", "commit")
+
+
+def build(method: str, dtype: str, overrides: list[str]) -> Pipeline:
+    name, _, mode = method.partition("@")
+    pipeline, *own = name.split("+")
+    built = Pipeline.from_config([f"pipeline={pipeline}", f"model.dtype={dtype}", *own, *overrides])
+    if mode == "full_vocab":
+        for drafter in built.decoder.drafters:
+            drafter.draft_vocab = None
+    elif mode:
+        raise SystemExit(f"unknown mode @{mode} in {method!r}: the only one is @full_vocab")
+    return built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("methods", nargs="+")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--prompts", default="bench/dev_chat_prompts.jsonl")
+    parser.add_argument("--per-category", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--override", action="append", default=[], help="a config override for every method")
+    args = parser.parse_args()
+
+    questions = select_questions(read_questions(resolve_prompts_path(args.prompts)), args.per_category)
+    pipelines = {method: build(method, args.dtype, args.override) for method in args.methods}
+    pipelines["vanilla"] = next(iter(pipelines.values())).without_drafting()
+    totals = {method: collections.defaultdict(collections.Counter) for method in pipelines}  # method -> category -> sums
+    order = list(pipelines.items())
+    for round_order in (order, order[::-1]):
+        for question in questions:
+            for method, pipeline in round_order:
+                sums = totals[method][question.category]
+                started = time.perf_counter()
+                for step in pipeline.steps([{"role": "user", "content": question.turns[0]}],
+                                           max_new_tokens=args.max_new_tokens):
+                    if "prefill" in step.stats.seconds:
+                        continue
+                    sums["steps"] += 1
+                    sums["tokens"] += len(step.tokens)
+                    sums["nodes"] += step.stats.tree_size
+                    sums.update({stage: seconds for stage, seconds in step.stats.seconds.items()})
+                sums["seconds"] += time.perf_counter() - started
+
+    def rate(sums: collections.Counter) -> float:
+        return sums["tokens"] / sums["seconds"]
+
+    vanilla = sum(totals["vanilla"].values(), collections.Counter())
+    print(f"{args.dtype}, {len(questions)} questions of {args.prompts}, {args.max_new_tokens} new tokens, 2 rounds")
+    print("| method | accepted | nodes | tok/s | vs vanilla | " + " | ".join(f"{s} ms" for s in STAGES) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(STAGES))
+    for method in pipelines:
+        sums = sum(totals[method].values(), collections.Counter())
+        steps = sums["steps"]
+        stages = " | ".join(f"{1000 * sums[stage] / steps:.2f}" for stage in STAGES)
+        print(f"| {method} | {sums['tokens'] / steps:.2f} | {sums['nodes'] / steps:.1f} | {rate(sums):.1f} | "
+              f"{rate(sums) / rate(vanilla):.2f}x | {stages} |")
+    print("\nper category, vs vanilla / accepted:")
+    for method in pipelines:
+        cells = [f"{category} {rate(sums) / rate(totals['vanilla'][category]):.2f}x / {sums['tokens'] / sums['steps']:.2f}"
+                 for category, sums in sorted(totals[method].items())]
+        print(f"  {method}: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
