@@ -49,6 +49,41 @@ def test_each_head_drafts_its_own_depth_from_the_hidden_state(tiny_mixed):
     assert torch.isinf(rows[3]).all() and (rows[3] < 0).all()  # depth 3: past the 3 heads
 
 
+@pytest.mark.parametrize("hydra", [False, True])
+def test_heads_over_a_reduced_vocabulary_draft_their_best_target_tokens(tiny_mixed, hydra):
+    """With vocab_top_k the heads score the 1000 most frequent tokens and hand out those columns only
+    (draft_vocab): the static tree's children of the root, and of its first child, are the heads'
+    most likely target tokens with their probabilities, as over the whole vocabulary."""
+    config = tiny_mixed.loaded.model.config
+    drafter = load_medusa(TargetModel(tiny_mixed.loaded.model, name="tiny_mixed"), tiny_mixed.tokenizer, hydra=hydra,
+                          path=str(medusa_head_dir(config, "random", hydra=hydra)), vocab_top_k=1000)
+    assert drafter.draft_vocab is not None and len(drafter.draft_vocab) == 1000
+    assert not torch.equal(drafter.draft_vocab, torch.arange(1000))  # columns are not token ids
+    hidden = torch.randn(config.hidden_size)
+    state = DecodeState(tokens=[5, 6, 7], prompt_length=2, hidden=hidden)
+    drafter.reset(state)
+    grown = StaticTreeBuilder([[0], [1], [2], [0, 0], [0, 1]]).grow(state, drafter)
+
+    def full_vocab(depth: int, path: list[int]) -> torch.Tensor:  # [vocab], -inf outside the reduced vocabulary
+        with torch.inference_mode():
+            rows = hidden.to(drafter.target.dtype)[None]  # [1, hidden]
+            if hydra:
+                prefix = tiny_mixed.loaded.model.get_input_embeddings()(torch.tensor([[7, *path]]))
+                rows = drafter.heads.run(depth, rows, prefix)
+            else:
+                rows = drafter.heads[depth](rows)
+            return torch.log_softmax(drafter.outputs[depth](rows).float(), dim=-1)[0]
+
+    first = full_vocab(0, []).topk(3)
+    assert grown.tokens[:3].tolist() == first.indices.tolist()
+    torch.testing.assert_close(grown.scores[:3], first.values.exp(), atol=1e-5, rtol=1e-4)
+    second = full_vocab(1, [int(first.indices[0])]).topk(2)
+    assert grown.tokens[3:].tolist() == second.indices.tolist()
+    torch.testing.assert_close(grown.scores[3:], first.values[0].exp() * second.values.exp(), atol=1e-5, rtol=1e-4)
+    chain = drafter.propose(state)  # one greedy chain (pipeline.proposers, tree=trie)
+    assert chain.tokens[:2].tolist() == [int(first.indices[0]), int(second.indices[0])]
+
+
 class KnownDrafter:
     """A StepDrafter whose distribution after a node at depth d ranks token ids 100 d + 0, 1, 2, ..."""
 

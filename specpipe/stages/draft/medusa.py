@@ -142,6 +142,11 @@ class MedusaDrafter:
         target_head = target.model.get_output_embeddings()
         own = {id(output): output for output in outputs if output is not target_head}
         self.engine_modules = (self.heads, *own.values())
+        # Heads whose output layers all score the same reduced vocabulary hand out log-probs over it
+        # only (StepDrafter's `draft_vocab`): the trees' top-k then runs over 8192 columns, not 49152.
+        reduced = [output for output in outputs if isinstance(output, ReducedVocabHead)]
+        same_ids = len(reduced) == len(outputs) and all(torch.equal(o.target_ids, reduced[0].target_ids) for o in reduced)
+        self.draft_vocab: Tensor | None = reduced[0].target_ids if same_ids else None  # [k]
 
     def reset(self, state: DecodeState) -> None:
         state.stage_state[self] = None
@@ -150,9 +155,9 @@ class MedusaDrafter:
         logprobs = self.start(state)
         tokens, scores, cumulative = [], [], 1.0
         for depth in range(len(self.heads)):
-            token = int(logprobs.argmax())
-            cumulative *= math.exp(float(logprobs[token]))
-            tokens.append(token)
+            column = int(logprobs.argmax())
+            cumulative *= math.exp(float(logprobs[column]))
+            tokens.append(column if self.draft_vocab is None else int(self.draft_vocab[column]))
             scores.append(cumulative)
             if depth + 1 < len(self.heads):
                 logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
@@ -166,7 +171,7 @@ class MedusaDrafter:
 
     def start(self, state: DecodeState) -> Tensor:
         """Every head's log-probs from the hidden state before the root (Medusa), or head 0's (Hydra:
-        the others depend on the path); returns head 0's [vocab]."""
+        the others depend on the path); returns head 0's [vocab] ([k] over `draft_vocab` where set)."""
         if state.hidden is None:
             raise ConfigError(f"{self.name}: the decoder gave no hidden state (DecodeState.hidden); Medusa heads "
                               f"draft from the target's own hidden states")
@@ -175,13 +180,13 @@ class MedusaDrafter:
             return self._hydra_logprobs(state, [], [], [ROOT])[0]
         with torch.inference_mode():
             hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
-            logits = torch.cat([output(head(hidden)) for head, output in zip(self.heads, self.outputs)])  # [K, vocab]
-            state.stage_state[self] = torch.log_softmax(logits.float(), dim=-1)
+            state.stage_state[self] = torch.cat([self._logprobs(output, head(hidden))
+                                                 for head, output in zip(self.heads, self.outputs)])  # [K, vocab]
         return state.stage_state[self][0]
 
     def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
-        """[m, vocab]: head d's log-probs for a frontier node at depth d (the root is depth 0); past the
-        last head, nothing is drafted (all -inf)."""
+        """[m, vocab] ([m, k] over `draft_vocab` where set): head d's log-probs for a frontier node at
+        depth d (the root is depth 0); past the last head, nothing is drafted (all -inf)."""
         if self.heads.hydra:
             return self._hydra_logprobs(state, tokens, parents, frontier)
         all_logprobs: Tensor = state.stage_state[self]  # [K, vocab]
@@ -202,17 +207,23 @@ class MedusaDrafter:
             by_depth.setdefault(len(path), []).append(node)
         embed = self.target.model.get_input_embeddings()
         hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
+        width = self.target.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
         for depth, nodes in by_depth.items():
             if depth >= len(self.heads):
                 for node in nodes:
-                    known[node] = torch.full((self.target.vocab_size,), -math.inf)
+                    known[node] = torch.full((width,), -math.inf)
                 continue
             ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in paths[node]] for node in nodes])
             prefix = embed(ids.to(self.target.device))  # [m, depth + 1, hidden]
-            logits = self.outputs[depth](self.heads.run(depth, hidden.expand(len(nodes), -1), prefix))  # [m, vocab]
-            for node, row in zip(nodes, torch.log_softmax(logits.float(), dim=-1)):
+            rows = self._logprobs(self.outputs[depth], self.heads.run(depth, hidden.expand(len(nodes), -1), prefix))
+            for node, row in zip(nodes, rows):  # rows [m, vocab] or [m, k]
                 known[node] = row
         return torch.stack([known[node] for node in frontier])
+
+    def _logprobs(self, output: nn.Module, hidden: Tensor) -> Tensor:
+        """hidden [m, hidden] through a head's output layer -> log-probs [m, vocab], or [m, k] over `draft_vocab`."""
+        logits = output(hidden) if self.draft_vocab is None else output.reduced_logits(hidden)
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

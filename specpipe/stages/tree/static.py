@@ -45,6 +45,7 @@ class StaticTreeBuilder:
     def grow(self, state: DecodeState, drafter: StepDrafter) -> Proposal:
         """The drafter's tree over `choices` (scores: the product of the draft's probabilities on the path)."""
         drafter.start(state)
+        draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
         node_of: dict[tuple[int, ...], int] = {(): ROOT}
         tokens: list[int] = []
         parents: list[int] = []
@@ -56,9 +57,10 @@ class StaticTreeBuilder:
                 break
             expanded = sorted({path[:-1] for path in level}, key=lambda path: node_of[path])
             frontier = [node_of[path] for path in expanded]
-            logprobs = drafter.step(state, tokens, parents, frontier).float()  # [m, vocab]
+            logprobs = drafter.step(state, tokens, parents, frontier).float()  # [m, vocab] or [m, k]
             width = 1 + max(path[-1] for path in level)
             top = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)  # [m, width] each
+            chosen = top.indices if draft_vocab is None else draft_vocab[top.indices]  # [m, width] token ids
             row_of = {path: row for row, path in enumerate(expanded)}
             for path in level:
                 row, rank = row_of[path[:-1]], path[-1]
@@ -66,7 +68,7 @@ class StaticTreeBuilder:
                     continue  # the drafter has no such candidate here (e.g. past Medusa's last head)
                 parent = node_of[path[:-1]]
                 node_of[path] = len(tokens)
-                tokens.append(int(top.indices[row, rank]))
+                tokens.append(int(chosen[row, rank]))
                 parents.append(parent)
                 parent_score = scores[parent] if parent != ROOT else 1.0
                 scores.append(parent_score * math.exp(float(top.values[row, rank])))
