@@ -65,7 +65,7 @@ def main() -> None:
                     sums["steps"] += 1
                     sums["tokens"] += len(step.tokens)
                     sums["nodes"] += step.stats.tree_size
-                    sums.update({stage: seconds for stage, seconds in step.stats.seconds.items()})
+                    sums.update(step.stats.seconds)
                 sums["seconds"] += time.perf_counter() - started
 
     def rate(sums: collections.Counter) -> float:

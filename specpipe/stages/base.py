@@ -52,6 +52,12 @@ class StepDrafter(Proposer, Protocol):
         frontier node; the tree builder takes the top children or samples them."""
 
 
+def draft_token_ids(columns: Tensor, draft_vocab: Tensor | None) -> Tensor:
+    """The token ids of a drafter's log-prob columns (any shape): StepDrafter's `draft_vocab`, or
+    the columns themselves where it is None (they cover the whole vocabulary)."""
+    return columns if draft_vocab is None else draft_vocab[columns]
+
+
 @dataclass(frozen=True)
 class LookaheadRows:
     """Query rows a stage adds to the verify forward, after the root and the tree nodes.

@@ -67,6 +67,13 @@ class ReducedVocabHead(nn.Module):
         return logits.index_copy_(-1, self.ids, reduced)
 
 
+def head_logprobs(head: nn.Module, hidden: Tensor, reduced: bool) -> Tensor:
+    """hidden [m, hidden] through an output layer -> log-probs [m, vocab], or with `reduced` [m, k] over
+    the head's own reduced vocabulary (`reduced_logits` of ReducedVocabHead, EAGLE-3's DraftVocabHead)."""
+    logits = head.reduced_logits(hidden) if reduced else head(hidden)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int) -> tuple[Tensor, float]:
     """The `count` most frequent token ids of a corpus Parquet of the target's answers (column
     answer_ids) and the share of the corpus's tokens they cover. A corpus of another tokenizer is

@@ -35,8 +35,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import (DEFAULT_VOCAB_COUNTS, ReducedVocabHead, causal_rows, frequent_tokens,
-                                               output_weight, tree_rows, unfed_ancestors_first)
+                                               head_logprobs, output_weight, tree_rows, unfed_ancestors_first)
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
 from specpipe.target import TargetModel
@@ -142,11 +143,11 @@ class EagleDrafter:
         scores: list[float] = []
         cumulative = 1.0
         for depth in range(self.chain_length):
-            column = int(logprobs.argmax())
+            column = logprobs.argmax()
             cumulative *= math.exp(float(logprobs[column]))
             if cumulative < self.min_score:
                 break
-            tokens.append(column if self.draft_vocab is None else int(self.draft_vocab[column]))
+            tokens.append(int(draft_token_ids(column, self.draft_vocab)))
             scores.append(cumulative)
             if depth + 1 < self.chain_length:
                 logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
@@ -221,8 +222,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def _logprobs(self, features: Tensor) -> Tensor:
         """features [q, hidden] -> log-probs [q, vocab], or [q, k] over `draft_vocab`."""
-        logits = self.head(features) if self.draft_vocab is None else self.head.reduced_logits(features)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return head_logprobs(self.head, features, reduced=self.draft_vocab is not None)
 
 
 class EagleRunner:

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
-from specpipe.stages.draft.draft_model import ReducedVocabHead, path_to
+from specpipe.stages.base import draft_token_ids
+from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
 from specpipe.stages.draft.eagle import frequent_ids, output_head
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
@@ -155,9 +156,9 @@ class MedusaDrafter:
         logprobs = self.start(state)
         tokens, scores, cumulative = [], [], 1.0
         for depth in range(len(self.heads)):
-            column = int(logprobs.argmax())
+            column = logprobs.argmax()
             cumulative *= math.exp(float(logprobs[column]))
-            tokens.append(column if self.draft_vocab is None else int(self.draft_vocab[column]))
+            tokens.append(int(draft_token_ids(column, self.draft_vocab)))
             scores.append(cumulative)
             if depth + 1 < len(self.heads):
                 logprobs = self.step(state, tokens, list(range(-1, depth)), [depth])[0]
@@ -180,7 +181,7 @@ class MedusaDrafter:
             return self._hydra_logprobs(state, [], [], [ROOT])[0]
         with torch.inference_mode():
             hidden = state.hidden.to(self.target.dtype)[None]  # [1, hidden]
-            state.stage_state[self] = torch.cat([self._logprobs(output, head(hidden))
+            state.stage_state[self] = torch.cat([head_logprobs(output, head(hidden), self.draft_vocab is not None)
                                                  for head, output in zip(self.heads, self.outputs)])  # [K, vocab]
         return state.stage_state[self][0]
 
@@ -215,15 +216,11 @@ class MedusaDrafter:
                 continue
             ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in paths[node]] for node in nodes])
             prefix = embed(ids.to(self.target.device))  # [m, depth + 1, hidden]
-            rows = self._logprobs(self.outputs[depth], self.heads.run(depth, hidden.expand(len(nodes), -1), prefix))
+            rows = head_logprobs(self.outputs[depth], self.heads.run(depth, hidden.expand(len(nodes), -1), prefix),
+                                 reduced=self.draft_vocab is not None)
             for node, row in zip(nodes, rows):  # rows [m, vocab] or [m, k]
                 known[node] = row
         return torch.stack([known[node] for node in frontier])
-
-    def _logprobs(self, output: nn.Module, hidden: Tensor) -> Tensor:
-        """hidden [m, hidden] through a head's output layer -> log-probs [m, vocab], or [m, k] over `draft_vocab`."""
-        logits = output(hidden) if self.draft_vocab is None else output.reduced_logits(hidden)
-        return torch.log_softmax(logits.float(), dim=-1)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from specpipe.cost import CostCurve
 from specpipe.sampling import draw_without_replacement, target_probs
-from specpipe.stages.base import StepDrafter
+from specpipe.stages.base import StepDrafter, draft_token_ids
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -92,7 +92,7 @@ class Eagle2TreeBuilder:
                 drafting_ms += step_ms
             logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
-            chosen = top.indices if draft_vocab is None else draft_vocab[top.indices]  # [m, c] token ids
+            chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
             cumulative = torch.tensor(frontier_scores)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
             for row, node in enumerate(frontier):

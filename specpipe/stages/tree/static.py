@@ -8,7 +8,7 @@ import torch
 
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
-from specpipe.stages.base import StepDrafter
+from specpipe.stages.base import StepDrafter, draft_token_ids
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -60,7 +60,7 @@ class StaticTreeBuilder:
             logprobs = drafter.step(state, tokens, parents, frontier).float()  # [m, vocab] or [m, k]
             width = 1 + max(path[-1] for path in level)
             top = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)  # [m, width] each
-            chosen = top.indices if draft_vocab is None else draft_vocab[top.indices]  # [m, width] token ids
+            chosen = draft_token_ids(top.indices, draft_vocab)  # [m, width]
             row_of = {path: row for row, path in enumerate(expanded)}
             for path in level:
                 row, rank = row_of[path[:-1]], path[-1]
