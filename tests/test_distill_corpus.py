@@ -47,7 +47,7 @@ def source():
 def greedy(tiny_mixed) -> BatchedGreedy:
     """The context-dependent tiny model (stock attention instance): its output changes with the
     prompt, so a padding mistake would show."""
-    return BatchedGreedy(tiny_mixed.reference, tiny_mixed.tokenizer, max_new_tokens=6)
+    return BatchedGreedy(tiny_mixed.reference, tiny_mixed.tokenizer, max_new_tokens=6, batch_size=2)
 
 
 def unbatched_greedy(model, tokenizer, prompt: ChatPrompt, max_new_tokens: int, eos: list[int]) -> list[int]:
@@ -107,7 +107,7 @@ def test_answers_stop_at_eos(tiny_mixed):
 
 
 class CountingGreedy:
-    """Wraps a BatchedGreedy: records which prompts it answered; can fail after n batches (a kill)."""
+    """Wraps an answer stream: records which prompts it answered; can fail after n answers (a kill)."""
 
     def __init__(self, inner: BatchedGreedy, fail_after: int | None = None) -> None:
         self.inner, self.fail_after, self.answered, self.calls = inner, fail_after, [], 0
@@ -115,17 +115,18 @@ class CountingGreedy:
     def encode(self, prompt):
         return self.inner.encode(prompt)
 
-    def answer(self, prompts, encoded=None):
-        if self.fail_after is not None and self.calls >= self.fail_after:
-            raise KeyboardInterrupt("killed")
+    def stream(self, prompts, encoded):
         self.calls += 1
-        self.answered += [p.prompt_id for p in prompts]
-        return self.inner.answer(prompts, encoded)
+        for answer in self.inner.stream(prompts, encoded):
+            if self.fail_after is not None and len(self.answered) >= self.fail_after:
+                raise KeyboardInterrupt("killed")
+            self.answered.append(answer.prompt.prompt_id)
+            yield answer
 
 
 def test_resume_skips_answered_prompts(greedy, tmp_path):
     shards = ShardFolder(tmp_path / "shards")
-    killed = CountingGreedy(greedy, fail_after=2)
+    killed = CountingGreedy(greedy, fail_after=4)
     with pytest.raises(KeyboardInterrupt):
         distill(killed, PROMPTS, shards, batch_size=2, progress=False)
     assert len(shards.shard_paths()) == 2 and len(killed.answered) == 4
@@ -170,7 +171,8 @@ def test_merged_corpus_schema_order_and_metadata(greedy, tmp_path):
     out = tmp_path / "corpus.parquet"
     sidecar = merge_shards(shards, out, current, {"model": "tiny", "command": "python run.py task=distill_corpus"})
     table = pq.read_table(out)
-    assert table.schema.names == ["prompt_id", "category", "prompt", "answer_ids", "finished"]
+    assert table.schema.names == ["prompt_id", "category", "prompt", "answer_ids", "finished", "history"]
+    assert table.column("history").to_pylist() == [[]] * 5  # first turns
     assert table.schema.field("answer_ids").type == pa.list_(pa.int32())
     assert table.schema.field("prompt_id").type == pa.string()
     assert table.column("prompt_id").to_pylist() == [p.prompt_id for p in current]
@@ -190,6 +192,128 @@ def test_chat_prompt_ids_match_the_pipeline(tiny_mixed):
     pipeline = build_pipeline(cfg, loaded=load_model(cfg.model))
     for prompt in PROMPTS:
         assert chat_prompt_ids(pipeline.tokenizer, prompt.text) == pipeline.encode(prompt.text)
+    # A second turn: the first turn and its answer's text come first, as the benchmark sends them.
+    history = (PROMPTS[1].text, "The lighthouse keeper lit the lamp.")
+    messages = [{"role": "user", "content": history[0]}, {"role": "assistant", "content": history[1]},
+                {"role": "user", "content": "Make it rhyme."}]
+    assert chat_prompt_ids(pipeline.tokenizer, "Make it rhyme.", history=history) == pipeline.encode(messages)
+    assert chat_prompt_ids(pipeline.tokenizer, "Make it rhyme.", history=history) != pipeline.encode("Make it rhyme.")
+
+
+def test_follow_ups_continue_each_answered_first_turn():
+    from specpipe.distill import subjects as S
+    from specpipe.distill.prompts import follow_up_prompts
+
+    firsts = [make_prompt(text, category) for text, category in
+              [("Write a haiku.", "writing"), ("What is 3 x 7?", "math"), ("Explain DNS.", "stem")]]
+    pairs = [(prompt, f"answer {i}") for i, prompt in enumerate(firsts)]
+    follow_ups = follow_up_prompts(pairs)
+    assert [f.history for f in follow_ups] == [(p.text, a) for p, a in pairs]
+    assert all(f.text in S.FOLLOW_UPS[p.category] and f.category == p.category and f.source == "follow_up"
+               for f, p in zip(follow_ups, firsts))
+    assert follow_up_prompts(pairs[::-1]) == follow_ups[::-1]  # each drawn from its own first turn
+    assert len({f.prompt_id for f in follow_ups} | {p.prompt_id for p in firsts}) == 6
+    assert follow_up_prompts([(follow_ups[0], "answer")]) == []  # no third turns
+    # Over many first turns every category's requests are used, and none repeats a dev prompt.
+    many = [(make_prompt(f"question {i}", category), "answer") for category in S.FOLLOW_UPS for i in range(60)]
+    used = {f.text for f in follow_up_prompts(many)}
+    assert used == {text for texts in S.FOLLOW_UPS.values() for text in texts}
+    assert find_overlaps(sorted(used), load_dev_turns(dev_prompt_files())) == []
+
+
+# ---- continuous batching ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chaotic_pair():
+    """(a stock tiny model whose greedy output is nearly random in its context, the same weights under
+    engine=fast): a slot reading another slot's or a stale KV entry changes its answer."""
+    from conftest import _rescale
+    from specpipe.engine.onednn import OneDNNEngine
+
+    cfg = compose_config(["model=tiny_random"])
+    reference, fast = load_model(cfg.model), load_model(cfg.model)
+    for loaded in (reference, fast):
+        _rescale(loaded.model, 20.0, 10.0)
+    OneDNNEngine().apply(fast.model)
+    return reference, fast
+
+
+def test_continuous_answers_equal_each_prompt_alone(chaotic_pair):
+    """Slots refilled as answers end (at an EOS or the length cap), prompts of 1-60 tokens: every
+    answer equals HF greedy `generate` on its prompt alone, through the fast engine and through
+    transformers' own forward."""
+    from conftest import hf_greedy, random_prompts
+    from specpipe.distill.continuous import ContinuousGreedy
+
+    reference, fast = chaotic_pair
+    encoded = [ids[:n] for ids, n in zip(random_prompts(10, 3), [3, 40, 7, 25, 60, 1, 12, 33, 5, 18])]
+    prompts = [make_prompt(f"prompt {i}") for i in range(len(encoded))]
+    tokenizer = reference.tokenizer
+    uncapped = [hf_greedy(reference.model, ids, 12, [tokenizer.eos_token_id], tokenizer.pad_token_id) for ids in encoded]
+    # EOS tokens that some answers reach early, at different steps, so slots free up out of step.
+    stops = sorted({uncapped[0][3], uncapped[2][7], uncapped[4][5], uncapped[6][9]})
+    for model in (fast.model, load_model(compose_config(["model=tiny_random"]).model).model):
+        if model is not fast.model:
+            from conftest import _rescale
+
+            _rescale(model, 20.0, 10.0)
+        generator = ContinuousGreedy(model, reference.tokenizer, max_new_tokens=12, slots=3)
+        generator.eos_token_ids = stops
+        answers = list(generator.stream(prompts, encoded))
+        assert sorted(a.prompt.prompt_id for a in answers) == sorted(p.prompt_id for p in prompts)
+        by_id = {a.prompt.prompt_id: a for a in answers}
+        lengths = set()
+        for prompt, ids in zip(prompts, encoded):
+            expected = hf_greedy(reference.model, ids, 12, stops, tokenizer.pad_token_id)
+            answer = by_id[prompt.prompt_id]
+            assert answer.answer_ids == expected, prompt.text
+            assert answer.finished == (expected[-1] in stops)
+            lengths.add(len(expected))
+        assert len(lengths) >= 3, "answers of one length would not exercise the refill"
+        assert [a.prompt.prompt_id for a in answers] != [p.prompt_id for p in prompts]  # finished out of order
+
+
+def test_continuous_generator_refuses_what_it_cannot_hold(chaotic_pair):
+    from specpipe.distill.continuous import ContinuousGreedy, SlotCache
+
+    _, fast = chaotic_pair
+    with pytest.raises(CorpusError, match="must be >= 1"):
+        ContinuousGreedy(fast.model, fast.tokenizer, max_new_tokens=4, slots=0)
+    cache = SlotCache(slots=2, layers=1, kv_heads=1, head_dim=4, capacity=8, dtype=torch.float32)
+    with pytest.raises(CorpusError, match="one new token per slot"):
+        cache.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
+    cache.lengths[1] = 8
+    with pytest.raises(CorpusError, match="outgrew its KV cache of 8 positions"):
+        cache.step_mask()
+
+
+def test_an_empty_shard_folder_extends_the_merged_corpus(greedy, tmp_path, tiny_mixed):
+    """The repository ships the merged file, not the shards: a run starts from its answers (and
+    their provenance), answers only the rest, and the new merge holds both."""
+    from specpipe.distill.corpus import shards_from_corpus
+
+    settings = {"model": "tiny", "dtype": "fp32", "seed": 7}
+    first = ShardFolder(tmp_path / "first")
+    first.pin_settings(settings)
+    first.log_run({"event": "start", "overrides": ["first run"]})
+    distill(greedy, PROMPTS[:4], first, batch_size=2, progress=False)
+    merged = tmp_path / "corpus.parquet"
+    merge_shards(first, merged, PROMPTS[:4], {"model": "tiny", "dtype": "fp32", "prompt_source": {"seed": 7},
+                                              "runs": first.runs()})
+    shards = ShardFolder(tmp_path / "again")
+    assert shards_from_corpus(shards, merged, {**settings, "dtype": "bf16"}, tiny_mixed.tokenizer) == 0
+    assert not shards.shard_paths()  # made with other settings: left alone
+    assert shards_from_corpus(shards, merged, settings, tiny_mixed.tokenizer) == 4
+    assert shards.settings() == settings and shards.runs()[0]["overrides"] == ["first run"]
+    def rows(folder):
+        return sorted(folder.read().to_pylist(), key=lambda row: row["prompt_id"])
+
+    assert rows(shards) == rows(first)
+    counting = CountingGreedy(greedy)
+    stats = distill(counting, PROMPTS, shards, batch_size=2, progress=False)
+    assert sorted(counting.answered) == sorted(p.prompt_id for p in PROMPTS[4:]) and stats.prompts_done == 6
+    assert shards_from_corpus(shards, merged, settings, tiny_mixed.tokenizer) == 0  # only into an empty folder
+    info = merge_shards(shards, merged, PROMPTS, {"model": "tiny"})
+    assert info["answers"] == 6
 
 
 def test_distill_task_end_to_end(tmp_path):
@@ -202,9 +326,19 @@ def test_distill_task_end_to_end(tmp_path):
                           "distill.max_new_tokens=3", f"distill.shards={tmp_path / 'shards'}",
                           f"distill.out={tmp_path / 'corpus.parquet'}", "distill.progress=false"])
     info = run_distill_corpus(cfg)
-    assert info["answers"] == 4 and info["answer_tokens"] <= 12 and info["linears"] == "onednn"
-    assert info["prompt_source"]["limit"] == 4 and info["tokenizer"]["vocab_size"] == 49152
-    assert read_corpus_metadata(tmp_path / "corpus.parquet")["answers"] == 4
+    # Four first turns, then a second turn for each: 8 answers of at most 3 tokens.
+    assert info["answers"] == 8 and info["answer_tokens"] <= 24 and info["linears"] == "onednn"
+    assert info["prompt_source"]["limit"] == 4 and info["prompt_source"]["follow_ups"] == 4
+    assert info["tokenizer"]["vocab_size"] == 49152
+    assert read_corpus_metadata(tmp_path / "corpus.parquet")["answers"] == 8
+    rows = pq.read_table(tmp_path / "corpus.parquet").to_pylist()
+    firsts = {row["prompt"]: row for row in rows if not row["history"]}
+    seconds = [row for row in rows if row["history"]]
+    assert len(firsts) == len(seconds) == 4
+    tokenizer = load_model(cfg.model).tokenizer
+    for row in seconds:
+        first = firsts[row["history"][0]]
+        assert row["history"][1] == tokenizer.decode(first["answer_ids"], skip_special_tokens=True)
 
 
 # ---- the prompt source ----------------------------------------------------------------------------

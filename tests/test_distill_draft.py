@@ -192,6 +192,33 @@ def write_corpus(path: Path) -> None:
                                          "tokenizer": tokenizer_fingerprint(loaded.tokenizer)})
 
 
+def test_examples_carry_a_second_turns_history(tmp_path):
+    """A follow-up's example starts with the whole conversation before its answer; a corpus made
+    before the history column existed reads as first turns."""
+    import pyarrow.parquet as pq
+
+    from specpipe.distill.prompts import follow_up_prompts
+    from specpipe.tasks.distill_draft import load_examples
+
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    tokenizer = loaded.tokenizer
+    first = ChatPrompt(prompt_id(PROMPT_TEXTS[0]), "writing", "test", PROMPT_TEXTS[0])
+    second = follow_up_prompts([(first, "an earlier answer")])[0]
+    shards = ShardFolder(tmp_path / "shards")
+    shards.write([Answer(first, [5, 6, 7], "x", False), Answer(second, [8, 9], "y", False)])
+    path = tmp_path / "corpus.parquet"
+    merge_shards(shards, path, [first, second], {"model": "tiny_random"})
+    examples = {e.prompt_id: e for e in load_examples(path, tokenizer, 512, None)}
+    prompt = chat_prompt_ids(tokenizer, second.text, None, second.history)
+    assert examples[second.prompt_id].tokens.tolist() == prompt + [8]
+    assert examples[first.prompt_id].tokens.tolist() == chat_prompt_ids(tokenizer, first.text) + [5, 6]
+    # Both turns of a conversation fall on one side of the held-out split.
+    assert examples[second.prompt_id].split_id == examples[first.prompt_id].split_id == first.prompt_id
+    old = tmp_path / "old.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["history"]), old)
+    assert load_examples(old, tokenizer, 512, None)[1].tokens.tolist() == chat_prompt_ids(tokenizer, second.text) + [8]
+
+
 def test_distill_task_trains_resumes_and_exports(tmp_path):
     from specpipe.tasks import TASKS
 

@@ -54,10 +54,13 @@ MIN_CONTAINED = 5
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    prompt_id: str  # first 16 hex digits of the SHA-1 of `text`: stable however the list is ordered
+    prompt_id: str  # first 16 hex digits of the SHA-1 of `text` (of a second turn: see follow_up_prompts)
     category: str   # one of the MT-bench categories, or "advice"
-    source: str     # which builder made it (a SOURCE_COUNTS key)
+    source: str     # which builder made it (a SOURCE_COUNTS key, or "follow_up")
     text: str
+    # The conversation before `text`: user and assistant turns alternating, ending with an answer
+    # (empty for a first turn).
+    history: tuple[str, ...] = ()
 
 
 def prompt_id(text: str) -> str:
@@ -536,6 +539,30 @@ def build_prompt_source(seed: int = DEFAULT_SEED, dev_files: Sequence[Path] | No
     prompts = [p for p in candidates if p.text not in dropped_texts]
     random.Random(f"{seed}:order").shuffle(prompts)
     return PromptSource(prompts, dropped, [_display_path(Path(f)) for f in dev_files], seed)
+
+
+FOLLOW_UP_SOURCE = "follow_up"
+
+
+def follow_up_prompts(first_turns: Sequence[tuple[ChatPrompt, str]], seed: int = DEFAULT_SEED,
+                      dev_files: Sequence[Path] | None = None) -> list[ChatPrompt]:
+    """A second turn for each (first-turn prompt, the target's answer to it): a follow-up request
+    of the prompt's category (`subjects.FOLLOW_UPS`), drawn by a generator seeded by the prompt's
+    id, with the first turn and its answer as history. Its id hashes the first turn's id and the
+    request, so it is stable whatever else is answered. Requests that overlap a dev prompt are
+    never used (`find_overlaps`)."""
+    dev_files = dev_prompt_files() if dev_files is None else list(dev_files)
+    dev_turns = load_dev_turns(dev_files)
+    usable = {category: [text for text in texts if not find_overlaps([text], dev_turns)]
+              for category, texts in S.FOLLOW_UPS.items()}
+    follow_ups = []
+    for first, answer in first_turns:
+        if first.history or not usable.get(first.category):
+            continue  # follow-ups of follow-ups are not made; a category without requests gets none
+        text = random.Random(f"{seed}:follow_up:{first.prompt_id}").choice(usable[first.category])
+        follow_ups.append(ChatPrompt(prompt_id(f"{first.prompt_id}\n{text}"), first.category, FOLLOW_UP_SOURCE,
+                                     text, (first.text, answer)))
+    return follow_ups
 
 
 def _display_path(path: Path) -> str:

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.distill.corpus import chat_prompt_ids, read_corpus_metadata
+from specpipe.distill.corpus import chat_prompt_ids, read_corpus, read_corpus_metadata
+from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.distill.training import (ExampleShards, ResumableTrainer, lock_folder, progress_bar, token_batches,
                                        write_json)
@@ -68,6 +68,13 @@ class Example:
     prompt_len: int
     answer: np.ndarray   # [A] int64: the whole answer (the targets, and the chain references)
     n_pred: int          # answer positions predicted (= cached teacher rows)
+    # What the held-out split hashes: the conversation's first turn's id, so a second turn falls on
+    # the same side as the first answer it reads (None: prompt_id, a first turn).
+    conversation_id: str | None = None
+
+    @property
+    def split_id(self) -> str:
+        return self.conversation_id or self.prompt_id
 
 
 def is_eval(prompt_id: str, fraction: float) -> bool:
@@ -79,16 +86,18 @@ def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str 
     if not corpus.is_file():
         raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set "
                           f"distill_draft.corpus")
-    table = pq.read_table(corpus, columns=["prompt_id", "prompt", "answer_ids"])
+    table = read_corpus(corpus)
     examples = []
-    for pid, prompt, answer in zip(*(table.column(c).to_pylist() for c in ("prompt_id", "prompt", "answer_ids"))):
-        # The prompt ids exactly as the Pipeline encodes a one-turn chat (the corpus was generated so).
-        prompt_ids = chat_prompt_ids(tokenizer, prompt, system_prompt)
+    columns = (table.column(c).to_pylist() for c in ("prompt_id", "prompt", "answer_ids", "history"))
+    for pid, prompt, answer, history in zip(*columns):
+        # The prompt ids exactly as the Pipeline encodes the chat (the corpus was generated so).
+        prompt_ids = chat_prompt_ids(tokenizer, prompt, system_prompt, history)
         if not answer or len(prompt_ids) > max_seq_len:
             continue
         tokens = (prompt_ids + list(answer))[:-1][:max_seq_len]
+        first_turn = text_id(history[0]) if history else None  # a first turn's id hashes its text
         examples.append(Example(pid, np.asarray(tokens, np.int64), len(prompt_ids), np.asarray(answer, np.int64),
-                                len(tokens) - len(prompt_ids) + 1))
+                                len(tokens) - len(prompt_ids) + 1, first_turn))
     return examples
 
 
@@ -345,8 +354,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     examples = load_examples(corpus, tokenizer, int(d.max_seq_len), system_prompt)
     if d.get("limit"):
         examples = examples[: int(d.limit)]
-    held_out = [e for e in examples if is_eval(e.prompt_id, float(d.eval_fraction))]
-    train = [e for e in examples if not is_eval(e.prompt_id, float(d.eval_fraction))]
+    held_out = [e for e in examples if is_eval(e.split_id, float(d.eval_fraction))]
+    train = [e for e in examples if not is_eval(e.split_id, float(d.eval_fraction))]
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")

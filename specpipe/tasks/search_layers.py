@@ -80,7 +80,7 @@ def run_search_layers(cfg: DictConfig) -> dict:
         raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
     system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
     examples = [e for e in load_examples(corpus, tokenizer, int(s.max_seq_len), system_prompt)
-                if is_eval(e.prompt_id, float(s.eval_fraction))]
+                if is_eval(e.split_id, float(s.eval_fraction))]
     sequences = probe_sequences(examples, int(s.positions))
     vocab_ids = None
     if int(s.vocab_top_k):

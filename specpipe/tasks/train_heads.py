@@ -490,8 +490,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     examples = [e for e in load_examples(corpus, tokenizer, int(h.max_seq_len), system_prompt) if e.n_pred >= 2]
     if h.get("limit"):
         examples = examples[: int(h.limit)]
-    held_out = [e for e in examples if is_eval(e.prompt_id, float(h.eval_fraction))]
-    train = [e for e in examples if not is_eval(e.prompt_id, float(h.eval_fraction))]
+    held_out = [e for e in examples if is_eval(e.split_id, float(h.eval_fraction))]
+    train = [e for e in examples if not is_eval(e.split_id, float(h.eval_fraction))]
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={h.eval_fraction}): both must be non-empty")
