@@ -141,7 +141,7 @@ class ContinuousGreedy:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             answer = Answer(prompts[occupant[slot]], ids, text, finished)
             occupant[slot], answers[slot] = None, []
-            cache.lengths[slot] = 0  # an idle slot keeps decoding padding at position 0 until refilled
+            cache.lengths[slot] = 0  # an idle slot decodes padding from position 0 (rows ignored) until refilled
             next_input[slot] = self.pad_token_id
             return answer
 
