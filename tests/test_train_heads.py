@@ -4,6 +4,7 @@ falls), checkpoints, resumes and exports a head the pipeline loads (CI runs only
 tiny model; the real training is the documented command)."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -133,3 +134,33 @@ def test_train_heads_medusa_trains_and_exports_heads_the_pipeline_loads(tmp_path
                           loaded=loaded)
     assert len(pipe.decoder.drafters[0].heads) == 2
     assert_greedy(pipe)
+
+
+def test_features_follow_the_engine_and_examples_cut_elsewhere_are_extracted_again(tmp_path, tiny_mixed):
+    """The features are the target's last hidden states under the pipeline's engine (equal to
+    transformers' own forward up to rounding); an example cached at another max_seq_len (another
+    number of rows) is extracted again, the others are not, and the new rows are the ones read."""
+    from specpipe.engine.onednn import OneDNNEngine
+    from specpipe.tasks.train_heads import FeatureCache, extract_features
+
+    reference = tiny_mixed.reference
+    fast = copy.deepcopy(reference)
+    OneDNNEngine(fuse=True, lean_blocks=True, lean_forward=True).apply(fast)
+    rng = np.random.default_rng(0)
+
+    def example(pid: str, length: int) -> Example:
+        tokens = rng.integers(3, 400, size=length)
+        return Example(pid, tokens, 4, tokens[4:], length - 3)
+
+    long, short = example("long", 40), example("short", 12)
+    cache = FeatureCache(tmp_path / "features")
+    extract_features(fast, [Example("long", long.tokens[:20], 4, long.answer, 17), short], cache, 64, 0, False)
+    assert cache.done() == {"long": 20, "short": 12}
+    extract_features(fast, [long, short], cache, 64, 0, False)  # long is now 40 rows: only it again
+    assert len(cache.shards()) == 2 and cache.done() == {"long": 40, "short": 12}
+    features = cache.features()
+    for e in (long, short):
+        with torch.inference_mode():
+            expected = reference(input_ids=torch.from_numpy(e.tokens)[None], output_hidden_states=True).hidden_states[-1][0]
+        assert features[e.prompt_id].shape == tuple(expected.shape)
+        torch.testing.assert_close(torch.from_numpy(np.array(features[e.prompt_id])), expected, atol=2e-4, rtol=1e-4)

@@ -100,10 +100,12 @@ class ExampleShards:
     def shards(self) -> list[str]:
         return sorted(p.name[: -len(".pid.npy")] for p in self.folder.glob(f"{self.prefix}-*.pid.npy"))
 
-    def done(self) -> set[str]:
-        done: set[str] = set()
+    def done(self) -> dict[str, int]:
+        """prompt id -> rows cached for it (the latest shard's, which is the one `load` returns)."""
+        done: dict[str, int] = {}
         for shard in self.shards():
-            done.update(np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist())
+            pids = np.load(self.folder / f"{shard}.pid.npy", allow_pickle=False).tolist()
+            done.update(zip(pids, np.load(self.folder / f"{shard}.len.npy", allow_pickle=False).tolist()))
         return done
 
     def next_index(self) -> int:
@@ -130,7 +132,7 @@ class ExampleShards:
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             if any(len(array) != offsets[-1] for array in arrays):
                 raise ConfigError(f"{self.prefix} shard {self.folder / shard} is inconsistent; delete its files and rerun")
-            for i, pid in enumerate(pids.tolist()):
+            for i, pid in enumerate(pids.tolist()):  # a later shard's rows replace an earlier one's
                 out[pid] = tuple(array[offsets[i]:offsets[i + 1]] for array in arrays)
         return out
 

@@ -133,9 +133,10 @@ def fill_shards(cache: ExampleShards, examples: list[Example], batch_tokens: int
                 arrays: Callable[[list[Example]], dict[str, np.ndarray]], what: str, progress: bool,
                 log: Callable[[str], None]) -> None:
     """Computes `arrays(batch)` (each [sum of rows(example), ...]) for every example not in `cache` yet,
-    in batches of at most `batch_tokens` padded tokens, one shard per batch (a killed run resumes)."""
+    in batches of at most `batch_tokens` padded tokens, one shard per batch (a killed run resumes).
+    An example cached with another number of rows (cut at another max_seq_len) is computed again."""
     done = cache.done()
-    todo = [e for e in examples if e.prompt_id not in done]
+    todo = [e for e in examples if done.get(e.prompt_id) != rows(e)]
     if not todo:
         return
     next_index = cache.next_index()

@@ -5,10 +5,12 @@ prompts assembled from subject lists, never the benchmark sets), split by a hash
 exactly as `task=distill_draft` splits it. Stages, each resumable (kill the run at any time and
 start it again):
 
-a. features: the target, in `model.dtype` (the dtype the head will draft under), over prompt +
-   answer; the last hidden state (the input of the output layer) of every position goes to .npy
-   shards in `<checkpoint_dir>/features-<dtype>/` (fp32; a finished shard is skipped). Both head
-   kinds train on the same features.
+a. features: the target, in `model.dtype` (the dtype the head will draft under) and through
+   `engine` (the forward the pipeline verifies with), over prompt + answer; the last hidden state
+   (the input of the output layer) of every position goes to .npy shards in
+   `<checkpoint_dir>/features-<dtype>/` (fp32; a finished shard is skipped, an answer cached at
+   another `max_seq_len` is extracted again, so a grown corpus extracts only its new answers). All
+   head kinds train on the same features.
 b. train (kind=eagle): the head's row p reads [embedding(s_{p+1}), f_p] and predicts f_{p+1}; the loss on the
    answer positions is EAGLE-1's: SmoothL1 to the target's next feature plus `class_weight` times
    the cross-entropy from the target's next-token distribution, both distributions taken over
@@ -54,7 +56,7 @@ from transformers import LlamaConfig
 from specpipe.distill.corpus import read_corpus_metadata
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
-from specpipe.pipelines.builder import load_model
+from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
 from specpipe.stages.draft.eagle import EagleNet, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
@@ -101,7 +103,9 @@ def extract_features(target, examples: list[Example], cache: FeatureCache, batch
         for row, example in enumerate(chunk):
             ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
             mask[row, :len(example.tokens)] = 1
-        hidden = selected(target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states)
+        # The decoder stack alone: the logits over every position are not needed (a fifth of the cost).
+        hidden = selected(target.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                                       output_hidden_states=True).hidden_states)
         return {"feat": np.concatenate([hidden[row, :len(e.tokens)].float().numpy() for row, e in enumerate(chunk)])}
 
     what = f"hidden states entering layers {list(cache.layers)}" if cache.layers else "last hidden states"
@@ -480,6 +484,10 @@ def run_train_heads(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(h.seed))
     loaded = load_model(cfg.model)
+    # The features come from the forward the pipeline's target runs (cfg.engine; engines change only
+    # the float rounding, like the batch, so the feature cache does not pin it): 1.8x transformers'
+    # own forward on SmolLM2 in fp32 with engine=fast.
+    build_engine(cfg).apply(loaded.model)
     target, tokenizer = loaded.model.eval(), loaded.tokenizer
     corpus = repo_path(h.corpus)
     corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
@@ -506,7 +514,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     # a. features
     cache = FeatureCache(folder / f"features-{dtype}")
     cache_pin = {"version": FEATURES_VERSION, "model": loaded.name, "tokenizer": fingerprint["vocab_sha256"],
-                 "dtype": dtype, "max_seq_len": int(h.max_seq_len), "system_prompt": system_prompt}
+                 "dtype": dtype, "system_prompt": system_prompt}
     cache.pin(cache_pin)
     extract_features(target, examples, cache, int(h.feature_batch), pad_id, bool(h.progress))
     features = cache.features()
