@@ -164,3 +164,29 @@ def test_features_follow_the_engine_and_examples_cut_elsewhere_are_extracted_aga
             expected = reference(input_ids=torch.from_numpy(e.tokens)[None], output_hidden_states=True).hidden_states[-1][0]
         assert features[e.prompt_id].shape == tuple(expected.shape)
         torch.testing.assert_close(torch.from_numpy(np.array(features[e.prompt_id])), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_init_layer_starts_the_head_from_the_target_layer_under_the_engine(tmp_path):
+    """train_heads.init_layer copies that target layer into the head although the task runs the target
+    through the pipeline's engine, which rewrites the layers into its own modules; an index outside
+    the target's layers is refused."""
+    from safetensors import safe_open
+
+    corpus, out = tmp_path / "corpus.parquet", tmp_path / "head"
+    write_corpus(corpus)
+
+    def config(init_layer: int):
+        return compose_config(["task=train_heads", "model=tiny_random", "engine=fast", f"train_heads.corpus={corpus}",
+                               f"train_heads.checkpoint_dir={tmp_path / 'ck'}", f"train_heads.out={out}",
+                               "train_heads.steps=0", "train_heads.eval_init=false", "train_heads.eval_fraction=0.3",
+                               "train_heads.vocab_top_k=2000", "train_heads.eval_chains=2", "train_heads.progress=false",
+                               f"train_heads.init_layer={init_layer}"])
+
+    run_train_heads(config(1))  # no training step: the exported head is its initial state
+    layer = load_model(compose_config(["model=tiny_random"]).model).model.model.layers[1]
+    with safe_open(str(out / "model.safetensors"), "pt") as exported:
+        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            expected = layer.get_submodule(name.rsplit(".", 1)[0]).weight.detach().to(torch.bfloat16)
+            assert torch.equal(exported.get_tensor(f"layers.0.{name}"), expected), name
+    with pytest.raises(ConfigError, match="init_layer=7: the target has layers 0..1"):
+        run_train_heads(config(7))

@@ -461,18 +461,26 @@ def format_eval(result: dict, step: int) -> str:
 
 
 # ---- the task -----------------------------------------------------------------------------------
-def new_head(target, init_layer: int | None) -> EagleNet:
-    """A 1-layer EAGLE-1 head shaped like the target's layers; with `init_layer`, its decoder layer
-    starts from that target layer's weights (the input norm excepted: the head's first layer has none)."""
+def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] | None:
+    """The weights of target layer `init_layer` in transformers' layout (the input norm excepted: the
+    head's first layer has none), copied before an engine rewrites the layers into its own modules."""
+    if init_layer is None:
+        return None
+    layers = target.model.layers
+    if not 0 <= init_layer < len(layers):
+        raise ConfigError(f"train_heads.init_layer={init_layer}: the target has layers 0..{len(layers) - 1}")
+    return {k: v.detach().clone() for k, v in layers[init_layer].state_dict().items()
+            if not k.startswith("input_layernorm")}
+
+
+def new_head(target, init_state: dict[str, torch.Tensor] | None) -> EagleNet:
+    """A 1-layer EAGLE-1 head shaped like the target's layers; with `init_state` (init_layer_state),
+    its decoder layer starts from those weights."""
     config = copy.deepcopy(target.config)
     fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
     net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}), fc_bias=True)
-    if init_layer is not None:
-        layers = target.model.layers
-        if not 0 <= init_layer < len(layers):
-            raise ConfigError(f"train_heads.init_layer={init_layer}: the target has layers 0..{len(layers) - 1}")
-        state = {k: v for k, v in layers[init_layer].state_dict().items() if not k.startswith("input_layernorm")}
-        net.layers[0].load_state_dict(state)
+    if init_state is not None:
+        net.layers[0].load_state_dict(init_state)
     return net.float()
 
 
@@ -484,6 +492,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(h.seed))
     loaded = load_model(cfg.model)
+    init_state = init_layer_state(loaded.model, None if h.get("init_layer") is None else int(h.init_layer))
     # The features come from the forward the pipeline's target runs (cfg.engine; engines change only
     # the float rounding, like the batch, so the feature cache does not pin it): 1.8x transformers'
     # own forward on SmolLM2 in fp32 with engine=fast.
@@ -540,7 +549,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     embed = target.get_input_embeddings()
     embed.requires_grad_(False)
     if h.kind == "eagle":
-        net = new_head(target, None if h.get("init_layer") is None else int(h.init_layer))
+        net = new_head(target, init_state)
         loss_of = eagle_loss_of(net, embed, head_weight, to_reduced, features, h, pad_id)
     elif h.kind == "eagle3":
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
