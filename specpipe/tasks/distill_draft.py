@@ -101,7 +101,7 @@ def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str 
     return examples
 
 
-def _pad(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_examples(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids [b, T], attention mask [b, T], and the (row, column) of every answer position [n]."""
     width = max(len(e.tokens) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -165,7 +165,7 @@ def fill_shards(cache: ExampleShards, examples: list[Example], batch_tokens: int
 def compute_teacher(target, examples: list[Example], cache: TeacherCache, top_k: int, batch_tokens: int,
                     pad_id: int, progress: bool) -> None:
     def arrays(chunk: list[Example]) -> dict[str, np.ndarray]:
-        ids, mask, rows, cols = _pad(chunk, pad_id)
+        ids, mask, rows, cols = pad_examples(chunk, pad_id)
         hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state[rows, cols]  # [n, H]
         values, indices = target.lm_head(hidden).float().topk(top_k, dim=-1)  # [n, k] each
         return {"idx": indices.numpy().astype(np.int32), "val": values.numpy().astype(np.float16)}
@@ -213,7 +213,7 @@ class Trainer(ResumableTrainer):
         """One optimizer step; returns (mean KL per answer position, input tokens)."""
         cfg = self.cfg
         batch = self.batch_at(self.step)
-        ids, mask, rows, cols = _pad(batch, self.pad_id)
+        ids, mask, rows, cols = pad_examples(batch, self.pad_id)
         idx = torch.from_numpy(np.concatenate([self.teacher[e.prompt_id][0] for e in batch])).long()
         val = torch.from_numpy(np.concatenate([self.teacher[e.prompt_id][1] for e in batch]))
         for group in self.optimizer.param_groups:
@@ -278,7 +278,7 @@ def evaluate(draft, examples: list[Example], teacher: dict, cfg: DictConfig, pad
     with torch.inference_mode():
         for batch in example_batches(examples, int(cfg.batch)):
             chunk = [examples[i] for i in batch]
-            ids, mask, rows, cols = _pad(chunk, pad_id)
+            ids, mask, rows, cols = pad_examples(chunk, pad_id)
             idx = torch.from_numpy(np.concatenate([teacher[e.prompt_id][0] for e in chunk])).long()
             val = torch.from_numpy(np.concatenate([teacher[e.prompt_id][1] for e in chunk]))
             answers = torch.from_numpy(np.concatenate([e.answer[:e.n_pred] for e in chunk]))

@@ -64,7 +64,8 @@ from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_folder, progress_bar, write_json
-from specpipe.tasks.distill_draft import Example, example_batches, fill_shards, is_eval, load_examples, lr_at
+from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, is_eval, load_examples, lr_at,
+                                          pad_examples)
 
 FEATURES_VERSION = 1
 HEAD_KINDS = ("eagle", "medusa", "eagle3", "hydra")
@@ -97,12 +98,7 @@ def extract_features(target, examples: list[Example], cache: FeatureCache, batch
         return torch.cat([hidden_states[layer] for layer in cache.layers], dim=-1)
 
     def arrays(chunk: list[Example]) -> dict[str, np.ndarray]:
-        width = max(len(e.tokens) for e in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, T] right-padded
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, example in enumerate(chunk):
-            ids[row, :len(example.tokens)] = torch.from_numpy(example.tokens)
-            mask[row, :len(example.tokens)] = 1
+        ids, mask, _, _ = pad_examples(chunk, pad_id)  # [b, T] right-padded each
         # The decoder stack alone: the logits over every position are not needed (a fifth of the cost).
         hidden = selected(target.model(input_ids=ids, attention_mask=mask, use_cache=False,
                                        output_hidden_states=True).hidden_states)
