@@ -63,6 +63,37 @@ class Proposal:
         )
 
 
+
+def merge_by_prefix(proposals: list[Proposal]) -> tuple[list[int], list[int], list[float], list[str]]:
+    """Deterministic proposals merged into one trie: (tokens, parents, scores, sources) per merged
+    node in topological order. A node proposed twice keeps its best score and its first source; a
+    child's score is capped at its parent's, so every best-first prefix of the nodes is a tree."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    sources: list[str] = []
+    index_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for proposal in proposals:
+        local_to_merged: list[int] = []
+        for token, parent, score in zip(proposal.tokens.tolist(), proposal.parents.tolist(),
+                                        proposal.scores.tolist()):
+            merged_parent = local_to_merged[parent] if parent >= 0 else -1
+            if merged_parent >= 0:
+                score = min(score, scores[merged_parent])
+            key = (merged_parent, token)
+            node = index_of.get(key)
+            if node is None:
+                node = len(tokens)
+                index_of[key] = node
+                tokens.append(token)
+                parents.append(merged_parent)
+                scores.append(score)
+                sources.append(proposal.source)
+            elif score > scores[node]:
+                scores[node] = score
+            local_to_merged.append(node)
+    return tokens, parents, scores, sources
+
 @dataclass(frozen=True)
 class DraftTree:
     """The tree handed to Verify, tensorized. Nodes exclude the root.

@@ -13,7 +13,7 @@ from specpipe.stages.retrieve.ngram_index import NgramIndex
 from specpipe.stages.retrieve.prompt_ngram import PromptNgram
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.stages.verify.greedy import GreedyVerifier
-from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
+from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult, merge_by_prefix
 
 # ---- NgramIndex --------------------------------------------------------------------------------
 
@@ -235,7 +235,7 @@ def test_trie_builder_respects_max_nodes_and_keeps_the_best():
     for k in range(6):
         scores = sorted(torch.rand(8, generator=generator).tolist(), reverse=True)
         proposals.append(chain(torch.randint(0, 4, (8,), generator=generator).tolist(), scores, f"p{k}"))
-    merged_tokens, merged_parents, merged_scores, _ = TrieTreeBuilder._merge(proposals)
+    merged_tokens, merged_parents, merged_scores, _ = merge_by_prefix(proposals)
     assert len(merged_tokens) > 10
     tree = TrieTreeBuilder(FLAT, max_nodes=10).build(state_of([1]), proposals)
     assert len(tree) == 10

@@ -787,9 +787,43 @@ def test_proposer_is_empty_without_a_match_and_learns_from_commits():
     assert float(rest.propose(state).scores[0]) == pytest.approx(first)
 
 
+
+def proposal_paths(proposal) -> dict[tuple[int, ...], float]:
+    paths = {}
+    for node, (token, parent) in enumerate(zip(proposal.tokens.tolist(), proposal.parents.tolist())):
+        paths[node] = (paths[parent] if parent >= 0 else ()) + (token,)
+    return {path: float(proposal.scores[node]) for node, path in paths.items()}
+
+
+def test_proposer_with_shorter_spans_adds_what_usually_follows_and_learns_from_each_span():
+    # [5, 1, 2] occurs once, followed by 3; [1, 2] five times, followed by 9 four times.
+    documents = [[5, 1, 2, 3]] + [[7, 1, 2, 9]] * 4
+    state = DecodeState(tokens=[5, 1, 2], prompt_length=3)
+    longest_alone = rest_over(documents, max_length=2)
+    longest_alone.reset(state)
+    assert set(proposal_paths(longest_alone.propose(state))) == {(3,)}
+    too_short = rest_over(documents, max_length=2, min_span=3, shorter_spans=1)  # span 2 is below min_span
+    too_short.reset(state)
+    assert set(proposal_paths(too_short.propose(state))) == {(3,)}
+
+    rest = rest_over(documents, max_length=2, shorter_spans=1)
+    rest.reset(state)
+    proposal = rest.propose(state)
+    assert_proposal_well_formed(proposal)
+    calibration = state.stage_state[rest].calibration
+    prior = calibration.factor(3, 0)
+    assert proposal_paths(proposal) == pytest.approx({(3,): prior * 1.0, (9,): prior * 4 / 5})  # (3,): its best score
+    state.tokens.append(9)  # the target went with what usually follows
+    rest.on_commit(state, VerifyResult(accepted=[1], bonus=0, logits=torch.empty(0)))
+    assert calibration.factor(3, 0) < prior < calibration.factor(2, 0)  # each span learned from its own trie
+    state.tokens[:] = [5, 1, 2]
+    assert proposal_paths(rest.propose(state)) == pytest.approx(
+        {(3,): max(calibration.factor(3, 0), calibration.factor(2, 0) / 5), (9,): calibration.factor(2, 0) * 4 / 5})
+
 def test_proposer_validates_its_options():
     store = TokenDatastore.from_documents([[1, 2, 3]])
-    for bad in ({"min_span": 0}, {"min_span": 5, "max_span": 4}, {"max_candidates": 0}, {"max_length": 0}):
+    for bad in ({"min_span": 0}, {"min_span": 5, "max_span": 4}, {"max_candidates": 0}, {"max_length": 0},
+                {"shorter_spans": -1}):
         with pytest.raises(ValueError):
             RestRetriever(datastore=store, **bad)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
-from specpipe.types import Proposal
+from specpipe.types import Proposal, merge_by_prefix
 
 
 @dataclass(slots=True)
@@ -108,18 +108,30 @@ class ContinuationTrie:
 @dataclass
 class TrieSequence:
     """What a trie-proposing retriever keeps per sequence: its acceptance calibration and the
-    last trie it proposed (to learn from what the target then committed)."""
+    tries it last proposed (to learn from what the target then committed)."""
 
     calibration: AcceptanceCalibration
-    trie: ContinuationTrie = field(default_factory=ContinuationTrie)
-    proposed_at: int = 0  # len(state.tokens) when the trie was proposed
+    tries: list[ContinuationTrie] = field(default_factory=list)
+    proposed_at: int = 0  # len(state.tokens) when the tries were proposed
 
     def propose(self, trie: ContinuationTrie, committed: int, source: str) -> Proposal:
-        self.trie, self.proposed_at = trie, committed
-        return trie.to_proposal(source, self.calibration)
+        return self.propose_merged([trie], committed, source)
+
+    def propose_merged(self, tries: Sequence[ContinuationTrie], committed: int, source: str) -> Proposal:
+        """Several tries (say, the continuations of matches of different lengths) as one proposal,
+        merged by prefix: a node in several keeps its best score. Each trie keeps its own
+        frequency ratios and all share the calibration, keyed by each node's match length."""
+        self.tries, self.proposed_at = list(tries), committed
+        proposals = [trie.to_proposal(source, self.calibration) for trie in self.tries if len(trie)]
+        if len(proposals) <= 1:
+            return proposals[0] if proposals else Proposal.empty(source)
+        tokens, parents, scores, _ = merge_by_prefix(proposals)
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
+                        scores=torch.tensor(scores, dtype=torch.float32), source=source)
 
     def learn(self, tokens: list[int]) -> list[int]:
         """Teaches the calibration what was committed since the proposal; returns those tokens."""
         emitted = tokens[self.proposed_at:]
-        self.trie.teach(emitted, self.calibration)
+        for trie in self.tries:
+            trie.teach(emitted, self.calibration)
         return emitted

@@ -9,7 +9,7 @@ from specpipe.errors import StoreError
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import sha256_file
-from specpipe.stores.token_datastore import TokenDatastore, TokenStore, default_store_path
+from specpipe.stores.token_datastore import DatastoreMatch, TokenDatastore, TokenStore, default_store_path
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 
@@ -22,11 +22,17 @@ class RestRetriever:
     Node scores estimate acceptance: the frequency ratio of the branch among the sampled
     occurrences of the match (occurrences followed by a document's end count as misses),
     times an online calibration factor per match length and depth, multiplied along paths.
+
+    `shorter_spans` > 0 goes beyond REST, which drafts from the longest match alone: the
+    continuations of the next shorter suffixes of the context (the longest match's length minus
+    1, 2, ...) are proposed too, each as its own trie with its own frequency ratios, merged by
+    prefix (a node in several keeps its best score). A long match is often one occurrence whose
+    continuation is an accident of one answer; a shorter one counts what usually follows.
     """
 
     def __init__(self, tokenizer=None, path: str | None = None, store: str = "tokens_from_files",
                  name: str = "token_datastore", max_span: int = 16, min_span: int = 2, max_candidates: int = 8,
-                 max_length: int = 16, max_occurrences: int = 256, prior: float = 0.5,
+                 max_length: int = 16, max_occurrences: int = 256, shorter_spans: int = 0, prior: float = 0.5,
                  memory: float = float("inf"), verify_checksums: bool = False,
                  datastore: TokenStore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
                  target=None) -> None:
@@ -35,6 +41,8 @@ class RestRetriever:
             raise ValueError(f"{name}: spans need 1 <= min_span <= max_span, got {min_span}, {max_span}")
         if max_candidates < 1 or max_length < 1 or max_occurrences < 1:
             raise ValueError(f"{name}: max_candidates, max_length and max_occurrences must be >= 1")
+        if shorter_spans < 0:
+            raise ValueError(f"{name}: shorter_spans must be >= 0 (0 = the longest match alone), got {shorter_spans}")
         self.name = name
         folder = Path(path).expanduser() if path else default_store_path(store)
         if datastore is None and corpus and not path:
@@ -48,6 +56,7 @@ class RestRetriever:
             folder, tokenizer, verify_checksums=verify_checksums)
         self.max_span, self.min_span = max_span, min_span
         self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
+        self.shorter_spans = shorter_spans
         AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
         self.prior, self.memory = prior, memory
 
@@ -55,12 +64,25 @@ class RestRetriever:
         state.stage_state[self] = TrieSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory))
 
     def propose(self, state: DecodeState) -> Proposal:
-        match = self.datastore.lookup(state.tokens[-self.max_span:], self.max_span, self.min_span,
-                                      self.max_length, self.max_candidates, self.max_occurrences)
+        context = state.tokens[-self.max_span:]
+        match = self.datastore.lookup(context, self.max_span, self.min_span, self.max_length,
+                                      self.max_candidates, self.max_occurrences)
+        tries = [self._trie(match)]
+        # Every suffix of the longest match occurs too, so each shorter span is found; looked up
+        # with min_span = max_span = its length, it costs one range search.
+        for span in range(match.match_length - 1, match.match_length - 1 - self.shorter_spans, -1):
+            if span < self.min_span:
+                break
+            tries.append(self._trie(self.datastore.lookup(context, span, span, self.max_length,
+                                                          self.max_candidates, self.max_occurrences)))
+        return state.stage_state[self].propose_merged(tries, len(state.tokens), self.name)
+
+    @staticmethod
+    def _trie(match: DatastoreMatch) -> ContinuationTrie:
         trie = ContinuationTrie(total=match.sampled)
         for continuation, prefix_counts in zip(match.continuations, match.prefix_counts):
             trie.add(continuation, match.match_length, prefix_counts)
-        return state.stage_state[self].propose(trie, len(state.tokens), self.name)
+        return trie
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
         state.stage_state[self].learn(state.tokens)

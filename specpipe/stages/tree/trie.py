@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specpipe.cost import CostCurve
-from specpipe.types import DecodeState, DraftTree, Proposal
+from specpipe.types import DecodeState, DraftTree, Proposal, merge_by_prefix
 
 
 class TrieTreeBuilder:
@@ -36,7 +36,7 @@ class TrieTreeBuilder:
         """
         sampled = [proposal for proposal in proposals if proposal.draft_probs is not None and len(proposal)]
         fixed_tokens, fixed_parents, fixed_sources, fixed_expected = self._concatenate(sampled)
-        tokens, parents, scores, sources = self._merge([p for p in proposals if p.draft_probs is None])
+        tokens, parents, scores, sources = merge_by_prefix([p for p in proposals if p.draft_probs is None])
         budget = max(0, self.max_nodes - len(fixed_tokens))
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
         size = self._best_size([scores[i] for i in order], overhead_ms, len(fixed_tokens), fixed_expected,
@@ -100,32 +100,3 @@ class TrieTreeBuilder:
             sources += [proposal.source] * len(proposal)
             expected += float(proposal.scores.sum())
         return tokens, parents, sources, expected
-
-    @staticmethod
-    def _merge(proposals: list[Proposal]) -> tuple[list[int], list[int], list[float], list[str]]:
-        """One trie over all proposals; a node proposed twice keeps its best score."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        sources: list[str] = []
-        index_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-        for proposal in proposals:
-            local_to_merged: list[int] = []
-            for token, parent, score in zip(proposal.tokens.tolist(), proposal.parents.tolist(),
-                                            proposal.scores.tolist()):
-                merged_parent = local_to_merged[parent] if parent >= 0 else -1
-                if merged_parent >= 0:
-                    score = min(score, scores[merged_parent])  # keeps every best-first prefix a tree
-                key = (merged_parent, token)
-                node = index_of.get(key)
-                if node is None:
-                    node = len(tokens)
-                    index_of[key] = node
-                    tokens.append(token)
-                    parents.append(merged_parent)
-                    scores.append(score)
-                    sources.append(proposal.source)
-                elif score > scores[node]:
-                    scores[node] = score
-                local_to_merged.append(node)
-        return tokens, parents, scores, sources
