@@ -63,7 +63,6 @@ class Proposal:
         )
 
 
-
 def merge_by_prefix(proposals: list[Proposal]) -> tuple[list[int], list[int], list[float], list[str]]:
     """Deterministic proposals merged into one trie: (tokens, parents, scores, sources) per merged
     node in topological order. A node proposed twice keeps its best score and its first source; a
@@ -93,6 +92,7 @@ def merge_by_prefix(proposals: list[Proposal]) -> tuple[list[int], list[int], li
                 scores[node] = score
             local_to_merged.append(node)
     return tokens, parents, scores, sources
+
 
 @dataclass(frozen=True)
 class DraftTree:
