@@ -52,19 +52,21 @@ def test_the_target_runner_returns_the_captured_layers(tiny_mixed):
         TargetModel(tiny_mixed.loaded.model).capture_layers((0, 1, 5), "a head")
 
 
-def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed):
+@pytest.mark.parametrize("variant", ["eagle3", "eagle"])
+def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed, variant):
     """Training-time test: rollout k's row p (one batched forward per rollout under rollout_mask)
-    equals drafting at inference: the committed rows 0..p-k read the target's layers, then k tree
-    nodes with the answer's tokens, each reading the draft's output at its parent."""
+    equals drafting at inference: the committed rows 0..p-k read the target's layers (EAGLE-1: its
+    last hidden states), then k tree nodes with the answer's tokens, each reading the draft's output
+    at its parent."""
     from transformers.cache_utils import DynamicCache
 
     from specpipe.tasks.train_heads import rollout_mask
 
-    drafter = drafter_for(tiny_mixed, variant="eagle3")
+    drafter = drafter_for(tiny_mixed, variant=variant)
     net, embed = drafter.net, drafter.embed
     tokens = random_prompts(1, seed=43)[0][:14]
     width = len(tokens) - 1
-    aux = layer_states(tiny_mixed, tokens)[:width]  # row p reads the layers at position p and token s_{p+1}
+    aux = target_features(tiny_mixed, tokens, variant)[:width]  # row p reads position p's features and s_{p+1}
     embeds = embed(torch.tensor(tokens[1:]))[None]
     positions = torch.arange(width)[None]
     valid = torch.ones(1, width, dtype=torch.bool)

@@ -190,3 +190,92 @@ def test_init_layer_starts_the_head_from_the_target_layer_under_the_engine(tmp_p
             assert torch.equal(exported.get_tensor(f"layers.0.{name}"), expected), name
     with pytest.raises(ConfigError, match="init_layer=7: the target has layers 0..1"):
         run_train_heads(config(7))
+
+
+def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_committed_row(tiny_mixed):
+    """eagle_rollout_loss with one rollout equals the plain EAGLE-1 loss (rollout 0 reads the target's
+    features under a causal mask); with two, rollout 1 scores the labelled rows but the first (no
+    committed row under its chain), and the total is rollout 0's loss plus decay times rollout 1's."""
+    from specpipe.tasks.train_heads import eagle_rollout_loss, head_loss, run_net
+    from test_eagle import drafter_for
+
+    net = copy.deepcopy(drafter_for(tiny_mixed).net).float()
+    embed = tiny_mixed.reference.get_input_embeddings()
+    rng = np.random.default_rng(1)
+    examples, features = [], {}
+    # two lengths (the shorter one is padded); a one-token prompt makes row 0 labelled
+    for pid, length, prompt_length in (("a", 12, 1), ("b", 9, 3)):
+        prompt = rng.integers(3, 400, size=prompt_length)
+        answer = rng.integers(3, 400, size=length + 1 - prompt_length)
+        tokens = np.concatenate([prompt, answer[:-1]])  # [length]: the last answer token is only a label
+        examples.append(Example(pid, tokens, len(prompt), answer, len(answer)))
+        features[pid] = rng.standard_normal((length, net.config.hidden_size)).astype(np.float32)
+    batch = HeadBatch(examples, features, pad_id=0)
+    weight = tiny_mixed.reference.lm_head.weight.detach()[:300]
+    to_reduced = torch.full((tiny_mixed.reference.config.vocab_size,), -1, dtype=torch.long)
+    to_reduced[:300] = torch.arange(300)
+    with torch.no_grad():
+        plain, plain_stats = head_loss(run_net(net, embed, batch.tokens, batch.features, batch.attention_mask()),
+                                       batch, weight, 0.1, to_reduced)
+        one, one_stats = eagle_rollout_loss(net, embed, batch, batch.features, weight, 0.1, to_reduced, 1, 0.8)
+        two, two_stats = eagle_rollout_loss(net, embed, batch, batch.features, weight, 0.1, to_reduced, 2, 0.5)
+    assert float(one) == pytest.approx(float(plain), rel=1e-5)
+    assert one_stats["positions"] == plain_stats["positions"] == two_stats["positions"] > 0
+    assert len(two_stats["top1_per_step"]) == 2
+    # rollout 1 by hand: rows read rollout 0's output one position earlier, under rollout_mask(valid, 1)
+    from transformers.cache_utils import DynamicCache
+
+    from specpipe.tasks.train_heads import rollout_mask
+
+    width = batch.tokens.shape[1]
+    positions = torch.arange(width)[None].expand(len(examples), -1)
+    with torch.no_grad():
+        cache = DynamicCache(config=net.config)
+        out0 = net.rows(embed(batch.tokens), batch.features, positions, rollout_mask(batch.valid, 0), cache)
+        shifted = torch.cat([torch.zeros_like(out0[:, :1]), out0[:, :-1]], dim=1)
+        out1 = net.rows(embed(batch.tokens), shifted, positions, rollout_mask(batch.valid, 1), cache)
+        scored = (batch.labels >= 0) & (positions >= 1)
+        assert int(scored.sum()) == int((batch.labels >= 0).sum()) - 1  # "a"'s row 0 has no committed row under it
+        second, _ = head_loss(out1, batch, weight, 0.1, to_reduced, scored)
+    assert float(two) == pytest.approx(float(one) + 0.5 * float(second), rel=1e-5)
+
+
+def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
+    """train_heads.init_from starts an EAGLE-1 head from a trained head's directory (its exported
+    weights, exactly); with rollout_steps=2 the loss falls, and the export records both. init_from
+    with another kind is refused."""
+    from safetensors.torch import load_file
+
+    from specpipe.tasks.train_heads import head_from
+
+    corpus, first, second = tmp_path / "corpus.parquet", tmp_path / "first", tmp_path / "second"
+    write_corpus(corpus)
+
+    def config(out: Path, checkpoints: str, steps: int, *extra: str):
+        return compose_config(["task=train_heads", "model=tiny_random", f"train_heads.corpus={corpus}",
+                               f"train_heads.checkpoint_dir={tmp_path / checkpoints}", f"train_heads.out={out}",
+                               f"train_heads.steps={steps}", "train_heads.lr=0.003", "train_heads.warmup=0",
+                               "train_heads.batch=128", "train_heads.checkpoint_every=2", "train_heads.eval_every=0",
+                               "train_heads.eval_init=false", "train_heads.eval_fraction=0.3",
+                               "train_heads.vocab_top_k=2000", "train_heads.eval_chains=4",
+                               "train_heads.progress=false", *extra])
+
+    run_train_heads(config(first, "ck1", 2))
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    net = head_from(str(first), loaded.model, loaded.tokenizer)
+    exported = load_file(first / "model.safetensors")
+    for key, value in net.state_dict().items():
+        if key in exported:
+            assert torch.equal(value, exported[key].float()), key
+    assert set(exported) >= {key for key in net.state_dict() if "rotary" not in key}
+
+    result = run_train_heads(config(second, "ck2", 6, f"train_heads.init_from={first}", "train_heads.rollout_steps=2"))
+    losses = [entry["loss"] for entry in result["train_log"]]
+    assert result["step"] == 6 and losses[-1] < losses[0]
+    training = json.loads((second / "config.json").read_text())["specpipe"]["training"]
+    assert training["init_from"] == str(first) and training["rollout_steps"] == 2
+    assert "2 rollouts" in training["loss"]
+    with pytest.raises(ConfigError, match="init_from starts an EAGLE-1 head"):
+        run_train_heads(config(second, "ck3", 2, f"train_heads.init_from={first}", "train_heads.kind=medusa"))
+    with pytest.raises(ConfigError, match="rollout_steps must be >= 1"):
+        run_train_heads(config(second, "ck4", 2, "train_heads.rollout_steps=0"))

@@ -14,7 +14,9 @@ a. features: the target, in `model.dtype` (the dtype the head will draft under) 
 b. train (kind=eagle): the head's row p reads [embedding(s_{p+1}), f_p] and predicts f_{p+1}; the loss on the
    answer positions is EAGLE-1's: SmoothL1 to the target's next feature plus `class_weight` times
    the cross-entropy from the target's next-token distribution, both distributions taken over
-   the `vocab_top_k` most frequent tokens (the reduced output layer the head drafts with).
+   the `vocab_top_k` most frequent tokens (the reduced output layer the head drafts with). With
+   `rollout_steps` > 1 the same loss is also taken on rollouts that read the head's own predicted
+   features (EAGLE-3's training-time test), and `init_from` fine-tunes a trained head.
    kind=medusa: head k reads f_p and is scored on s_{p+k+2} (cross-entropy from the target's
    distribution there, weighted medusa_decay^k), through the target's shared output layer;
    kind=hydra: the same, head k also reading the embeddings of s_{p+1} .. s_{p+k+1} (teacher forcing).
@@ -58,8 +60,9 @@ from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
-from specpipe.stages.draft.eagle import EagleNet, save_eagle
+from specpipe.stages.draft.eagle import EagleNet, build_eagle_net, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
+from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
@@ -157,20 +160,17 @@ class HeadBatch:
 def run_net(net: EagleNet, embed: torch.nn.Module, tokens: torch.Tensor, features: torch.Tensor,
             mask: torch.Tensor) -> torch.Tensor:
     """Batched rows without a cache: tokens [b, T], features [b, T, H], mask [b, 1, T, T] -> [b, T, H]."""
-    hidden = net.fc(torch.cat([embed(tokens), features], dim=-1))
     positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
-    rotary = net.rotary_emb(hidden, positions)
-    for layer in net.layers:
-        hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
-    return hidden
+    return net.rows(embed(tokens), features, positions, mask)
 
 
 def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tensor, class_weight: float,
-              to_reduced: torch.Tensor) -> tuple[torch.Tensor, dict]:
+              to_reduced: torch.Tensor, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE-1's loss over the scored rows: SmoothL1(predicted, f_{p+1}) + class_weight * CE(target's
     next-token distribution, the head's), both over the reduced vocabulary (head_weight [K, H]).
-    to_reduced [vocab]: reduced index of each token, -1 outside; a label outside counts as a miss."""
-    scored = batch.labels >= 0  # [b, T]
+    to_reduced [vocab]: reduced index of each token, -1 outside; a label outside counts as a miss.
+    scored [b, T] bool: the rows to score (default: every row with a label)."""
+    scored = batch.labels >= 0 if scored is None else scored  # [b, T]
     predicted, truth = predicted[scored], batch.next_features[scored]  # [n, H]
     regression = F.smooth_l1_loss(predicted, truth)  # mean over positions and feature dimensions, as EAGLE-1
     target_log_p = F.log_softmax(truth @ head_weight.T, dim=-1)  # [n, K]
@@ -212,14 +212,59 @@ class HeadTrainer(ResumableTrainer):
 
 def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
                   cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
+    rollouts = rollout_steps(cfg)
+
     def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
         batch = HeadBatch(examples, features, pad_id)
         inputs = batch.features
         if float(cfg.feature_noise):  # EAGLE's augmentation: the head drafts from its own, imperfect features
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * float(cfg.feature_noise)
+        if rollouts > 1:
+            return eagle_rollout_loss(net, embed, batch, inputs, head_weight, float(cfg.class_weight), to_reduced,
+                                      rollouts, float(cfg.rollout_decay))
         predicted = run_net(net, embed, batch.tokens, inputs, batch.attention_mask())
         return head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
     return loss_of
+
+
+def rollout_steps(cfg: DictConfig) -> int:
+    """train_heads.rollout_steps, null meaning the kind's default: 3 for EAGLE-3 (its recipe), 1 (no
+    rollouts) for EAGLE-1, whose released recipe trains on the target's features only."""
+    steps = cfg.get("rollout_steps")
+    steps = (3 if cfg.kind == "eagle3" else 1) if steps is None else int(steps)
+    if steps < 1:
+        raise ConfigError(f"train_heads.rollout_steps must be >= 1 (1 = no rollouts), got {steps}")
+    return steps
+
+
+def eagle_rollout_loss(net: EagleNet, embed, batch: HeadBatch, inputs: torch.Tensor, head_weight: torch.Tensor,
+                       class_weight: float, to_reduced: torch.Tensor, steps: int,
+                       decay: float) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1's loss with EAGLE-3's training-time test (as HASS applies it to EAGLE heads): rollout 0
+    reads the target's features `inputs` [b, T, H]; rollout k's row p reads the feature the head
+    predicted at rollout k - 1 for position p (its row p - 1) and is the depth-(k+1) tree node at p,
+    under `rollout_mask`. Every rollout is scored by `head_loss` on the same labels (the true next
+    feature and token; a node is only worth drafting where its ancestors were right), on the rows
+    with a committed row under their chain, weighted decay^k. Stats are rollout 0's."""
+    from transformers.cache_utils import DynamicCache
+
+    embeds = embed(batch.tokens)  # [b, T, H]
+    width = batch.tokens.shape[1]
+    positions = torch.arange(width)[None].expand(batch.tokens.shape[0], -1)  # [b, T]
+    labelled = batch.labels >= 0  # [b, T]
+    cache = DynamicCache(config=net.config)
+    total = head_weight.new_zeros(())
+    stats: dict = {}
+    for step in range(steps):
+        out = net.rows(embeds, inputs, positions, rollout_mask(batch.valid, step), cache)  # [b, T, H]
+        scored = labelled & (positions >= step)
+        loss, step_stats = head_loss(out, batch, head_weight, class_weight, to_reduced, scored)
+        total = total + decay ** step * loss
+        if step == 0:
+            stats = step_stats
+        stats.setdefault("top1_per_step", []).append(step_stats["top1"] / max(1, step_stats["positions"]))
+        inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)  # row p reads p - 1's
+    return total, stats
 
 
 # ---- EAGLE-3 ------------------------------------------------------------------------------------
@@ -275,7 +320,7 @@ def eagle3_loss_of(net, embed, head_weight: torch.Tensor, to_reduced: torch.Tens
                    aux_features: dict, cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
     def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
         batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
-        return eagle3_loss(net, embed, batch, head_weight, to_reduced, int(cfg.rollout_steps), float(cfg.rollout_decay))
+        return eagle3_loss(net, embed, batch, head_weight, to_reduced, rollout_steps(cfg), float(cfg.rollout_decay))
     return loss_of
 
 
@@ -469,6 +514,17 @@ def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] 
             if not k.startswith("input_layernorm")}
 
 
+def head_from(folder: str, target, tokenizer) -> EagleNet:
+    """The EAGLE-1 head in directory `folder` (the released layout, e.g. the shipped head), in fp32, to
+    fine-tune: on features of another dtype, a grown corpus, or with rollouts."""
+    path = repo_path(folder)
+    name = "train_heads.init_from"
+    config, tensors = read_checkpoint(path, name, "EAGLE head")
+    check_tokenizer(config, tokenizer, path, name)
+    net = build_eagle_net(config, tensors, int(target.config.hidden_size), int(target.config.vocab_size), name)
+    return net.float()
+
+
 def new_head(target, init_state: dict[str, torch.Tensor] | None) -> EagleNet:
     """A 1-layer EAGLE-1 head shaped like the target's layers; with `init_state` (init_layer_state),
     its decoder layer starts from those weights."""
@@ -484,6 +540,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     h = cfg.train_heads
     if h.kind not in HEAD_KINDS:
         raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
+    if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
+        raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
+                          f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(h.seed))
@@ -545,7 +604,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     embed = target.get_input_embeddings()
     embed.requires_grad_(False)
     if h.kind == "eagle":
-        net = new_head(target, init_state)
+        net = new_head(target, init_state) if not h.get("init_from") else head_from(h.init_from, target, tokenizer)
         loss_of = eagle_loss_of(net, embed, head_weight, to_reduced, features, h, pad_id)
     elif h.kind == "eagle3":
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
@@ -590,8 +649,10 @@ def run_train_heads(cfg: DictConfig) -> dict:
         write_json(report_path, report)
         if export:
             save = {"eagle": save_eagle, "eagle3": save_eagle3, "medusa": save_medusa, "hydra": save_medusa}[h.kind]
-            loss = {"eagle": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens",
-                    "eagle3": f"sum over {h.rollout_steps} rollouts of {h.rollout_decay}^k x CE from the target's "
+            rollouts = rollout_steps(h)
+            loss = {"eagle": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens" + (
+                        f", summed over {rollouts} rollouts weighted {h.rollout_decay}^k" if rollouts > 1 else ""),
+                    "eagle3": f"sum over {rollout_steps(h)} rollouts of {h.rollout_decay}^k x CE from the target's "
                               f"distribution over the {top_k}-token draft vocabulary",
                     "medusa": f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top "
                               f"{top_k} tokens"}[h.kind if h.kind != "hydra" else "medusa"]
@@ -604,6 +665,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
                              "answer_positions": trainer.positions, "seconds": round(trainer.seconds, 1),
                              "loss": loss,
                              "lr": float(h.lr), "batch_tokens": int(h.batch), "init_layer": h.get("init_layer"),
+                             "init_from": h.get("init_from"), "rollout_steps": rollouts,
                              "feature_noise": float(h.feature_noise)},
                 "eval": {k: result[k] for k in ("top1", "vocab_miss_rate", "loss", "acceptance_per_depth",
                                                 "mean_accepted_per_chain", "chains", "positions")},

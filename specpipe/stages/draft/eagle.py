@@ -65,19 +65,24 @@ class EagleNet(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
+    def rows(self, embeds: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor | None, cache=None) -> Tensor:
+        """Batched rows (training, its rollouts): embeds, features [b, q, hidden]; position_ids [b, q];
+        mask [b, 1, q, kv] bool over the cached rows then these, or None for causal rows without a
+        cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]."""
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
+        rotary = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
+        return hidden
+
     def forward(self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
                 cache: PositionIndexedCache | None) -> Tensor:
-        """embeds, features [q, hidden]; positions [q]; mask [q, kv] bool (True = attend) over the
-        cached rows then these, or None for plain causal attention without a cache. Appends q rows
-        to `cache`; returns the predicted features [q, hidden]."""
-        hidden = self.fc(torch.cat([embeds, features], dim=-1))[None]  # [1, q, hidden]
-        position_ids = positions[None]  # [1, q]
-        rotary = self.rotary_emb(hidden, position_ids)
+        """One request's rows: embeds, features [q, hidden]; positions [q]; mask [q, kv] bool (True =
+        attend) over the cached rows then these, or None for plain causal attention without a cache.
+        Appends q rows to `cache`; returns the predicted features [q, hidden]."""
         attention_mask = mask[None, None] if mask is not None else None  # [1, 1, q, kv]
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
-        return hidden[0]
+        return self.rows(embeds[None], features[None], positions[None], attention_mask, cache)[0]
 
 
 @dataclass
@@ -265,8 +270,8 @@ class EagleRunner:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
-def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> EagleNet:
-    """An EagleNet from an EAGLE-1 checkpoint, checked against the target (sizes, vocabulary)."""
+def build_eagle_net(config: dict, tensors: dict[str, Tensor], hidden: int, vocab_size: int, name: str) -> EagleNet:
+    """An EagleNet from an EAGLE-1 checkpoint, checked against the target's hidden size and vocabulary."""
     keys = set(tensors)
     if any(key.startswith("midlayer.") for key in keys) or "d2t" in keys:
         raise ConfigError(f"{name}: this is an EAGLE-3 checkpoint (midlayer.*, d2t); drafter=eagle reads the "
@@ -277,24 +282,22 @@ def build_eagle_net(config: dict, tensors: dict[str, Tensor], target: TargetMode
     if "fc.weight" not in keys:
         raise ConfigError(f"{name}: no fc.weight in the checkpoint: not an EAGLE head (keys: "
                           f"{', '.join(sorted(keys)[:6])}...)")
-    target_config = target.model.config
-    hidden = int(target_config.hidden_size)
     if tuple(tensors["fc.weight"].shape) != (hidden, 2 * hidden):
         raise ConfigError(f"{name}: the head's fc.weight is {tuple(tensors['fc.weight'].shape)}, the target's hidden "
                           f"size {hidden} needs ({hidden}, {2 * hidden}): this head is for another model")
     if int(config.get("hidden_size", hidden)) != hidden:
         raise ConfigError(f"{name}: the head's hidden_size is {config['hidden_size']}, the target's {hidden}")
     vocab = config.get("vocab_size")
-    if vocab is not None and int(vocab) != target.vocab_size:
+    if vocab is not None and int(vocab) != vocab_size:
         raise ConfigError(f"{name}: the head was trained for a vocabulary of {vocab} tokens, the target has "
-                          f"{target.vocab_size}: it is for another model")
+                          f"{vocab_size}: it is for another model")
     layer_ids = {int(key.split(".")[1]) for key in keys if key.startswith("layers.")}
     declared = int(config.get("num_hidden_layers", len(layer_ids)))
     if layer_ids != set(range(declared)):
         raise ConfigError(f"{name}: config.json declares {declared} layer(s), the weights hold layers "
                           f"{sorted(layer_ids)}")
     fields = {key: value for key, value in config.items() if key not in ("architectures", "model_type", "specpipe")}
-    llama_config = LlamaConfig(**{**fields, "num_hidden_layers": declared, "vocab_size": target.vocab_size})
+    llama_config = LlamaConfig(**{**fields, "num_hidden_layers": declared, "vocab_size": vocab_size})
     net = EagleNet(llama_config, fc_bias="fc.bias" in keys)
     state = {key: value for key, value in tensors.items() if key not in BASE_MODEL_KEYS}
     load_fitting(net, state, name, f"an EAGLE-1 head of {declared} layer(s)")
@@ -349,6 +352,6 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
     folder = head_folder(path, DEFAULT_EAGLE_DIR, name, "EAGLE head", "python run.py task=train_heads")
     config, tensors = read_checkpoint(folder, name, "EAGLE head")
     check_tokenizer(config, tokenizer, folder, name)
-    net = build_eagle_net(config, tensors, target, name)
+    net = build_eagle_net(config, tensors, int(target.model.config.hidden_size), target.vocab_size, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
     return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)
