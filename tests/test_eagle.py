@@ -399,3 +399,21 @@ def test_the_heads_own_output_layers_run_under_the_targets_engine(tiny_mixed, tm
         heads = build_pipeline(tiny_mixed.config(name), loaded=tiny_mixed.loaded).decoder.drafters[0].heads
         linears = [module for module in heads.modules() if isinstance(module, (nn.Linear, OneDNNLinear))]
         assert linears and all(isinstance(module, OneDNNLinear) for module in linears), name
+
+
+def test_a_bf16_target_drafts_with_the_head_trained_on_bf16_features(tmp_path, monkeypatch):
+    """With no drafter.path, a bf16 target gets the shipped head trained on bf16 features and an fp32
+    target the fp32-trained one (each records its feature dtype); where no bf16 head ships, bf16
+    falls back to the default head."""
+    import specpipe.stages.draft.eagle as eagle
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    for dtype, expected in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        config = json.loads((CONFIG_DIR.parent / eagle.default_eagle_dir(dtype) / "config.json").read_text())
+        assert config["specpipe"]["feature_dtype"] == expected
+    assert eagle.default_eagle_dir(torch.bfloat16) == eagle.DEFAULT_EAGLE_DIR + "_bf16"
+    monkeypatch.setattr(eagle, "DEFAULT_EAGLE_DIR", str(tmp_path / "head"))
+    assert eagle.default_eagle_dir(torch.bfloat16) == str(tmp_path / "head")
+    (tmp_path / "head_bf16").mkdir()
+    assert eagle.default_eagle_dir(torch.bfloat16) == str(tmp_path / "head_bf16")
+    assert eagle.default_eagle_dir(torch.float32) == str(tmp_path / "head")

@@ -46,6 +46,9 @@ from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 log = logging.getLogger(__name__)
 ROOT = -1
 DEFAULT_EAGLE_DIR = "data/eagle/smollm2_135m"  # the head trained for the embedded model (task=train_heads)
+# Where a head trained on the target's features in another dtype ships beside it (DEFAULT_EAGLE_DIR +
+# suffix): features, and so what the head learns, differ with the target's rounding.
+DTYPE_HEAD_SUFFIX = {torch.bfloat16: "_bf16"}
 # Keys of released EAGLE-1 checkpoints that belong to the base model, not the head.
 BASE_MODEL_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -344,12 +347,24 @@ def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_t
     return ReducedVocabHead(output_weight(model, name), ids, target.vocab_size)
 
 
+def default_eagle_dir(dtype: torch.dtype) -> str:
+    """The shipped head for a target in `dtype`: DEFAULT_EAGLE_DIR, or its sibling trained on features in
+    that dtype where the repository has one."""
+    from specpipe.pipelines.builder import CONFIG_DIR
+
+    suffix = DTYPE_HEAD_SUFFIX.get(dtype)
+    if suffix and (CONFIG_DIR.parent / (DEFAULT_EAGLE_DIR + suffix)).is_dir():
+        return DEFAULT_EAGLE_DIR + suffix
+    return DEFAULT_EAGLE_DIR
+
+
 def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                name: str = "eagle", chain_length: int = 5, min_score: float = 0.05, vocab_top_k: int = 8192,
                vocab_counts: str | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
-    the head trained for the embedded model (data/eagle/). Never downloads."""
-    folder = head_folder(path, DEFAULT_EAGLE_DIR, name, "EAGLE head", "python run.py task=train_heads")
+    the head trained for the embedded model (data/eagle/): the one trained on features in the
+    target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
+    folder = head_folder(path, default_eagle_dir(target.dtype), name, "EAGLE head", "python run.py task=train_heads")
     config, tensors = read_checkpoint(folder, name, "EAGLE head")
     check_tokenizer(config, tokenizer, folder, name)
     net = build_eagle_net(config, tensors, int(target.model.config.hidden_size), target.vocab_size, name)
