@@ -234,9 +234,9 @@ def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_
         out0 = net.rows(embed(batch.tokens), batch.features, positions, rollout_mask(batch.valid, 0), cache)
         shifted = torch.cat([torch.zeros_like(out0[:, :1]), out0[:, :-1]], dim=1)
         out1 = net.rows(embed(batch.tokens), shifted, positions, rollout_mask(batch.valid, 1), cache)
-        scored = (batch.labels >= 0) & (positions >= 1)
-        assert int(scored.sum()) == int((batch.labels >= 0).sum()) - 1  # "a"'s row 0 has no committed row under it
-        second, _ = head_loss(out1, batch, weight, 0.1, to_reduced, scored)
+        keep = positions[batch.labels >= 0] >= 1  # over the labelled rows
+        assert int(keep.sum()) == int((batch.labels >= 0).sum()) - 1  # "a"'s row 0 has no committed row under it
+        second, _ = head_loss(out1, batch, weight, 0.1, to_reduced, keep)
     assert float(two) == pytest.approx(float(one) + 0.5 * float(second), rel=1e-5)
 
 

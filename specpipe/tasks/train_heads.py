@@ -46,7 +46,7 @@ import copy
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +60,8 @@ from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
-from specpipe.stages.draft.eagle import EagleNet, build_eagle_net, save_eagle
+from specpipe.stages.draft.eagle import EagleNet, read_eagle_net, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
-from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
@@ -164,21 +163,31 @@ def run_net(net: EagleNet, embed: torch.nn.Module, tokens: torch.Tensor, feature
     return net.rows(embed(tokens), features, positions, mask)
 
 
+def target_log_probs(batch: HeadBatch, head_weight: torch.Tensor) -> torch.Tensor:
+    """[n, K] the target's next-token log-probs over the reduced vocabulary at the n labelled rows."""
+    return F.log_softmax(batch.next_features[batch.labels >= 0] @ head_weight.T, dim=-1)
+
+
 def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tensor, class_weight: float,
-              to_reduced: torch.Tensor, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+              to_reduced: torch.Tensor, keep: torch.Tensor | None = None,
+              target_log_p: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE-1's loss over the scored rows: SmoothL1(predicted, f_{p+1}) + class_weight * CE(target's
     next-token distribution, the head's), both over the reduced vocabulary (head_weight [K, H]).
     to_reduced [vocab]: reduced index of each token, -1 outside; a label outside counts as a miss.
-    scored [b, T] bool: the rows to score (default: every row with a label)."""
-    scored = batch.labels >= 0 if scored is None else scored  # [b, T]
+    The scored rows are the labelled ones, or those of them `keep` [n] selects; `target_log_p` [n, K]
+    is `target_log_probs(batch, head_weight)` where the caller already has it."""
+    scored = batch.labels >= 0  # [b, T]
     predicted, truth = predicted[scored], batch.next_features[scored]  # [n, H]
+    if target_log_p is None:
+        target_log_p = target_log_probs(batch, head_weight)
+    labels = to_reduced[batch.labels[scored]]  # [n]
+    if keep is not None:
+        predicted, truth, target_log_p, labels = predicted[keep], truth[keep], target_log_p[keep], labels[keep]
     regression = F.smooth_l1_loss(predicted, truth)  # mean over positions and feature dimensions, as EAGLE-1
-    target_log_p = F.log_softmax(truth @ head_weight.T, dim=-1)  # [n, K]
     draft_log_q = F.log_softmax(predicted @ head_weight.T, dim=-1)  # [n, K]
     classification = -(target_log_p.exp() * draft_log_q).sum(-1).mean()
-    labels = to_reduced[batch.labels[scored]]  # [n]
     inside = labels >= 0
-    stats = {"positions": int(scored.sum()), "top1": int((draft_log_q.argmax(-1) == labels)[inside].sum()),
+    stats = {"positions": int(labels.shape[0]), "top1": int((draft_log_q.argmax(-1) == labels)[inside].sum()),
              "misses": int((~inside).sum()), "regression": float(regression.detach()),
              "classification": float(classification.detach())}
     return regression + class_weight * classification, stats
@@ -246,24 +255,16 @@ def eagle_rollout_loss(net: EagleNet, embed, batch: HeadBatch, inputs: torch.Ten
     under `rollout_mask`. Every rollout is scored by `head_loss` on the same labels (the true next
     feature and token; a node is only worth drafting where its ancestors were right), on the rows
     with a committed row under their chain, weighted decay^k. Stats are rollout 0's."""
-    from transformers.cache_utils import DynamicCache
-
-    embeds = embed(batch.tokens)  # [b, T, H]
-    width = batch.tokens.shape[1]
-    positions = torch.arange(width)[None].expand(batch.tokens.shape[0], -1)  # [b, T]
-    labelled = batch.labels >= 0  # [b, T]
-    cache = DynamicCache(config=net.config)
+    target_log_p = target_log_probs(batch, head_weight)  # [n, K], the same labels for every rollout
+    where = labelled_positions(batch)  # [n]
     total = head_weight.new_zeros(())
     stats: dict = {}
-    for step in range(steps):
-        out = net.rows(embeds, inputs, positions, rollout_mask(batch.valid, step), cache)  # [b, T, H]
-        scored = labelled & (positions >= step)
-        loss, step_stats = head_loss(out, batch, head_weight, class_weight, to_reduced, scored)
+    for step, out in enumerate(rollout_outputs(net, embed(batch.tokens), inputs, batch.valid, steps)):
+        loss, step_stats = head_loss(out, batch, head_weight, class_weight, to_reduced, where >= step, target_log_p)
         total = total + decay ** step * loss
         if step == 0:
             stats = step_stats
         stats.setdefault("top1_per_step", []).append(step_stats["top1"] / max(1, step_stats["positions"]))
-        inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)  # row p reads p - 1's
     return total, stats
 
 
@@ -283,27 +284,43 @@ def rollout_mask(valid: torch.Tensor, step: int) -> torch.Tensor:
     return mask[:, None]
 
 
+def rollout_outputs(net, embeds: torch.Tensor, inputs: torch.Tensor, valid: torch.Tensor,
+                    steps: int) -> Iterator[torch.Tensor]:
+    """The head's rows [b, T, H] of rollouts 0..steps-1 over one cache: rollout 0 reads `inputs` [b, T, W]
+    (the target's features), rollout k the head's own outputs of rollout k - 1 one position earlier
+    (row p reads row p - 1's prediction: its feature at p), under `rollout_mask`. embeds [b, T, H];
+    valid [b, T]."""
+    from transformers.cache_utils import DynamicCache
+
+    positions = torch.arange(embeds.shape[1])[None].expand(embeds.shape[0], -1)  # [b, T]
+    cache = DynamicCache(config=net.config)
+    for step in range(steps):
+        out = net.rows(embeds, inputs, positions, rollout_mask(valid, step), cache)  # [b, T, H]
+        yield out
+        inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)
+
+
+def labelled_positions(batch: HeadBatch) -> torch.Tensor:
+    """[n] the position p of each labelled row (rollout k scores those with p >= k: a committed row under their chain)."""
+    labelled = batch.labels >= 0  # [b, T]
+    return torch.arange(labelled.shape[1])[None].expand_as(labelled)[labelled]
+
+
 def eagle3_loss(net, embed, batch: HeadBatch, head_weight: torch.Tensor, to_reduced: torch.Tensor, steps: int,
                 decay: float) -> tuple[torch.Tensor, dict]:
     """EAGLE-3's loss: `steps` rollouts over the batch, rollout k reading the features the draft itself
     produced at rollout k - 1 (one position earlier), each scored by the cross-entropy from the
     target's next-token distribution (over the draft vocabulary, head_weight [K, H]) at its answer
     positions, weighted decay^k. The head's lm_head starts as these K rows of the target's."""
-    from transformers.cache_utils import DynamicCache
-
     scored = batch.labels >= 0  # [b, T]
-    target_log_p = F.log_softmax(batch.next_features[scored] @ head_weight.T, dim=-1)  # [n, K]
-    where = torch.arange(batch.tokens.shape[1])[None].expand_as(scored)[scored]  # [n] each scored row's p
+    target_log_p = target_log_probs(batch, head_weight)  # [n, K]
+    where = labelled_positions(batch)  # [n] each scored row's p
     labels = to_reduced[batch.labels[scored]]  # [n]
     inside = labels >= 0
-    embeds = embed(batch.tokens)  # [b, T, H]
-    positions = torch.arange(batch.tokens.shape[1])[None].expand(batch.tokens.shape[0], -1)
-    cache = DynamicCache(config=net.config)
-    inputs = batch.features  # [b, T, 3H], then the draft's own [b, T, H]
     total = head_weight.new_zeros(())
     stats = {"positions": int(scored.sum()), "misses": int((~inside).sum()), "top1_per_step": []}
-    for step in range(steps):
-        out = net.rows(embeds, inputs, positions, rollout_mask(batch.valid, step), cache)  # [b, T, H]
+    # rollout 0 reads the target's layers [b, T, 3H], later ones the draft's own outputs [b, T, H]
+    for step, out in enumerate(rollout_outputs(net, embed(batch.tokens), batch.features, batch.valid, steps)):
         keep = where >= step  # rows with a committed row under their chain
         log_q = F.log_softmax(net.draft_logits(out[scored][keep]), dim=-1)  # [m, K]
         loss = -(target_log_p[keep].exp() * log_q).sum(-1).mean()
@@ -312,7 +329,6 @@ def eagle3_loss(net, embed, batch: HeadBatch, head_weight: torch.Tensor, to_redu
         stats["top1_per_step"].append(agree / max(1, int(keep.sum())))
         if step == 0:
             stats.update(top1=agree, classification=float(loss.detach()))
-        inputs = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out[:, :-1]], dim=1)  # row p reads p - 1's
     return total, stats
 
 
@@ -517,12 +533,8 @@ def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] 
 def head_from(folder: str, target, tokenizer) -> EagleNet:
     """The EAGLE-1 head in directory `folder` (the released layout, e.g. the shipped head), in fp32, to
     fine-tune: on features of another dtype, a grown corpus, or with rollouts."""
-    path = repo_path(folder)
-    name = "train_heads.init_from"
-    config, tensors = read_checkpoint(path, name, "EAGLE head")
-    check_tokenizer(config, tokenizer, path, name)
-    net = build_eagle_net(config, tensors, int(target.config.hidden_size), int(target.config.vocab_size), name)
-    return net.float()
+    return read_eagle_net(repo_path(folder), tokenizer, int(target.config.hidden_size), int(target.config.vocab_size),
+                          "train_heads.init_from").float()
 
 
 def new_head(target, init_state: dict[str, torch.Tensor] | None) -> EagleNet:
@@ -652,7 +664,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
             rollouts = rollout_steps(h)
             loss = {"eagle": f"SmoothL1(features) + {h.class_weight} x CE over the top {top_k} tokens" + (
                         f", summed over {rollouts} rollouts weighted {h.rollout_decay}^k" if rollouts > 1 else ""),
-                    "eagle3": f"sum over {rollout_steps(h)} rollouts of {h.rollout_decay}^k x CE from the target's "
+                    "eagle3": f"sum over {rollouts} rollouts of {h.rollout_decay}^k x CE from the target's "
                               f"distribution over the {top_k}-token draft vocabulary",
                     "medusa": f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top "
                               f"{top_k} tokens"}[h.kind if h.kind != "hydra" else "medusa"]

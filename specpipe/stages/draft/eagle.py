@@ -307,6 +307,15 @@ def build_eagle_net(config: dict, tensors: dict[str, Tensor], hidden: int, vocab
     return net
 
 
+def read_eagle_net(folder: Path, tokenizer: PreTrainedTokenizerBase, hidden: int, vocab_size: int,
+                   name: str) -> EagleNet:
+    """The EAGLE-1 head in directory `folder`, checked against the tokenizer it was trained for and the
+    target's hidden size and vocabulary."""
+    config, tensors = read_checkpoint(folder, name, "EAGLE head")
+    check_tokenizer(config, tokenizer, folder, name)
+    return build_eagle_net(config, tensors, hidden, vocab_size, name)
+
+
 def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
     """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors)."""
     config = net.config.to_dict()
@@ -365,8 +374,6 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
     the head trained for the embedded model (data/eagle/): the one trained on features in the
     target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
     folder = head_folder(path, default_eagle_dir(target.dtype), name, "EAGLE head", "python run.py task=train_heads")
-    config, tensors = read_checkpoint(folder, name, "EAGLE head")
-    check_tokenizer(config, tokenizer, folder, name)
-    net = build_eagle_net(config, tensors, int(target.model.config.hidden_size), target.vocab_size, name)
+    net = read_eagle_net(folder, tokenizer, int(target.model.config.hidden_size), target.vocab_size, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
     return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)
