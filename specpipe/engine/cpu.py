@@ -123,13 +123,14 @@ class LinearPath:
     small_rows: int = 0
     split_rows: int = 0
     kernel_rows: int = 0  # bf16 weights packed in fp32: products of up to this many rows run specpipe.engine.bf16_kernel
+    kernel_build: str = ""  # that kernel's build (Bf16Kernel.build)
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
         paths = []  # fewest rows first
         if self.kernel_rows:
-            paths.append(f"{name} weights widened to fp32 in registers (specpipe's AVX2 kernel) for up to "
-                         f"{self.kernel_rows} rows")
+            paths.append(f"{name} weights widened to fp32 in registers (specpipe's AVX2 kernel "
+                         f"{self.kernel_build}) for up to {self.kernel_rows} rows")
         if self.small_rows > self.kernel_rows:
             paths.append(f"{name} F.linear for up to {self.small_rows} rows")
         if self.split_rows > max(self.small_rows, self.kernel_rows):

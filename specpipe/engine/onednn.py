@@ -242,7 +242,7 @@ class OneDNNEngine:
         kernel = Bf16Kernel()
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        return replace(path, kernel_rows=self.bf16_kernel_rows), kernel.product
+        return replace(path, kernel_rows=self.bf16_kernel_rows, kernel_build=kernel.build), kernel.product
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
                       ) -> list[tuple[str, nn.Module]]:
