@@ -16,13 +16,13 @@ import sysconfig
 import pytest
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaModel
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaModel, LlamaRMSNorm
 
 from conftest import DRAFTING_PIPELINES, HEAD_PIPELINES, near_tie_divergence, random_prompts, run_steps
 from specpipe.engine import cpu, onednn
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
-from specpipe.engine.lean_model import LeanLlamaModel
+from specpipe.engine.lean_model import LeanLlamaModel, rms_norm
 from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
@@ -134,6 +134,19 @@ def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, r
     OneDNNEngine().apply(lean)
     assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
     assert_same_forwards(stock, lean, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lean_rms_norm_is_bitwise_transformers_rms_norm(dtype):
+    """The lean forward's norm (torch.rms_norm, the weight applied after its rounding in bf16/fp16)
+    against LlamaRMSNorm itself, over widths with and without a vector tail and values of every scale."""
+    generator = torch.Generator().manual_seed(3)
+    for width, rows, scale, eps in [(576, 1, 1.0, 1e-5), (576, 8, 30.0, 1e-5), (960, 3, 1e-2, 1e-6),
+                                    (4096, 2, 5.0, 1e-5), (17, 33, 100.0, 1e-6)]:
+        norm = LlamaRMSNorm(width, eps=eps)
+        norm.weight.data = (torch.rand(width, generator=generator) * 2).to(dtype)
+        hidden = (torch.randn(2, rows, width, generator=generator) * scale).to(dtype)  # [batch, rows, width]
+        assert torch.equal(rms_norm(norm, hidden), norm(hidden))
 
 
 def test_lean_model_serves_plain_calls_and_leaves_the_rest_to_transformers():
@@ -428,11 +441,74 @@ def test_bf16_kernel_builds_and_equals_an_fp32_product_of_the_bf16_weights():
             weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 19):
                 x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
-                torch.testing.assert_close(kernel.product(x, weight), x @ weight.float().t(), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="x: contiguous fp32"):
-        kernel.product(torch.randn(2, 75).bfloat16(), weight)
+                fp32_out = kernel.product(x, weight, None)  # [rows, out] fp32
+                torch.testing.assert_close(fp32_out, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
+                # bf16 rows in, bf16 out: widened and rounded inside, with the fp32 bias added before
+                # rounding: bitwise what casting around the fp32 product gives
+                bias = torch.randn(out_features, generator=generator)  # [out]
+                x = x.bfloat16()
+                expected = (kernel.product(x.float(), weight, None) + bias).bfloat16()
+                assert torch.equal(kernel.product(x, weight, bias), expected)
+    # leading dimensions and a non-contiguous input
+    x = torch.randn(2, 3, 75 * 2, generator=generator).bfloat16()[..., ::2]  # [2, 3, 75], strided
+    weight = torch.randn(37, 75, generator=generator).bfloat16()
+    out = kernel.product(x, weight, None)
+    assert out.shape == (2, 3, 37) and out.dtype == torch.bfloat16
+    assert torch.equal(out, kernel.product(x.float().reshape(6, 75), weight, None).bfloat16().view(2, 3, 37))
+    with pytest.raises(RuntimeError, match="x: fp32 or bf16"):
+        kernel.product(torch.randn(2, 75).half(), weight, None)
     with pytest.raises(RuntimeError, match="disagree on in_features"):
-        kernel.product(torch.randn(2, 74), weight)
+        kernel.product(torch.randn(2, 74), weight, None)
+    with pytest.raises(RuntimeError, match="bias: contiguous fp32"):
+        kernel.product(torch.randn(2, 75), weight, torch.randn(36))
+
+
+@needs_compiler
+def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_another_order():
+    from specpipe.engine import bf16_kernel
+
+    kernel = bf16_kernel.Bf16Kernel()
+    assert kernel.product is not None, kernel.reason
+    if kernel.norm is None:  # this torch sums in another order than ATen's AVX2 cascade: said, not used
+        assert kernel.norm_reason.startswith("its RMSNorm is not bitwise torch's here")
+        pytest.skip(kernel.norm_reason)
+    generator = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        for width, rows in ((576, 1), (576, 16), (960, 3), (7, 2), (4100, 1), (128, 300)):
+            for scale in (1e-3, 1.0, 50.0):
+                norm = LlamaRMSNorm(width, eps=1e-6)
+                norm.weight.data = (torch.rand(width, generator=generator) * 2).to(dtype)
+                hidden = (torch.randn(1, rows, width, generator=generator) * scale).to(dtype)  # [1, rows, width]
+                assert torch.equal(kernel.norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+    # a norm summing in another order (float64, then rounded) is caught by the load-time check
+    assert bf16_kernel._norm_mismatch(
+        lambda x, weight, eps: weight * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+                                         ).float().to(x.dtype))
+    with pytest.raises(RuntimeError, match="weight: \\[n\\] of x's dtype"):
+        kernel.norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 5])
+def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_computes(monkeypatch, caplog, rows):
+    """A CPU without a oneDNN bf16 kernel: the bf16 products and norms in specpipe's kernel, the lean
+    forward against transformers' own over the same products, bitwise."""
+    without_native_bf16(monkeypatch)
+    stock, lean = fresh_tiny("bf16"), fresh_tiny("bf16")
+    OneDNNEngine(lean_forward=False).apply(stock)
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine().apply(lean)
+    if lean.model.norm_kernel is None:
+        assert "its RMSNorm is not bitwise torch's here" in caplog.text
+    else:
+        assert "1 model forward lean (RMSNorm in the kernel)" in caplog.text
+    assert_same_forwards(stock, lean, rows)
+    # a norm cast to another dtype than the hidden states after the swap: torch's norm serves them all
+    # (the kernel would refuse the mixed dtypes)
+    for model in (stock, lean):
+        model.model.norm.weight.data = model.model.norm.weight.data.float()
+    tokens = torch.tensor([[5, 6, 7]])
+    assert torch.equal(lean(input_ids=tokens).logits, stock(input_ids=tokens).logits)
 
 
 @needs_compiler

@@ -25,6 +25,14 @@ The kernel is C++ with AVX2/FMA intrinsics, built once per machine with torch's 
 (g++ and ninja) into the specpipe cache; where it cannot be built or run (no compiler, another ISA)
 `Bf16Kernel.reason` says why and engine=fast keeps the paths above. Sums run in another
 order than oneDNN's or ATen's, so outputs differ from theirs by float rounding, like any other GEMM.
+
+Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
+So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
+linear), and the extension carries LlamaRMSNorm as one call: torch.rms_norm ran ~8 ops, ~50 us per
+norm inside a forward, 61 norms per SmolLM2-135M forward. The norm repeats the order in which torch
+sums and rounds (ATen's cascade sum over 8-lane vectors), so its output is bitwise transformers'; a
+load-time check compares the two, and where this torch sums otherwise the norm is not used
+(`Bf16Kernel.norm_reason`). Both changes leave every output bitwise as before.
 """
 from __future__ import annotations
 
@@ -46,6 +54,8 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <vector>
+#include <cmath>
 
 namespace {
 
@@ -72,8 +82,8 @@ inline float bf16_to_float(uint16_t v) {
 // out[r, o] = sum_k x[r, k] * w[o, k] for R rows of x and output features [begin, end). Each output
 // feature streams its weight row once; U accumulators per row over interleaved slices of k keep R * U
 // independent FMA chains in flight (the FMA's latency, not the memory, limits one chain).
-template <int R, int U>
-void product_block(const float* x, const uint16_t* w, float* out, int64_t in, int64_t out_stride,
+template <int R, int U, typename Out>
+void product_block(const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
   const int64_t unrolled_end = in - in % (8 * U);
   const int64_t vector_end = in - in % 8;
@@ -105,53 +115,47 @@ void product_block(const float* x, const uint16_t* w, float* out, int64_t in, in
       for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][r]);
       float sum = horizontal_sum(total);
       for (int64_t k = vector_end; k < in; ++k) sum += x[r * in + k] * bf16_to_float(row[k]);
-      out[r * out_stride + o] = sum;
+      if (bias != nullptr) sum += bias[o];
+      // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
+      // the fp32 product afterwards would round it
+      out[r * out_stride + o] = static_cast<Out>(sum);
     }
   }
 }
 
 // Rows [x, x + count) of the product for output features [begin, end): U accumulators per row where
 // the row count leaves registers for them (16 ymm registers: R * U accumulators and the weights).
-template <int R>
-void product_group(const float* x, const uint16_t* w, float* out, int64_t in, int64_t out_stride,
+template <int R, typename Out>
+void product_group(const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
   constexpr int U = R == 1 ? 8 : (R == 2 ? 4 : (R <= 6 ? 2 : 1));
-  product_block<R, U>(x, w, out, in, out_stride, begin, end);
+  product_block<R, U>(x, w, bias, out, in, out_stride, begin, end);
 }
 
-void product_rows(int64_t count, const float* x, const uint16_t* w, float* out, int64_t in, int64_t out_stride,
-                  int64_t begin, int64_t end) {
+template <typename Out>
+void product_rows(int64_t count, const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in,
+                  int64_t out_stride, int64_t begin, int64_t end) {
   switch (count) {
-    case 1: product_group<1>(x, w, out, in, out_stride, begin, end); break;
-    case 2: product_group<2>(x, w, out, in, out_stride, begin, end); break;
-    case 3: product_group<3>(x, w, out, in, out_stride, begin, end); break;
-    case 4: product_group<4>(x, w, out, in, out_stride, begin, end); break;
-    case 5: product_group<5>(x, w, out, in, out_stride, begin, end); break;
-    case 6: product_group<6>(x, w, out, in, out_stride, begin, end); break;
-    case 7: product_group<7>(x, w, out, in, out_stride, begin, end); break;
-    default: product_group<8>(x, w, out, in, out_stride, begin, end); break;
+    case 1: product_group<1>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 2: product_group<2>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 3: product_group<3>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 4: product_group<4>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 5: product_group<5>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 6: product_group<6>(x, w, bias, out, in, out_stride, begin, end); break;
+    case 7: product_group<7>(x, w, bias, out, in, out_stride, begin, end); break;
+    default: product_group<8>(x, w, bias, out, in, out_stride, begin, end); break;
   }
 }
 
 constexpr int64_t kMaxGroupRows = 8;
 constexpr int64_t kTileBytes = 32768;
 
-}  // namespace
-
-// x [rows, in] fp32, weight [out, in] bf16 -> [rows, out] fp32
-torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [rows, in]");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(),
-              "weight: contiguous bf16 [out, in]");
-  TORCH_CHECK(x.size(1) == weight.size(1), "x and weight disagree on in_features");
-  const int64_t rows = x.size(0), in = x.size(1), out_features = weight.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const float* xs = x.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  // The weight streams from memory once for all rows: each thread walks its output features in tiles
-  // of ~32 KB of weight rows and runs every group of up to 8 rows over a tile while it is in L1/L2.
-  // Groups are balanced (11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
+// The weight streams from memory once for all rows: each thread walks its output features in tiles of
+// ~32 KB of weight rows and runs every group of up to 8 rows over a tile while it is in L1/L2. Groups
+// are balanced (11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
+template <typename Out>
+void product(const float* xs, const uint16_t* w, const float* bias, Out* os, int64_t rows, int64_t in,
+             int64_t out_features) {
   const int64_t tile = std::max<int64_t>(4, kTileBytes / (2 * in));
   const int64_t grain = std::max<int64_t>(16, out_features / (4 * at::get_num_threads()));
   at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
@@ -160,22 +164,186 @@ torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight) {
       for (int64_t first = 0, count = 0; first < rows; first += count) {
         const int64_t left = rows - first, groups = (left + kMaxGroupRows - 1) / kMaxGroupRows;
         count = (left + groups - 1) / groups;
-        product_rows(count, xs + first * in, w, os + first * out_features, in, out_features, tile_begin, tile_end);
+        product_rows(count, xs + first * in, w, bias, os + first * out_features, in, out_features, tile_begin,
+                     tile_end);
       }
     }
   });
+}
+
+}  // namespace
+
+// x [..., in] fp32 or bf16, weight [out, in] bf16, bias [out] fp32 or None -> [..., out] in x's dtype.
+// A bf16 x is widened here and the output rounded here, so a bf16 model's product is one call: the
+// casts around it were two more ops per linear, ~240 per forward of SmolLM2-135M.
+torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  const bool bf16_x = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() >= 1 && (bf16_x || x.scalar_type() == torch::kFloat32), "x: fp32 or bf16 [..., in]");
+  x = x.contiguous();
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(),
+              "weight: contiguous bf16 [out, in]");
+  TORCH_CHECK(x.size(-1) == weight.size(1) && weight.size(1) > 0, "x and weight disagree on in_features");
+  const int64_t in = weight.size(1), out_features = weight.size(0), rows = x.numel() / in;
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out_features,
+                "bias: contiguous fp32 [out]");
+    bias_data = bias->data_ptr<float>();
+  }
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = out_features;
+  auto out = torch::empty(out_sizes, x.options());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  if (!bf16_x) {
+    product(x.data_ptr<float>(), w, bias_data, out.data_ptr<float>(), rows, in, out_features);
+    return out;
+  }
+  // a few rows: widening them (exactly) costs nothing next to the weights
+  std::vector<float> widened(rows * in);
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(raw[i]);
+  product(widened.data(), w, bias_data, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+  return out;
+}
+
+namespace {
+
+// ATen's cascade sum (SumKernel.cpp's multi_row_sum) of `size` elements of `nrows` interleaved
+// accumulators: element (i, k) is at(i * nrows + k). The same chunking, in the same order, so the
+// sum is bitwise ATen's: 16 or more elements per chunk, chunk sums added level by level.
+template <typename Acc, int nrows, typename At>
+void cascade_sum(Acc (&out)[nrows], int64_t size, At at) {
+  constexpr int num_levels = 4;
+  const int64_t ceil_log2 = size <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(size - 1));
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / num_levels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  Acc acc[num_levels][nrows];
+  for (int j = 0; j < num_levels; ++j)
+    for (int k = 0; k < nrows; ++k) acc[j][k] = Acc::zero();
+  int64_t i = 0;
+  while (i + level_step <= size) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < nrows; ++k) acc[0][k] = acc[0][k] + at(i * nrows + k);
+    for (int j = 1; j < num_levels; ++j) {
+      for (int k = 0; k < nrows; ++k) {
+        acc[j][k] = acc[j][k] + acc[j - 1][k];
+        acc[j - 1][k] = Acc::zero();
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < nrows; ++k) acc[0][k] = acc[0][k] + at(i * nrows + k);
+  for (int j = 1; j < num_levels; ++j)
+    for (int k = 0; k < nrows; ++k) acc[0][k] = acc[0][k] + acc[j][k];
+  for (int k = 0; k < nrows; ++k) out[k] = acc[0][k];
+}
+
+struct Lanes8 {  // ATen's AVX2 Vectorized<float>: adds lane by lane
+  __m256 v;
+  static Lanes8 zero() { return {_mm256_setzero_ps()}; }
+  Lanes8 operator+(const Lanes8& other) const { return {_mm256_add_ps(v, other.v)}; }
+};
+
+struct Scalar {
+  float v;
+  static Scalar zero() { return {0.0f}; }
+  Scalar operator+(const Scalar& other) const { return {v + other.v}; }
+};
+
+// sum(square(x[0..n))) in ATen's order for a contiguous last-dimension sum of fp32 values:
+// vectors of 8 lanes summed by row_sum (4 interleaved cascades), the scalar tail summed from 0, then
+// the 8 lanes added to it one by one; rows shorter than 8 take the scalar row_sum. `squares` holds
+// x * x already rounded to fp32, as torch's pow(2) leaves it.
+float sum_of_squares(const float* squares, int64_t n) {
+  if (n >= 8) {
+    const int64_t vectors = n / 8, interleaved = vectors / 4;
+    Lanes8 partial[4];
+    cascade_sum<Lanes8, 4>(partial, interleaved, [&](int64_t v) { return Lanes8{_mm256_loadu_ps(squares + 8 * v)}; });
+    for (int64_t v = interleaved * 4; v < vectors; ++v) partial[0] = partial[0] + Lanes8{_mm256_loadu_ps(squares + 8 * v)};
+    for (int k = 1; k < 4; ++k) partial[0] = partial[0] + partial[k];
+    float total = 0.0f;
+    for (int64_t k = vectors * 8; k < n; ++k) total += squares[k];
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, partial[0].v);
+    for (int k = 0; k < 8; ++k) total += lanes[k];
+    return total;
+  }
+  const int64_t interleaved = n / 4;
+  Scalar partial[4];
+  cascade_sum<Scalar, 4>(partial, interleaved, [&](int64_t i) { return Scalar{squares[i]}; });
+  for (int64_t i = interleaved * 4; i < n; ++i) partial[0] = partial[0] + Scalar{squares[i]};
+  for (int k = 1; k < 4; ++k) partial[0] = partial[0] + partial[k];
+  return partial[0].v;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(n), squares(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * n;
+      for (int64_t k = 0; k < n; ++k) {
+        widened[k] = to_float(row[k]);
+        squares[k] = widened[k] * widened[k];
+      }
+      // mean, + eps, rsqrt: each rounded to fp32 as torch's separate ops round them
+      const float mean = sum_of_squares(squares.data(), n) / static_cast<float>(n);
+      const float inverse_rms = 1.0f / std::sqrt(mean + eps);
+      for (int64_t k = 0; k < n; ++k) {
+        const float normalized = widened[k] * inverse_rms;
+        // fp32: weight * normalized; bf16: normalized rounded to bf16, then times the weight, rounded
+        out[r * n + k] = static_cast<T>(to_float(weight[k]) * to_float(static_cast<T>(normalized)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// LlamaRMSNorm.forward in one call: x [..., n] fp32 or bf16, weight [n] of x's dtype -> [..., n].
+// The normalization runs in fp32 with torch's own order of sums and roundings (bitwise equal to
+// transformers' norm, checked when the kernel loads); torch.rms_norm spent ~50 us per norm on ~8 ops
+// of a few hundred values each, 61 norms per forward of SmolLM2-135M.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat32, "x: fp32 or bf16 [..., n]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "weight: [n] of x's dtype");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  auto out = torch::empty_like(x);
+  const float eps32 = static_cast<float>(eps);  // torch adds eps as a scalar of the tensor's dtype
+  if (bf16)
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, n,
+                  eps32);
+  else
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, n, eps32);
   return out;
 }
 """
 
 
+# -ffp-contract=off: no multiply and add fused into one rounding behind the source's back (the norm
+# rounds like torch's separate ops; the product's FMAs are written out)
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+
+
 class Bf16Kernel:
-    """Loads (building it once per machine) the bf16-weight product; `product` is None and `reason`
-    says why where it is not available. One instance per engine apply: nothing is kept at module level."""
+    """Loads (building it once per machine) the bf16-weight product and the RMSNorm beside it;
+    `product` is None and `reason` says why where they are not available, `norm` is None (and
+    `norm_reason` says why) where the norm is not bitwise torch's on this machine. One instance per
+    engine apply: nothing is kept at module level."""
 
     def __init__(self, build_dir: Path | None = None) -> None:
         self.product = None
+        self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         self.reason = ""
+        self.norm_reason = ""
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel is not reused
         self.build = build_name()
@@ -192,11 +360,19 @@ class Bf16Kernel:
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = None
             self.reason = f"the bf16 kernel could not be built or run ({_first_line(error)[:300]})"
+            return
+        # The norm repeats torch's order of sums (ATen's AVX2 cascade sum): where this torch sums in
+        # another order, it would round differently from transformers' norm, so it is checked here
+        mismatch = _norm_mismatch(module.rms_norm)
+        if mismatch:
+            self.norm_reason = f"its RMSNorm is not bitwise torch's here ({mismatch})"
+        else:
+            self.norm = module.rms_norm
 
 
 def build_name() -> str:
-    """The extension's name: the source's and torch's version in 12 hex digits."""
-    return "specpipe_bf16_" + hashlib.sha1((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+    """The extension's name: the source's, its flags' and torch's version in 12 hex digits."""
+    return "specpipe_bf16_" + hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
 
 
 def _build(build_dir: Path | None):
@@ -215,19 +391,47 @@ def _build(build_dir: Path | None):
         os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
     try:
         return cpp_extension.load_inline(
-            name=name, cpp_sources=[_SOURCE], functions=["bf16_weight_product"], build_directory=str(folder),
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            name=name, cpp_sources=[_SOURCE], functions=["bf16_weight_product", "rms_norm"], build_directory=str(folder),
+            extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
     finally:
         os.environ["PATH"] = path
 
 
 def _self_check(product) -> None:
-    """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-19 rows)."""
+    """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-19 rows),
+    with fp32 and bf16 inputs and a bias."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 75, generator=generator).bfloat16()  # [out, in]
+    bias = torch.randn(37, generator=generator)  # [out]
     for rows in (1, 3, 7, 8, 11, 19):
         x = torch.randn(rows, 75, generator=generator)  # [rows, in]
         expected = x @ weight.float().t()
-        if not torch.allclose(product(x, weight), expected, rtol=1e-4, atol=1e-4):
+        if not torch.allclose(product(x, weight, None), expected, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"the bf16 kernel disagrees with an fp32 product for {rows} rows")
+        x = x.bfloat16()
+        expected = (x.float() @ weight.float().t() + bias).bfloat16()
+        if not torch.allclose(product(x, weight, bias).float(), expected.float(), rtol=2 ** -7, atol=1e-4):
+            raise RuntimeError(f"the bf16 kernel disagrees with an fp32 product for {rows} bf16 rows")
 
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward's expressions. x [..., n], weight [n]."""
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def _norm_mismatch(norm) -> str:
+    """'' when `norm` equals transformers' RMSNorm bitwise on widths with and without a vector tail, short
+    rows (the scalar sum), the widest row the lean model hands it (several cascade levels) and a
+    prefill's many rows."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for width, rows, scale in ((576, 1, 1.0), (576, 7, 40.0), (5, 3, 1.0), (75, 2, 1e-3), (4096, 2, 3.0),
+                                   (16384, 1, 1.0), (64, 400, 2.0)):
+            x = (torch.randn(rows, width, generator=generator) * scale).to(dtype)  # [rows, width]
+            weight = (torch.rand(width, generator=generator) * 2).to(dtype)  # [width]
+            if not torch.equal(norm(x, weight, 1e-5), reference_rms_norm(x, weight, 1e-5)):
+                return f"{dtype} width {width}, {rows} rows"
+    return ""

@@ -42,19 +42,30 @@ TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' own hook; inert unl
 def rms_norm(norm: LlamaRMSNorm, hidden: Tensor) -> Tensor:
     """LlamaRMSNorm.forward without the module call. hidden [..., hidden_size].
 
-    fp32 runs torch.rms_norm, which computes the same ops in C++ (bitwise equal: tested); other
-    dtypes keep transformers' order (normalize in fp32, round, then scale), which rms_norm does not.
+    torch.rms_norm computes the same ops in C++ (in fp32 for a bf16/fp16 input, rounding its output
+    once; bitwise equal: tested). fp32 scales inside it; other dtypes keep transformers' order
+    (normalize in fp32, round, then scale), so the weight multiplies its rounded output: 2 ops per
+    norm instead of 8, 61 norms per forward of SmolLM2-135M.
     """
     if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return torch.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    return norm.weight * torch.rms_norm(hidden, norm.weight.shape, None, norm.variance_epsilon)
+
+
+# Widths the kernel's norm serves: a single row at least ATen's grain size (32768) wide is summed in
+# two passes over threads, an order it does not repeat; every released LLM's hidden size is below this.
+KERNEL_NORM_MAX_WIDTH = 16384
+KERNEL_NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LeanLlamaModel(LlamaModel):
-    """LlamaModel whose forward runs each decoder layer's expressions inline (see module doc)."""
+    """LlamaModel whose forward runs each decoder layer's expressions inline (see module doc).
+
+    `norm_kernel` (set by swap_lean_model): a C++ norm(x, weight, eps) that computes LlamaRMSNorm bitwise
+    in one call (specpipe.engine.bf16_kernel), used while the hidden states and every norm's weight
+    share one dtype it serves; None = torch.rms_norm."""
+
+    norm_kernel = None
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -81,19 +92,28 @@ class LeanLlamaModel(LlamaModel):
             self.config._attn_implementation, eager_attention_forward),
             "rotary": rotary_tables(position_embeddings)}  # made once for every layer
         recorded = [hidden] if output_hidden_states else None
+        kernel = self.norm_kernel
+        if kernel is not None and (hidden.dtype != self.norm.weight.dtype or hidden.device.type != "cpu"):
+            kernel = None  # the norms' weights were cast or moved since the swap
+
+        def normalize(norm: LlamaRMSNorm, states: Tensor) -> Tensor:
+            if kernel is not None:
+                return kernel(states, norm.weight, norm.variance_epsilon)
+            return rms_norm(norm, states)
+
         for layer in self.layers[: self.config.num_hidden_layers]:
             # LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its input
             attention = layer.self_attn
             looked_up = lean_attention if type(attention) is FusedQKVAttention else {}
             attended, _ = attention.forward(
-                hidden_states=rms_norm(layer.input_layernorm, hidden), attention_mask=mask,
+                hidden_states=normalize(layer.input_layernorm, hidden), attention_mask=mask,
                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
                 position_embeddings=position_embeddings, **looked_up)
             hidden = hidden + attended
-            hidden = hidden + layer.mlp.forward(rms_norm(layer.post_attention_layernorm, hidden))
+            hidden = hidden + layer.mlp.forward(normalize(layer.post_attention_layernorm, hidden))
             if recorded is not None:
                 recorded.append(hidden)
-        hidden = rms_norm(self.norm, hidden)
+        hidden = normalize(self.norm, hidden)
         if recorded is not None:
             recorded[-1] = hidden  # transformers ties the last recorded state to the normed output
         return BaseModelOutputWithPast(last_hidden_state=hidden,
@@ -118,12 +138,23 @@ def lean_model_applies(model: nn.Module) -> bool:
             and not any(_hooked(module) for module in model.modules()))
 
 
-def swap_lean_model(model: nn.Module) -> int:
-    """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many."""
+def _norm_kernel_serves(model: LlamaModel) -> bool:
+    """Whether every norm of `model` has one 1-D weight of one dtype and width the kernel's norm serves."""
+    weights = [model.norm.weight, *(norm.weight for layer in model.layers
+                                    for norm in (layer.input_layernorm, layer.post_attention_layernorm))]
+    return (len({weight.dtype for weight in weights}) == 1 and weights[0].dtype in KERNEL_NORM_DTYPES
+            and all(weight.dim() == 1 and weight.shape == weights[0].shape for weight in weights)
+            and weights[0].shape[0] <= KERNEL_NORM_MAX_WIDTH)
+
+
+def swap_lean_model(model: nn.Module, norm_kernel=None) -> int:
+    """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
+    `norm_kernel`: Bf16Kernel.norm, for the models whose norms it serves."""
     swapped = 0
     for module in list(model.modules()):
         if lean_model_applies(module):
             module.__class__ = LeanLlamaModel
+            module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

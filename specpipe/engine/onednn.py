@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from torch import Tensor, nn
 
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, row_blocks, split_linear
+
+if TYPE_CHECKING:
+    from specpipe.engine.bf16_kernel import Bf16Kernel
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +46,8 @@ class PackedWeight(nn.Module):
     (and, for products of up to `split_rows` rows, kept plain for `split_linear`)."""
 
     def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
-                 small_rows: int = 0, split_rows: int = 0, kernel: Callable[[Tensor, Tensor], Tensor] | None = None,
-                 kernel_rows: int = 0) -> None:
+                 small_rows: int = 0, split_rows: int = 0,
+                 kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
@@ -83,12 +87,9 @@ class PackedWeight(nn.Module):
             if x.numel() <= self.split_rows * self.in_features:
                 return split_linear(x, self._row_blocks(), self.bias)
             return packed_linear(x, self.packed, self.bias)
-        if x.numel() <= self.kernel_rows * self.in_features:
-            rows = x.numel() // self.in_features
-            out = self.kernel(x.reshape(rows, self.in_features).float(), self.small_weight)  # [rows, sum out] fp32
-            if self.bias is not None:
-                out += self.bias
-            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        if x.numel() <= self.kernel_rows * self.in_features and x.dtype == torch.bfloat16:
+            # one call: the kernel widens x, adds the fp32 bias to the fp32 sums and rounds them to bf16
+            return self.kernel(x, self.small_weight, self.bias)
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
         if x.numel() <= self.split_rows * self.in_features:
@@ -197,9 +198,10 @@ class OneDNNEngine:
         if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
         path, kernel = self._with_bf16_kernel(path)
+        product = kernel.product if kernel is not None else None
         try:
             swaps = [(module, name, replacement) for module in model.modules()
-                     for name, replacement in self._replacements(module, path, kernel)]
+                     for name, replacement in self._replacements(module, path, product)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -216,9 +218,12 @@ class OneDNNEngine:
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
-            lean_models = swap_lean_model(model)
+            norm = kernel.norm if kernel is not None else None
+            lean_models = swap_lean_model(model, norm_kernel=norm)
         rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
+        if lean_models and kernel is not None:
+            rewrite += f" ({'RMSNorm in the kernel' if norm else kernel.norm_reason})"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
         log.info("engine=%s: %s", self.name, rewrite)
         return model
@@ -233,7 +238,7 @@ class OneDNNEngine:
         return probe_linear_path(parameter.dtype, prefer_fp32_compute=self.bf16_compute == "fp32",
                                  small_rows=self.bf16_small_rows, split_rows=self.fp32_split_rows)
 
-    def _with_bf16_kernel(self, path: LinearPath) -> tuple[LinearPath, Callable | None]:
+    def _with_bf16_kernel(self, path: LinearPath) -> tuple[LinearPath, Bf16Kernel | None]:
         """The path with specpipe's bf16-weight kernel where it applies and builds, and the kernel."""
         if not (path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32 and self.bf16_kernel_rows > 0):
             return path, None
@@ -242,7 +247,7 @@ class OneDNNEngine:
         kernel = Bf16Kernel()
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        return replace(path, kernel_rows=self.bf16_kernel_rows, kernel_build=kernel.build), kernel.product
+        return replace(path, kernel_rows=self.bf16_kernel_rows, kernel_build=kernel.build), kernel
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
                       ) -> list[tuple[str, nn.Module]]:
