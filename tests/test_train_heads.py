@@ -80,6 +80,10 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
         assert 0.0 <= result["top1"] <= 1.0 and 0.0 <= result["vocab_miss_rate"] <= 1.0
     exported = json.loads((out / "config.json").read_text())["specpipe"]
     assert exported["training"]["steps"] == 8 and exported["command"].startswith("python run.py task=train_heads")
+    # what defines the data and the run is in the sidecar, not only in the command (whose defaults may change)
+    settings = config(8).train_heads
+    assert [exported["training"][key] for key in ("max_seq_len", "vocab_top_k", "seed")] == \
+        [settings.max_seq_len, 2000, settings.seed]
     assert exported["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
 
     loaded = load_model(compose_config(["model=tiny_random"]).model)
