@@ -127,12 +127,16 @@ def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, rows):
-    """The lean LlamaModel loop against transformers' own over the same rewritten modules."""
+@pytest.mark.parametrize("kernel_norm", [True, False])
+def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, rows, kernel_norm):
+    """The lean LlamaModel loop (its norms in specpipe's C++ kernel where it builds, or in torch) against
+    transformers' own over the same rewritten modules."""
     stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
     OneDNNEngine(lean_forward=False).apply(stock)
-    OneDNNEngine().apply(lean)
+    OneDNNEngine(kernel_norm=kernel_norm).apply(lean)
     assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
+    if not kernel_norm:
+        assert lean.model.norm_kernel is None
     assert_same_forwards(stock, lean, rows)
 
 
@@ -498,10 +502,12 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     OneDNNEngine(lean_forward=False).apply(stock)
     with caplog.at_level(logging.INFO):
         OneDNNEngine().apply(lean)
+    from specpipe.engine.bf16_kernel import build_name
+
     if lean.model.norm_kernel is None:
-        assert "its RMSNorm is not bitwise torch's here" in caplog.text
+        assert "1 model forward lean (RMSNorm in torch: its RMSNorm is not bitwise torch's here" in caplog.text
     else:
-        assert "1 model forward lean (RMSNorm in the kernel)" in caplog.text
+        assert f"1 model forward lean (RMSNorm in specpipe's kernel {build_name()})" in caplog.text
     assert_same_forwards(stock, lean, rows)
     # a norm cast to another dtype than the hidden states after the swap: torch's norm serves them all
     # (the kernel would refuse the mixed dtypes)

@@ -28,11 +28,12 @@ order than oneDNN's or ATen's, so outputs differ from theirs by float rounding, 
 
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
-linear), and the extension carries LlamaRMSNorm as one call: torch.rms_norm ran ~8 ops, ~50 us per
-norm inside a forward, 61 norms per SmolLM2-135M forward. The norm repeats the order in which torch
-sums and rounds (ATen's cascade sum over 8-lane vectors), so its output is bitwise transformers'; a
-load-time check compares the two, and where this torch sums otherwise the norm is not used
-(`Bf16Kernel.norm_reason`). Both changes leave every output bitwise as before.
+linear), and the extension carries LlamaRMSNorm as one call, which engine=fast's lean forward uses for
+fp32 and bf16 models alike (`engine.kernel_norm`): torch.rms_norm ran ~8 ops, 24-36 us per norm alone
+and ~50 us inside a forward, 61 norms per SmolLM2-135M forward. The norm repeats the order in which
+torch sums and rounds (ATen's cascade sum over 8-lane vectors), so its output is bitwise
+transformers'; a load-time check compares the two, and where this torch sums otherwise the norm is
+not used (`Bf16Kernel.norm_reason`). Both changes leave every output bitwise as before.
 """
 from __future__ import annotations
 

@@ -178,6 +178,9 @@ class OneDNNEngine:
     # copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the weights' memory);
     # "auto" = specpipe.engine.cpu.auto_split_rows for this CPU's oneDNN kernel.
     fp32_split_rows: int | str = "auto"
+    # fp32 and bf16 models: the lean forward runs LlamaRMSNorm as one C++ call (specpipe.engine.bf16_kernel's
+    # extension, built where the bf16 kernel builds; bitwise transformers' norm, checked when it loads)
+    kernel_norm: bool = True
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -218,12 +221,12 @@ class OneDNNEngine:
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
-            norm = kernel.norm if kernel is not None else None
+            norm, norm_why = self._norm_kernel(path, kernel)
             lean_models = swap_lean_model(model, norm_kernel=norm)
         rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
-        if lean_models and kernel is not None:
-            rewrite += f" ({'RMSNorm in the kernel' if norm else kernel.norm_reason})"
+        if lean_models and norm_why:
+            rewrite += f" ({norm_why})"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
         log.info("engine=%s: %s", self.name, rewrite)
         return model
@@ -248,6 +251,21 @@ class OneDNNEngine:
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
         return replace(path, kernel_rows=self.bf16_kernel_rows, kernel_build=kernel.build), kernel
+
+    def _norm_kernel(self, path: LinearPath, kernel: Bf16Kernel | None) -> tuple[Callable | None, str]:
+        """The extension's RMSNorm for the lean forward (built here where the bf16 path did not build it),
+        and what the log line says about it."""
+        if not self.kernel_norm or path.dtype not in (torch.float32, torch.bfloat16):
+            return None, ""
+        if kernel is None:
+            from specpipe.engine.bf16_kernel import Bf16Kernel
+
+            kernel = Bf16Kernel()
+            if kernel.product is None:
+                return None, f"RMSNorm in torch: {kernel.reason}"
+        if kernel.norm is None:
+            return None, f"RMSNorm in torch: {kernel.norm_reason}"
+        return kernel.norm, f"RMSNorm in specpipe's kernel {kernel.build}"
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
                       ) -> list[tuple[str, nn.Module]]:
