@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
                                                       eager_attention_forward)
 
+from specpipe.engine.bf16_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
@@ -50,12 +51,6 @@ def rms_norm(norm: LlamaRMSNorm, hidden: Tensor) -> Tensor:
     if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return torch.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
     return norm.weight * torch.rms_norm(hidden, norm.weight.shape, None, norm.variance_epsilon)
-
-
-# Widths the kernel's norm serves: a single row at least ATen's grain size (32768) wide is summed in
-# two passes over threads, an order it does not repeat; every released LLM's hidden size is below this.
-KERNEL_NORM_MAX_WIDTH = 16384
-KERNEL_NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LeanLlamaModel(LlamaModel):
@@ -142,9 +137,9 @@ def _norm_kernel_serves(model: LlamaModel) -> bool:
     """Whether every norm of `model` has one 1-D weight of one dtype and width the kernel's norm serves."""
     weights = [model.norm.weight, *(norm.weight for layer in model.layers
                                     for norm in (layer.input_layernorm, layer.post_attention_layernorm))]
-    return (len({weight.dtype for weight in weights}) == 1 and weights[0].dtype in KERNEL_NORM_DTYPES
+    return (len({weight.dtype for weight in weights}) == 1 and weights[0].dtype in NORM_DTYPES
             and all(weight.dim() == 1 and weight.shape == weights[0].shape for weight in weights)
-            and weights[0].shape[0] <= KERNEL_NORM_MAX_WIDTH)
+            and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
 
 def swap_lean_model(model: nn.Module, norm_kernel=None) -> int:
