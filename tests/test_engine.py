@@ -27,7 +27,7 @@ from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
-from specpipe.target import TargetModel
+from specpipe.target import TargetModel, folded_attention_bias, tree_attention_forward
 from specpipe.types import DraftTree
 
 NEAR_TIE = 1e-3
@@ -138,6 +138,41 @@ def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, r
     if not kernel_norm:
         assert lean.model.norm_kernel is None
     assert_same_forwards(stock, lean, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_folded_attention_bias_gives_what_the_boolean_mask_gives(dtype):
+    """tree_attention_forward with the bias made once per forward against folding the boolean mask
+    itself: bitwise equal, a fully visible row and rows that see only a few entries included."""
+    generator = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, q, kv, head_dim = 1, 6, 2, 5, 40, 16
+    query = torch.randn(batch, heads, q, head_dim, generator=generator).to(dtype)
+    key, value = (torch.randn(batch, kv_heads, kv, head_dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.rand(batch, 1, q, kv, generator=generator) > 0.5  # [batch, 1, q, kv]
+    mask[..., 0] = True
+    mask[:, :, 1] = True
+    bias = folded_attention_bias(mask, heads // kv_heads, dtype)  # [batch, 1, groups * q, kv]
+    assert bias.shape == (batch, 1, 3 * q, kv) and bias.dtype == dtype
+    expected, _ = tree_attention_forward(None, query, key, value, mask, scaling=0.25)
+    got, _ = tree_attention_forward(None, query, key, value, mask, scaling=0.25, attention_bias=bias)
+    assert torch.equal(got, expected)
+
+
+def test_the_lean_forward_makes_the_attention_bias_once_per_masked_forward(monkeypatch):
+    from specpipe.engine import lean_model
+
+    made = []
+    monkeypatch.setattr(lean_model, "folded_attention_bias",
+                        lambda *args: made.append(args[0].shape) or folded_attention_bias(*args))
+    model = fresh_tiny()
+    OneDNNEngine().apply(model)
+    target = TargetModel(model, engine="fast")
+    cache = target.new_cache()
+    target.prefill([5, 6, 7, 8], cache)  # causal prefill: no mask, no bias
+    target.forward_tree(8, DraftTree.empty(), cache)  # one token: no mask
+    tree = DraftTree.from_parents(torch.tensor([9, 10, 11]), torch.tensor([-1, 0, 0]))
+    target.forward_tree(9, tree, cache)
+    assert made == [(1, 1, 4, 9)]  # one bias for the verify's 4 rows over 5 + 4 entries
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMo
 
 from specpipe.engine.bf16_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
+from specpipe.target import folded_attention_bias, tree_attention_forward
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
@@ -83,9 +84,14 @@ class LeanLlamaModel(LlamaModel):
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   past_key_values=past_key_values, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        lean_attention = {"attention_function": ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward),
-            "rotary": rotary_tables(position_embeddings)}  # made once for every layer
+        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                  eager_attention_forward)
+        lean_attention = {"attention_function": attention_function,
+                          "rotary": rotary_tables(position_embeddings)}  # made once for every layer
+        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+        if (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
+                and mask.dim() == 4 and heads % kv_heads == 0):
+            lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
         recorded = [hidden] if output_hidden_states else None
         kernel = self.norm_kernel
         if kernel is not None and (hidden.dtype != self.norm.weight.dtype or hidden.device.type != "cpu"):
