@@ -454,7 +454,7 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     assert streamed_weight_bytes(model, rows=4) > 1.9 * stock_bytes
 
 
-# ---- the bf16-weight kernel (CPUs without a oneDNN bf16 kernel) ----------------------------------
+# ---- specpipe's CPU kernel (bf16 weights where oneDNN has no bf16 kernel; fp32 weights on AVX2) ----
 # What building the kernel needs besides specpipe's own dependencies (ninja is one): where all of it is
 # here, the kernel must build and run.
 needs_compiler = pytest.mark.skipif(
@@ -462,14 +462,14 @@ needs_compiler = pytest.mark.skipif(
     or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     or platform.machine().lower() not in ("x86_64", "amd64")
     or not {"avx2", "fma"} <= cpu.cpu_flags(),
-    reason="the bf16 kernel is built with a C++ compiler and Python's headers for x86 CPUs with AVX2")
+    reason="the CPU kernel is built with a C++ compiler and Python's headers for x86 CPUs with AVX2")
 
 
 @needs_compiler
-def test_bf16_kernel_builds_and_equals_an_fp32_product_of_the_bf16_weights():
-    from specpipe.engine.bf16_kernel import Bf16Kernel
+def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights():
+    from specpipe.engine.cpu_kernel import CpuKernel
 
-    kernel = Bf16Kernel()
+    kernel = CpuKernel()
     assert kernel.product is not None, kernel.reason
     generator = torch.Generator().manual_seed(5)
     # a vector tail (75, 9); every group size (1-8 rows) and rows split into groups of up to 8 (9 = 5 + 4,
@@ -482,6 +482,11 @@ def test_bf16_kernel_builds_and_equals_an_fp32_product_of_the_bf16_weights():
                 x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
                 fp32_out = kernel.product(x, weight, None)  # [rows, out] fp32
                 torch.testing.assert_close(fp32_out, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
+                # fp32 weights: the same sums over the weights as they are, the bias added once
+                fp32_weight = torch.randn(out_features, in_features, generator=generator)  # [out, in]
+                bias = torch.randn(out_features, generator=generator)  # [out]
+                torch.testing.assert_close(kernel.product(x, fp32_weight, bias),
+                                           torch.addmm(bias, x, fp32_weight.t()), rtol=1e-5, atol=1e-4)
                 # bf16 rows in, bf16 out: widened and rounded inside, with the fp32 bias added before
                 # rounding: bitwise what casting around the fp32 product gives
                 bias = torch.randn(out_features, generator=generator)  # [out]
@@ -500,13 +505,15 @@ def test_bf16_kernel_builds_and_equals_an_fp32_product_of_the_bf16_weights():
         kernel.product(torch.randn(2, 74), weight, None)
     with pytest.raises(RuntimeError, match="bias: contiguous fp32"):
         kernel.product(torch.randn(2, 75), weight, torch.randn(36))
+    with pytest.raises(RuntimeError, match="weight: contiguous bf16 or fp32"):
+        kernel.product(torch.randn(2, 75), weight.half(), None)
 
 
 @needs_compiler
 def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_another_order():
-    from specpipe.engine import bf16_kernel
+    from specpipe.engine import cpu_kernel
 
-    kernel = bf16_kernel.Bf16Kernel()
+    kernel = cpu_kernel.CpuKernel()
     assert kernel.product is not None, kernel.reason
     if kernel.norm is None:  # this torch sums in another order than ATen's AVX2 cascade: said, not used
         assert kernel.norm_reason.startswith("its RMSNorm is not bitwise torch's here")
@@ -520,7 +527,7 @@ def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_anot
                 hidden = (torch.randn(1, rows, width, generator=generator) * scale).to(dtype)  # [1, rows, width]
                 assert torch.equal(kernel.norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
     # a norm summing in another order (float64, then rounded) is caught by the load-time check
-    assert bf16_kernel._norm_mismatch(
+    assert cpu_kernel._norm_mismatch(
         lambda x, weight, eps: weight * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
                                          ).float().to(x.dtype))
     with pytest.raises(RuntimeError, match="weight: \\[n\\] of x's dtype"):
@@ -537,7 +544,7 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     OneDNNEngine(lean_forward=False).apply(stock)
     with caplog.at_level(logging.INFO):
         OneDNNEngine().apply(lean)
-    from specpipe.engine.bf16_kernel import build_name
+    from specpipe.engine.cpu_kernel import build_name
 
     if lean.model.norm_kernel is None:
         assert "1 model forward lean (RMSNorm in torch: its RMSNorm is not bitwise torch's here" in caplog.text
@@ -558,7 +565,7 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
         OneDNNEngine(bf16_kernel_rows=5).apply(model)
-    from specpipe.engine.bf16_kernel import build_name
+    from specpipe.engine.cpu_kernel import build_name
 
     # the kernel's build is named: a cost curve measured with another version of it is not reused
     assert (f"bf16 weights widened to fp32 in registers (specpipe's AVX2 kernel {build_name()}) for up to 5 rows"
@@ -586,21 +593,69 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
         OneDNNEngine(bf16_kernel_rows=-1)
 
 
+@needs_compiler
+def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatch, caplog):
+    model, stock = fresh_tiny(), fresh_tiny()
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(fp32_kernel_rows=5, fp32_split_rows=2).apply(model)
+    from specpipe.engine.cpu_kernel import build_name
+
+    assert (f"fp32 weights streamed once for all rows (specpipe's AVX2 kernel {build_name()}) for up to 5 rows"
+            in caplog.text and "engine.fp32_kernel_rows=5" in caplog.text)
+    packed = model.lm_head.packed
+    # the kernel serves the rows split GEMMs would have: no plain copy for them
+    assert packed.kernel_rows == 5 and packed.small_weight.dtype == torch.float32 and packed.split_rows == 0
+    assert packed.plain is None
+    calls = []
+    kernel = packed.kernel
+    monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    for rows in (1, 5, 6):
+        x = torch.randn(1, rows, model.config.hidden_size)  # [batch, rows, hidden]
+        torch.testing.assert_close(model.lm_head(x), stock.lm_head(x), rtol=1e-5, atol=1e-5)
+    assert calls == ["kernel", "kernel", "onednn"]
+    from specpipe.cost import streamed_weight_bytes
+
+    assert streamed_weight_bytes(model, rows=5) == streamed_weight_bytes(stock)
+    # auto: the kernel where oneDNN's fp32 kernel is AVX2 (measured), not on AVX-512/AMX CPUs or off x86
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    assert cpu.auto_fp32_kernel_rows("brg_matmul:avx2") == cpu.AUTO_FP32_KERNEL_ROWS > 0
+    assert cpu.auto_fp32_kernel_rows("brg_matmul:avx512_core") == 0
+    assert cpu.auto_fp32_kernel_rows("brgemm:avx512_core_amx") == 0
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
+    assert cpu.auto_fp32_kernel_rows("gemm:acl") == 0
+    for bad in ("all", -1, 1.5):
+        with pytest.raises(ConfigError, match="engine.fp32_kernel_rows must be 'auto' or a row count"):
+            OneDNNEngine(fp32_kernel_rows=bad)
+
+
+@needs_compiler
+def test_fp32_kernel_rows_are_part_of_the_cost_curve_key(tmp_path):
+    from specpipe.cost import cost_curve_path
+
+    paths = set()
+    for kernel_rows in (0, 3):
+        model = fresh_tiny()
+        OneDNNEngine(fp32_kernel_rows=kernel_rows).apply(model)
+        paths.add(cost_curve_path(TargetModel(model, name="tiny", engine="fast"), cache_dir=tmp_path))
+    assert len(paths) == 2
+
+
 def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, caplog):
-    from specpipe.engine import bf16_kernel
+    from specpipe.engine import cpu_kernel
 
     without_native_bf16(monkeypatch)
 
     def no_ninja(build_dir):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(bf16_kernel, "_build", no_ninja)
-    monkeypatch.setattr(bf16_kernel, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(bf16_kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernel, "_build", no_ninja)
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
         OneDNNEngine().apply(model)
-    assert "the bf16 kernel could not be built or run (Ninja is required to load C++ extensions)" in caplog.text
+    assert "specpipe's CPU kernel could not be built or run (Ninja is required to load C++ extensions)" in caplog.text
     packed = model.lm_head.packed
     assert packed.kernel is None and packed.kernel_rows == 0 and packed.small_rows == 3
     x = torch.randn(1, 1, model.config.hidden_size).bfloat16()  # one row: transformers' own bf16 product
@@ -726,7 +781,7 @@ def test_fp32_split_rows_auto_follows_the_measured_cpu_class(monkeypatch, caplog
     assert native.compute_dtype == torch.float32 or native.split_rows == 0
     model = fresh_tiny()
     with caplog.at_level(logging.INFO):
-        OneDNNEngine(fp32_split_rows=2).apply(model)
+        OneDNNEngine(fp32_split_rows=2, fp32_kernel_rows=0).apply(model)  # the kernel would serve those rows
     packed = model.lm_head.packed
     assert packed.split_rows == 2 and packed.plain.dtype == torch.float32 and packed.packed is not None
     assert "fp32 GEMMs split over the threads by weight rows for up to 2 rows" in caplog.text
@@ -751,7 +806,7 @@ def test_split_rows_and_the_lean_forward_are_part_of_the_cost_curve_key(tmp_path
     paths = set()
     for split_rows, lean_forward in ((0, True), (1, True), (1, False)):
         model = fresh_tiny()
-        OneDNNEngine(fp32_split_rows=split_rows, lean_forward=lean_forward).apply(model)
+        OneDNNEngine(fp32_split_rows=split_rows, lean_forward=lean_forward, fp32_kernel_rows=0).apply(model)
         paths.add(cost_curve_path(TargetModel(model, name="tiny", engine="fast"), cache_dir=tmp_path))
     assert len(paths) == 3
 

@@ -33,6 +33,15 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 #   23.2, q=4 19.9 / 19.7 / 21.7.
 AUTO_SPLIT_ROWS = 4  # x86 CPUs whose oneDNN fp32 kernel is AVX2 (or older)
 AUTO_SPLIT_ROWS_AVX512 = 2
+# engine.fp32_kernel_rows=auto: specpipe's product kernel (specpipe.engine.cpu_kernel) on fp32 weights
+# against oneDNN's AVX2 kernel and split GEMMs, SmolLM2-135M's 121 linears and output layer back to back on
+# a 2-core AVX2-only EPYC (Zen 3), min of 6-10 interleaved rounds, ms:
+#   rows        1     2     3     4     6     8    12    16    24    32    64
+#   stock    36.4  52.0  64.5  55.6  63.9  77.5  72.4  79.3  91.8 106.1 178.6
+#   kernel   25.1  32.3  30.6  32.7  37.1  42.7  55.0  63.1  87.7 103.2 211.2
+# (stock: split GEMMs up to 4 rows, oneDNN above). It streams the weights once for all rows at memory
+# speed where oneDNN's AVX2 kernel does not; on AVX-512 CPUs oneDNN was not measured against it.
+AUTO_FP32_KERNEL_ROWS = 16
 
 
 def onednn_available() -> bool:
@@ -104,6 +113,16 @@ def auto_split_rows(onednn_kernel: str) -> int:
     return AUTO_SPLIT_ROWS_AVX512 if "avx512" in onednn_kernel else AUTO_SPLIT_ROWS
 
 
+def auto_fp32_kernel_rows(onednn_kernel: str) -> int:
+    """engine.fp32_kernel_rows=auto: how many rows specpipe's kernel serves for fp32 weights on a CPU whose
+    oneDNN fp32 kernel is `onednn_kernel`: AUTO_FP32_KERNEL_ROWS where that is AVX2 (or older) on x86,
+    0 where it is AVX-512 or AMX (not measured against the kernel) and off x86 (no kernel)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if not x86 or "amx" in onednn_kernel or "avx512" in onednn_kernel:
+        return 0
+    return AUTO_FP32_KERNEL_ROWS
+
+
 @dataclass(frozen=True)
 class LinearPath:
     """How linears of a model in `dtype` run under engine=fast.
@@ -122,15 +141,17 @@ class LinearPath:
     reason: str  # why this path, for the log line
     small_rows: int = 0
     split_rows: int = 0
-    kernel_rows: int = 0  # bf16 weights packed in fp32: products of up to this many rows run specpipe.engine.bf16_kernel
-    kernel_build: str = ""  # that kernel's build (Bf16Kernel.build)
+    # bf16 weights packed in fp32, or fp32 weights: products of up to this many rows run specpipe.engine.cpu_kernel
+    kernel_rows: int = 0
+    kernel_build: str = ""  # that kernel's build (CpuKernel.build)
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
         paths = []  # fewest rows first
         if self.kernel_rows:
-            paths.append(f"{name} weights widened to fp32 in registers (specpipe's AVX2 kernel "
-                         f"{self.kernel_build}) for up to {self.kernel_rows} rows")
+            how = "widened to fp32 in registers" if self.dtype != torch.float32 else "streamed once for all rows"
+            paths.append(f"{name} weights {how} (specpipe's AVX2 kernel {self.kernel_build}) for up to "
+                         f"{self.kernel_rows} rows")
         if self.small_rows > self.kernel_rows:
             paths.append(f"{name} F.linear for up to {self.small_rows} rows")
         if self.split_rows > max(self.small_rows, self.kernel_rows):

@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
                                                       eager_attention_forward)
 
-from specpipe.engine.bf16_kernel import NORM_DTYPES, NORM_MAX_WIDTH
+from specpipe.engine.cpu_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
 from specpipe.target import folded_attention_bias, tree_attention_forward
 
@@ -58,7 +58,7 @@ class LeanLlamaModel(LlamaModel):
     """LlamaModel whose forward runs each decoder layer's expressions inline (see module doc).
 
     `norm_kernel` (set by swap_lean_model): a C++ norm(x, weight, eps) that computes LlamaRMSNorm bitwise
-    in one call (specpipe.engine.bf16_kernel), used while the hidden states and every norm's weight
+    in one call (specpipe.engine.cpu_kernel), used while the hidden states and every norm's weight
     share one dtype it serves; None = torch.rms_norm."""
 
     norm_kernel = None
@@ -150,7 +150,7 @@ def _norm_kernel_serves(model: LlamaModel) -> bool:
 
 def swap_lean_model(model: nn.Module, norm_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
-    `norm_kernel`: Bf16Kernel.norm, for the models whose norms it serves."""
+    `norm_kernel`: CpuKernel.norm, for the models whose norms it serves."""
     swapped = 0
     for module in list(model.modules()):
         if lean_model_applies(module):

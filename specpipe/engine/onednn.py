@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
-from specpipe.engine.cpu import LinearPath, pack_weight, packed_linear, probe_linear_path, row_blocks, split_linear
+from specpipe.engine.cpu import (LinearPath, auto_fp32_kernel_rows, pack_weight, packed_linear, probe_linear_path,
+                                 row_blocks, split_linear)
 
 if TYPE_CHECKING:
-    from specpipe.engine.bf16_kernel import Bf16Kernel
+    from specpipe.engine.cpu_kernel import CpuKernel
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,14 @@ class PackedWeight(nn.Module):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
-        # bf16 weights packed in fp32: products of at most `kernel_rows` rows run `kernel` (the bf16-weight
-        # product of specpipe.engine.bf16_kernel) on the bf16 weight itself.
+        # Products of at most `kernel_rows` rows of the model's own dtype run `kernel` (the product of
+        # specpipe.engine.cpu_kernel) on the weight itself: bf16 weights packed in fp32 (bf16 rows), or
+        # fp32 weights (fp32 rows).
         upcast_bf16 = weight.dtype == torch.bfloat16 and self.compute_dtype == torch.float32
-        self.kernel = kernel if upcast_bf16 and kernel_rows > 0 else None
+        plain_fp32 = weight.dtype == torch.float32 and self.compute_dtype == torch.float32
+        self.kernel = kernel if (upcast_bf16 or plain_fp32) and kernel_rows > 0 else None
         self.kernel_rows = kernel_rows if self.kernel is not None else 0
+        self.kernel_input = weight.dtype  # the rows the kernel serves: of the weight's own dtype
         # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
         # dtype (see LinearPath): kept only when the packing is in another dtype.
         self.small_rows = small_rows if self.compute_dtype != weight.dtype and small_rows > self.kernel_rows else 0
@@ -83,13 +87,13 @@ class PackedWeight(nn.Module):
 
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
+        if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
+            # one call: a bf16 x is widened, the fp32 bias added to the fp32 sums, and they are rounded to bf16
+            return self.kernel(x, self.small_weight, self.bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
                 return split_linear(x, self._row_blocks(), self.bias)
             return packed_linear(x, self.packed, self.bias)
-        if x.numel() <= self.kernel_rows * self.in_features and x.dtype == torch.bfloat16:
-            # one call: the kernel widens x, adds the fp32 bias to the fp32 sums and rounds them to bf16
-            return self.kernel(x, self.small_weight, self.bias)
         if x.numel() <= self.small_rows * self.in_features:
             return F.linear(x, self.small_weight, self.small_bias)
         if x.numel() <= self.split_rows * self.in_features:
@@ -169,17 +173,20 @@ class OneDNNEngine:
     # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
     # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
     bf16_small_rows: int = 3
-    # bf16 weights packed in fp32: products of up to this many rows run specpipe's AVX2 bf16-weight kernel
-    # (specpipe.engine.bf16_kernel, built once per machine; where it cannot be built the paths below serve
+    # bf16 weights packed in fp32: products of up to this many rows run specpipe's AVX2 kernel
+    # (specpipe.engine.cpu_kernel, built once per machine; where it cannot be built the paths below serve
     # every product); 0 = never.
     bf16_kernel_rows: int = 32
+    # fp32 models: products of up to this many rows run the same kernel on the fp32 weights; "auto" =
+    # specpipe.engine.cpu.auto_fp32_kernel_rows for this CPU's oneDNN kernel; 0 = never.
+    fp32_kernel_rows: int | str = "auto"
     # Products computed in fp32 (fp32 models, and bf16 weights packed in fp32 above bf16_small_rows)
     # of up to this many rows run as one batched GEMM over a row block per thread of a plain fp32
     # copy of the weights (specpipe.engine.cpu.split_linear; the copy doubles the weights' memory);
     # "auto" = specpipe.engine.cpu.auto_split_rows for this CPU's oneDNN kernel.
     fp32_split_rows: int | str = "auto"
-    # fp32 and bf16 models: the lean forward runs LlamaRMSNorm as one C++ call (specpipe.engine.bf16_kernel's
-    # extension, built where the bf16 kernel builds; bitwise transformers' norm, checked when it loads)
+    # fp32 and bf16 models: the lean forward runs LlamaRMSNorm as one C++ call (specpipe.engine.cpu_kernel's
+    # extension, built where the product kernel builds; bitwise transformers' norm, checked when it loads)
     kernel_norm: bool = True
     name: str = "fast"
 
@@ -190,6 +197,9 @@ class OneDNNEngine:
             raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
         if not (isinstance(self.bf16_kernel_rows, int) and self.bf16_kernel_rows >= 0):
             raise ConfigError(f"engine.bf16_kernel_rows must be a row count >= 0, got {self.bf16_kernel_rows!r}")
+        if self.fp32_kernel_rows != "auto" and not (isinstance(self.fp32_kernel_rows, int)
+                                                    and self.fp32_kernel_rows >= 0):
+            raise ConfigError(f"engine.fp32_kernel_rows must be 'auto' or a row count >= 0, got {self.fp32_kernel_rows!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -200,7 +210,7 @@ class OneDNNEngine:
             return model
         if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
-        path, kernel = self._with_bf16_kernel(path)
+        path, kernel = self._with_kernel(path)
         product = kernel.product if kernel is not None else None
         try:
             swaps = [(module, name, replacement) for module in model.modules()
@@ -241,26 +251,37 @@ class OneDNNEngine:
         return probe_linear_path(parameter.dtype, prefer_fp32_compute=self.bf16_compute == "fp32",
                                  small_rows=self.bf16_small_rows, split_rows=self.fp32_split_rows)
 
-    def _with_bf16_kernel(self, path: LinearPath) -> tuple[LinearPath, Bf16Kernel | None]:
-        """The path with specpipe's bf16-weight kernel where it applies and builds, and the kernel."""
-        if not (path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32 and self.bf16_kernel_rows > 0):
+    def _with_kernel(self, path: LinearPath) -> tuple[LinearPath, CpuKernel | None]:
+        """The path with specpipe's product kernel where it applies and builds, and the kernel."""
+        if path.compute_dtype != torch.float32:
             return path, None
-        from specpipe.engine.bf16_kernel import Bf16Kernel
+        if path.dtype == torch.bfloat16:
+            rows, why = self.bf16_kernel_rows, ""
+        elif self.fp32_kernel_rows == "auto":
+            rows = auto_fp32_kernel_rows(path.kernel)
+            why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} fp32 rows on such CPUs"
+                   if rows else "")
+        else:
+            rows, why = self.fp32_kernel_rows, f"engine.fp32_kernel_rows={self.fp32_kernel_rows}"
+        if rows <= 0:
+            return path, None
+        from specpipe.engine.cpu_kernel import CpuKernel
 
-        kernel = Bf16Kernel()
+        kernel = CpuKernel()
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        return replace(path, kernel_rows=self.bf16_kernel_rows, kernel_build=kernel.build), kernel
+        reason = f"{path.reason}; {why}" if why else path.reason
+        return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=reason), kernel
 
-    def _norm_kernel(self, path: LinearPath, kernel: Bf16Kernel | None) -> tuple[Callable | None, str]:
+    def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
         """The extension's RMSNorm for the lean forward (built here where the bf16 path did not build it),
         and what the log line says about it."""
         if not self.kernel_norm or path.dtype not in (torch.float32, torch.bfloat16):
             return None, ""
         if kernel is None:
-            from specpipe.engine.bf16_kernel import Bf16Kernel
+            from specpipe.engine.cpu_kernel import CpuKernel
 
-            kernel = Bf16Kernel()
+            kernel = CpuKernel()
             if kernel.product is None:
                 return None, f"RMSNorm in torch: {kernel.reason}"
         if kernel.norm is None:

@@ -1,6 +1,12 @@
-"""A bf16-weight matrix product for CPUs whose oneDNN has no bf16 kernel (AVX2 without AVX-512 BW/VL/DQ
-or AVX-NE-CONVERT): it streams the bf16 weights, widens them to fp32 in registers and accumulates in
-fp32, for the few rows of a decoding step or a tree verify.
+"""specpipe's CPU kernel: a matrix product over bf16 or fp32 weights for the few rows of a decoding step
+or a tree verify, and the RMSNorm of the lean forward.
+
+For bf16 weights on CPUs whose oneDNN has no bf16 kernel (AVX2 without AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT), it streams the bf16 weights, widens them to fp32 in registers and accumulates in fp32.
+For fp32 weights on CPUs whose oneDNN fp32 kernel is AVX2 it streams the weights as they are: there
+oneDNN and split GEMMs read them far below the memory's speed for 2-16 rows (see
+specpipe.engine.cpu.AUTO_FP32_KERNEL_ROWS for the measurements), and this kernel reads them once for all
+rows.
 
 Why: on such CPUs transformers' bf16 `F.linear` streams half the bytes of fp32 but has no fast path
 for more than one row (measured on a 2-core EPYC held to AVX2, SmolLM2-135M, KV 256: 11.4 / 16.5 /
@@ -23,7 +29,7 @@ min of 6 interleaved rounds, ms), passes of 4 then one pass over tiles:
 
 The kernel is C++ with AVX2/FMA intrinsics, built once per machine with torch's extension builder
 (g++ and ninja) into the specpipe cache; where it cannot be built or run (no compiler, another ISA)
-`Bf16Kernel.reason` says why and engine=fast keeps the paths above. Sums run in another
+`CpuKernel.reason` says why and engine=fast keeps the paths above. Sums run in another
 order than oneDNN's or ATen's, so outputs differ from theirs by float rounding, like any other GEMM.
 
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
@@ -33,7 +39,7 @@ fp32 and bf16 models alike (`engine.kernel_norm`): torch.rms_norm ran ~8 ops, 24
 and ~50 us inside a forward, 61 norms per SmolLM2-135M forward. The norm repeats the order in which
 torch sums and rounds (ATen's cascade sum over 8-lane vectors), so its output is bitwise
 transformers'; a load-time check compares the two, and where this torch sums otherwise the norm is
-not used (`Bf16Kernel.norm_reason`). Both changes leave every output bitwise as before.
+not used (`CpuKernel.norm_reason`). Both changes leave every output bitwise as before.
 """
 from __future__ import annotations
 
@@ -67,11 +73,13 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 bf16 values widened to fp32: a bf16 is the upper half of an fp32
-inline __m256 load_bf16(const uint16_t* p) {
+// 8 weights as fp32: bf16 ones widened (a bf16 is the upper half of an fp32), fp32 ones as they are
+inline __m256 load_weights(const uint16_t* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+
+inline __m256 load_weights(const float* p) { return _mm256_loadu_ps(p); }
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -80,16 +88,19 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
+inline float weight_value(uint16_t v) { return bf16_to_float(v); }
+inline float weight_value(float v) { return v; }
+
 // out[r, o] = sum_k x[r, k] * w[o, k] for R rows of x and output features [begin, end). Each output
 // feature streams its weight row once; U accumulators per row over interleaved slices of k keep R * U
 // independent FMA chains in flight (the FMA's latency, not the memory, limits one chain).
-template <int R, int U, typename Out>
-void product_block(const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
+template <int R, int U, typename W, typename Out>
+void product_block(const float* x, const W* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
   const int64_t unrolled_end = in - in % (8 * U);
   const int64_t vector_end = in - in % 8;
   for (int64_t o = begin; o < end; ++o) {
-    const uint16_t* row = w + o * in;
+    const W* row = w + o * in;
     __m256 acc[U][R];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u)
@@ -98,14 +109,14 @@ void product_block(const float* x, const uint16_t* w, const float* bias, Out* ou
     for (int64_t k = 0; k < unrolled_end; k += 8 * U) {
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) {
-        const __m256 weights = load_bf16(row + k + 8 * u);
+        const __m256 weights = load_weights(row + k + 8 * u);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           acc[u][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * in + k + 8 * u), acc[u][r]);
       }
     }
     for (int64_t k = unrolled_end; k < vector_end; k += 8) {
-      const __m256 weights = load_bf16(row + k);
+      const __m256 weights = load_weights(row + k);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[0][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * in + k), acc[0][r]);
     }
@@ -115,7 +126,7 @@ void product_block(const float* x, const uint16_t* w, const float* bias, Out* ou
 #pragma GCC unroll 8
       for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][r]);
       float sum = horizontal_sum(total);
-      for (int64_t k = vector_end; k < in; ++k) sum += x[r * in + k] * bf16_to_float(row[k]);
+      for (int64_t k = vector_end; k < in; ++k) sum += x[r * in + k] * weight_value(row[k]);
       if (bias != nullptr) sum += bias[o];
       // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
       // the fp32 product afterwards would round it
@@ -126,15 +137,15 @@ void product_block(const float* x, const uint16_t* w, const float* bias, Out* ou
 
 // Rows [x, x + count) of the product for output features [begin, end): U accumulators per row where
 // the row count leaves registers for them (16 ymm registers: R * U accumulators and the weights).
-template <int R, typename Out>
-void product_group(const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
+template <int R, typename W, typename Out>
+void product_group(const float* x, const W* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
   constexpr int U = R == 1 ? 8 : (R == 2 ? 4 : (R <= 6 ? 2 : 1));
   product_block<R, U>(x, w, bias, out, in, out_stride, begin, end);
 }
 
-template <typename Out>
-void product_rows(int64_t count, const float* x, const uint16_t* w, const float* bias, Out* out, int64_t in,
+template <typename W, typename Out>
+void product_rows(int64_t count, const float* x, const W* w, const float* bias, Out* out, int64_t in,
                   int64_t out_stride, int64_t begin, int64_t end) {
   switch (count) {
     case 1: product_group<1>(x, w, bias, out, in, out_stride, begin, end); break;
@@ -154,10 +165,10 @@ constexpr int64_t kTileBytes = 32768;
 // The weight streams from memory once for all rows: each thread walks its output features in tiles of
 // ~32 KB of weight rows and runs every group of up to 8 rows over a tile while it is in L1/L2. Groups
 // are balanced (11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
-template <typename Out>
-void product(const float* xs, const uint16_t* w, const float* bias, Out* os, int64_t rows, int64_t in,
+template <typename W, typename Out>
+void product(const float* xs, const W* w, const float* bias, Out* os, int64_t rows, int64_t in,
              int64_t out_features) {
-  const int64_t tile = std::max<int64_t>(4, kTileBytes / (2 * in));
+  const int64_t tile = std::max<int64_t>(4, kTileBytes / (static_cast<int64_t>(sizeof(W)) * in));
   const int64_t grain = std::max<int64_t>(16, out_features / (4 * at::get_num_threads()));
   at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
     for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
@@ -174,15 +185,16 @@ void product(const float* xs, const uint16_t* w, const float* bias, Out* os, int
 
 }  // namespace
 
-// x [..., in] fp32 or bf16, weight [out, in] bf16, bias [out] fp32 or None -> [..., out] in x's dtype.
+// x [..., in] fp32 or bf16, weight [out, in] bf16 or fp32, bias [out] fp32 or None -> [..., out] in x's dtype.
 // A bf16 x is widened here and the output rounded here, so a bf16 model's product is one call: the
 // casts around it were two more ops per linear, ~240 per forward of SmolLM2-135M.
-torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   const bool bf16_x = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x.dim() >= 1 && (bf16_x || x.scalar_type() == torch::kFloat32), "x: fp32 or bf16 [..., in]");
   x = x.contiguous();
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(),
-              "weight: contiguous bf16 [out, in]");
+  const bool bf16_weight = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16_weight || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
+              "weight: contiguous bf16 or fp32 [out, in]");
   TORCH_CHECK(x.size(-1) == weight.size(1) && weight.size(1) > 0, "x and weight disagree on in_features");
   const int64_t in = weight.size(1), out_features = weight.size(0), rows = x.numel() / in;
   const float* bias_data = nullptr;
@@ -194,16 +206,26 @@ torch::Tensor bf16_weight_product(torch::Tensor x, torch::Tensor weight, c10::op
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = out_features;
   auto out = torch::empty(out_sizes, x.options());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  if (!bf16_x) {
-    product(x.data_ptr<float>(), w, bias_data, out.data_ptr<float>(), rows, in, out_features);
-    return out;
+  std::vector<float> widened;
+  const float* xs = nullptr;
+  if (bf16_x) {  // a few rows: widening them (exactly) costs nothing next to the weights
+    widened.resize(rows * in);
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(raw[i]);
+    xs = widened.data();
+  } else {
+    xs = x.data_ptr<float>();
   }
-  // a few rows: widening them (exactly) costs nothing next to the weights
-  std::vector<float> widened(rows * in);
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(raw[i]);
-  product(widened.data(), w, bias_data, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+  auto run = [&](auto* w) {
+    if (bf16_x)
+      product(xs, w, bias_data, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+    else
+      product(xs, w, bias_data, out.data_ptr<float>(), rows, in, out_features);
+  };
+  if (bf16_weight)
+    run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
+  else
+    run(weight.data_ptr<float>());
   return out;
 }
 
@@ -339,7 +361,7 @@ NORM_DTYPES = (torch.float32, torch.bfloat16)
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 
 
-class Bf16Kernel:
+class CpuKernel:
     """Loads (building it once per machine) the bf16-weight product and the RMSNorm beside it;
     `product` is None and `reason` says why where they are not available, `norm` is None (and
     `norm_reason` says why) where the norm is not bitwise torch's on this machine. One instance per
@@ -354,18 +376,18 @@ class Bf16Kernel:
         # another version of the kernel is not reused
         self.build = build_name()
         if platform.machine().lower() not in ("x86_64", "amd64"):
-            self.reason = f"the bf16 kernel is for x86 CPUs, this is {platform.machine()}"
+            self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"
             return
         if not {"avx2", "fma"} <= cpu_flags():
-            self.reason = "this CPU has no AVX2/FMA for the bf16 kernel"
+            self.reason = "this CPU has no AVX2/FMA for specpipe's CPU kernel"
             return
         try:
             module = _build(build_dir)
-            self.product = module.bf16_weight_product
+            self.product = module.weight_product
             _self_check(self.product)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = None
-            self.reason = f"the bf16 kernel could not be built or run ({_first_line(error)[:300]})"
+            self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
             return
         # The norm repeats torch's order of sums (ATen's AVX2 cascade sum): where this torch sums in
         # another order, it would round differently from transformers' norm, so it is checked here
@@ -378,7 +400,7 @@ class Bf16Kernel:
 
 def build_name() -> str:
     """The extension's name: the source's, its flags' and torch's version in 12 hex digits."""
-    return "specpipe_bf16_" + hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
+    return "specpipe_kernel_" + hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
 
 
 def _build(build_dir: Path | None):
@@ -397,7 +419,7 @@ def _build(build_dir: Path | None):
         os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
     try:
         return cpp_extension.load_inline(
-            name=name, cpp_sources=[_SOURCE], functions=["bf16_weight_product", "rms_norm"], build_directory=str(folder),
+            name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm"], build_directory=str(folder),
             extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
     finally:
         os.environ["PATH"] = path
@@ -413,11 +435,13 @@ def _self_check(product) -> None:
         x = torch.randn(rows, 75, generator=generator)  # [rows, in]
         expected = x @ weight.float().t()
         if not torch.allclose(product(x, weight, None), expected, rtol=1e-4, atol=1e-4):
-            raise RuntimeError(f"the bf16 kernel disagrees with an fp32 product for {rows} rows")
+            raise RuntimeError(f"the kernel disagrees with an fp32 product of bf16 weights for {rows} rows")
+        if not torch.allclose(product(x, weight.float(), bias), expected + bias, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"the kernel disagrees with an fp32 product of fp32 weights for {rows} rows")
         x = x.bfloat16()
         expected = (x.float() @ weight.float().t() + bias).bfloat16()
         if not torch.allclose(product(x, weight, bias).float(), expected.float(), rtol=2 ** -7, atol=1e-4):
-            raise RuntimeError(f"the bf16 kernel disagrees with an fp32 product for {rows} bf16 rows")
+            raise RuntimeError(f"the kernel disagrees with an fp32 product for {rows} bf16 rows")
 
 
 
