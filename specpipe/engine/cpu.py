@@ -277,9 +277,21 @@ def cpu_description() -> dict:
     paths = {}
     for dtype in (torch.float32, torch.bfloat16):
         path = probe_linear_path(dtype)
+        if not isinstance(path, LinearPath):
+            paths[DTYPE_NAMES[dtype]] = "none"
+            continue
+        # engine=fast's defaults on this CPU (whether specpipe's kernel builds is the engine's log line)
+        if dtype == torch.float32:
+            kernel_rows = auto_fp32_kernel_rows(path.kernel)
+        elif path.compute_dtype == torch.float32:  # bf16 weights packed in fp32
+            from specpipe.engine.onednn import OneDNNEngine  # it builds on this module
+
+            kernel_rows = OneDNNEngine.bf16_kernel_rows if platform.machine().lower() in ("x86_64", "amd64") else 0
+        else:
+            kernel_rows = 0
         paths[DTYPE_NAMES[dtype]] = (f"{DTYPE_NAMES[path.compute_dtype]}:{path.kernel}"
-                                     + (f"+split<={path.split_rows}" if path.split_rows else "")
-                                     if isinstance(path, LinearPath) else "none")
+                                     + (f"+kernel<={kernel_rows}" if kernel_rows else "")
+                                     + (f"+split<={path.split_rows}" if path.split_rows > kernel_rows else ""))
     return {"cpu_model": model, "aten_capability": aten_capability(), "isa_flags": isa_flags,
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
             # MKL runs split GEMMs' bmm and dispatches its own ISA: ONEDNN_MAX_CPU_ISA and
