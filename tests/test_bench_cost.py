@@ -8,7 +8,8 @@ import pytest
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.tasks.bench_cost import read_settings, run_bench_cost
 from specpipe.pipelines.builder import compose_config
-from specpipe.tasks.forward_profile import BETWEEN_OPS, OTHER_OPS, TOTAL, row_value, top_ops
+from specpipe.tasks.forward_profile import (BETWEEN_OPS, KERNEL_NORM, KERNEL_PRODUCT, OTHER_OPS, TOTAL,
+                                           profile_forward, row_value, top_ops)
 
 ENGINES = ("transformers", "specpipe-hf", "specpipe-fast")
 
@@ -35,8 +36,10 @@ def test_bench_cost_measures_every_engine_profiles_them_and_writes_the_report(tm
     for profile in profiles:
         ops = profile["ops"]
         assert ops[TOTAL] > 0 and ops[BETWEEN_OPS] >= 0
-        # the linears are where we look: oneDNN's, split GEMMs (bmm) where this CPU takes them, or BLAS
-        linear = {"mkldnn::_linear_pointwise", "aten::bmm"} if profile["engine"] == "specpipe-fast" else {"aten::mm"}
+        # the linears are where we look: oneDNN's, split GEMMs (bmm) or specpipe's kernel where this CPU takes
+        # them, or BLAS
+        linear = ({"mkldnn::_linear_pointwise", "aten::bmm", KERNEL_PRODUCT} if profile["engine"] == "specpipe-fast"
+                  else {"aten::mm"})
         assert sum(ops.get(name, 0) for name in linear) > 0, (profile["engine"], sorted(ops))
     markdown = (out / "cost.md").read_text()
     assert "Where the time goes: fp32" in markdown and "specpipe-fast q=4" in markdown
@@ -69,6 +72,25 @@ def test_streamed_weight_bytes_count_each_weight_once_and_no_embedding_table():
     assert streamed_weight_bytes(model) == expected
     OneDNNEngine().apply(model)
     assert streamed_weight_bytes(model) == expected  # prepacked fp32 weights: the same bytes
+
+
+def test_the_profile_names_specpipes_kernel_calls_and_leaves_them_as_they_were():
+    """The extension is called outside torch's dispatcher: without names its time would count as time
+    between ops."""
+    from specpipe.engine.onednn import OneDNNEngine
+    from specpipe.pipelines.builder import load_model
+    from specpipe.target import TargetModel
+
+    model = load_model(compose_config(["model=tiny_random"]).model).model
+    OneDNNEngine(fp32_kernel_rows=4).apply(model)
+    packed = model.lm_head.packed
+    if packed.kernel is None:
+        pytest.skip("specpipe's CPU kernel does not build here")
+    product, norm = packed.kernel, model.model.norm_kernel
+    ops = profile_forward(TargetModel(model, engine="fast"), queries=2, kv_length=16, repeats=2)
+    assert ops[KERNEL_PRODUCT] > 0 and "mkldnn::_linear_pointwise" not in ops
+    assert (KERNEL_NORM in ops) == (norm is not None)
+    assert packed.kernel is product and model.model.norm_kernel is norm
 
 
 def test_profile_table_rows_keep_the_top_ops_and_sum_the_rest():

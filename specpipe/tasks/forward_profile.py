@@ -1,8 +1,9 @@
 """Where a target forward's time goes: torch profiler op self time per forward, for `task=bench_cost`.
 
-The profiler sees ATen/oneDNN ops only; the time between them (Python in the model's modules,
-dispatch, allocation) is the forward's unprofiled wall time minus the op total, so one table
-answers both "which ops dominate" and "how much is not in any op".
+The profiler sees ATen/oneDNN ops, and specpipe's own kernel calls under names given while profiling;
+the time between them (Python in the model's modules, dispatch, allocation) is the forward's
+unprofiled wall time minus the op total, so one table answers both "which ops dominate" and "how much
+is not in any op".
 """
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from specpipe.cost import random_chain
 
 BETWEEN_OPS = "(between ops: Python, dispatch)"
+KERNEL_PRODUCT = "specpipe::weight_product"  # specpipe's CPU kernel (specpipe.engine.cpu_kernel)
+KERNEL_NORM = "specpipe::rms_norm"
 OTHER_OPS = "(other ops)"
 TOTAL = "(wall time, unprofiled)"
 
@@ -40,7 +44,7 @@ def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8
         forward()
         if index:  # the first call warms up
             wall.append((time.perf_counter() - start) * 1000.0)
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler, _kernel_calls_named(target.model):
         for _ in range(repeats):
             forward()
     per_op: dict[str, float] = defaultdict(float)
@@ -52,6 +56,35 @@ def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8
     per_op[BETWEEN_OPS] = max(0.0, total - sum(per_op.values()))
     per_op[TOTAL] = total
     return per_op
+
+
+@contextmanager
+def _kernel_calls_named(model: torch.nn.Module):
+    """While open, every call of specpipe's CPU kernel in `model` (products, norms) is a profiler event of
+    its own (KERNEL_PRODUCT, KERNEL_NORM): the extension is called directly, not through torch's
+    dispatcher, so the profiler would count its time as time between ops."""
+    from specpipe.engine.lean_model import LeanLlamaModel
+    from specpipe.engine.onednn import PackedWeight
+
+    def named(function, name: str):
+        def call(*args):
+            with record_function(name):
+                return function(*args)
+        return call
+
+    originals = []  # (module, attribute, the function it held)
+    for module in model.modules():
+        if isinstance(module, PackedWeight) and module.kernel is not None:
+            originals.append((module, "kernel", module.kernel))
+            module.kernel = named(module.kernel, KERNEL_PRODUCT)
+        elif isinstance(module, LeanLlamaModel) and module.norm_kernel is not None:
+            originals.append((module, "norm_kernel", module.norm_kernel))
+            module.norm_kernel = named(module.norm_kernel, KERNEL_NORM)
+    try:
+        yield
+    finally:
+        for module, attribute, function in originals:
+            setattr(module, attribute, function)
 
 
 def top_ops(profiles: Sequence[dict[str, float]], count: int = 8) -> list[str]:
