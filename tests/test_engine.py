@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import sysconfig
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -466,16 +467,19 @@ needs_compiler = pytest.mark.skipif(
 
 
 @needs_compiler
-def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights():
-    from specpipe.engine.cpu_kernel import CpuKernel
+@pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
+    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F"))])
+def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(isa):
+    from specpipe.engine import cpu_kernel
 
-    kernel = CpuKernel()
-    assert kernel.product is not None, kernel.reason
+    product = cpu_kernel._build(None, isa).weight_product  # each build, whichever this CPU's engine uses
+    cpu_kernel._self_check(product)
+    kernel = SimpleNamespace(product=product)
     generator = torch.Generator().manual_seed(5)
-    # a vector tail (75, 9); every group size (1-8 rows) and rows split into groups of up to 8 (9 = 5 + 4,
+    # a vector tail (75, 9, 600); every group size (1-8 rows) and rows split into groups of up to 8 (9 = 5 + 4,
     # 13 = 7 + 6, 19 = 7 + 6 + 6); output features spanning several tiles of weight rows (96 at 576 inputs
-    # is 4 tiles of up to 28)
-    for in_features in (9, 75, 576):
+    # is 4 tiles of up to 28), the last rows' prefetches past the weight's end
+    for in_features in (9, 75, 576, 600):
         for out_features in (1, 37, 96):
             weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 19):
@@ -507,6 +511,20 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights()
         kernel.product(torch.randn(2, 75), weight, torch.randn(36))
     with pytest.raises(RuntimeError, match="weight: contiguous bf16 or fp32"):
         kernel.product(torch.randn(2, 75), weight.half(), None)
+
+
+def test_the_kernel_is_built_for_the_isa_aten_runs(monkeypatch):
+    from specpipe.engine import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    assert cpu_kernel.kernel_isa() == "avx512" and cpu_kernel.build_name().startswith("specpipe_kernel_avx512_")
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2 holds it back
+    assert cpu_kernel.kernel_isa() == "avx2" and cpu_kernel.build_name().startswith("specpipe_kernel_avx2_")
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    assert cpu_kernel.kernel_isa() == "avx2"
+    assert cpu_kernel.build_name("avx2") != cpu_kernel.build_name("avx512")
 
 
 @needs_compiler
@@ -568,7 +586,7 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     from specpipe.engine.cpu_kernel import build_name
 
     # the kernel's build is named: a cost curve measured with another version of it is not reused
-    assert (f"bf16 weights widened to fp32 in registers (specpipe's AVX2 kernel {build_name()}) for up to 5 rows"
+    assert (f"bf16 weights widened to fp32 in registers (specpipe's CPU kernel {build_name()}) for up to 5 rows"
             in caplog.text)
     packed = model.lm_head.packed
     assert packed.kernel_rows == 5 and packed.small_weight.dtype == torch.bfloat16 and packed.split_rows == 0
@@ -589,8 +607,9 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
 
     assert streamed_weight_bytes(model, rows=5) == streamed_weight_bytes(stock)  # the bf16 bytes
     assert streamed_weight_bytes(model, rows=6) > 1.9 * streamed_weight_bytes(stock)
-    with pytest.raises(ConfigError, match="engine.bf16_kernel_rows must be a row count"):
-        OneDNNEngine(bf16_kernel_rows=-1)
+    for bad in ("all", -1, 1.5):
+        with pytest.raises(ConfigError, match="engine.bf16_kernel_rows must be 'auto' or a row count"):
+            OneDNNEngine(bf16_kernel_rows=bad)
 
 
 @needs_compiler
@@ -600,7 +619,7 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
         OneDNNEngine(fp32_kernel_rows=5, fp32_split_rows=2).apply(model)
     from specpipe.engine.cpu_kernel import build_name
 
-    assert (f"fp32 weights streamed once for all rows (specpipe's AVX2 kernel {build_name()}) for up to 5 rows"
+    assert (f"fp32 weights streamed once for all rows (specpipe's CPU kernel {build_name()}) for up to 5 rows"
             in caplog.text and "engine.fp32_kernel_rows=5" in caplog.text)
     packed = model.lm_head.packed
     # the kernel serves the rows split GEMMs would have: no plain copy for them
@@ -617,16 +636,60 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
     from specpipe.cost import streamed_weight_bytes
 
     assert streamed_weight_bytes(model, rows=5) == streamed_weight_bytes(stock)
-    # auto: the kernel where oneDNN's fp32 kernel is AVX2 (measured), not on AVX-512/AMX CPUs or off x86
-    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
-    assert cpu.auto_fp32_kernel_rows("brg_matmul:avx2") == cpu.AUTO_FP32_KERNEL_ROWS > 0
-    assert cpu.auto_fp32_kernel_rows("brg_matmul:avx512_core") == 0
-    assert cpu.auto_fp32_kernel_rows("brgemm:avx512_core_amx") == 0
-    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
-    assert cpu.auto_fp32_kernel_rows("gemm:acl") == 0
     for bad in ("all", -1, 1.5):
         with pytest.raises(ConfigError, match="engine.fp32_kernel_rows must be 'auto' or a row count"):
             OneDNNEngine(fp32_kernel_rows=bad)
+
+
+def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
+    """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows), not on
+    AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
+    def path(dtype, compute, kernel):
+        return cpu.LinearPath(dtype, compute, kernel, "")
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    assert cpu.auto_kernel_rows(path(fp32, fp32, "brg_matmul:avx2")) == cpu.AUTO_FP32_KERNEL_ROWS == 16
+    assert cpu.auto_kernel_rows(path(bf16, fp32, "brg_matmul:avx2")) == cpu.AUTO_BF16_UPCAST_KERNEL_ROWS == 32
+    assert cpu.auto_kernel_rows(path(fp32, fp32, "brg_matmul:avx512_core")) == cpu.AUTO_KERNEL_ROWS_AVX512 == 8
+    assert cpu.auto_kernel_rows(path(bf16, bf16, "brg_matmul:avx512_core_bf16")) == 8
+    assert cpu.auto_kernel_rows(path(fp32, fp32, "brgemm:avx512_core_amx")) == 0
+    assert cpu.auto_kernel_rows(path(bf16, bf16, "brgemm:avx512_core_amx_bf16")) == 0
+    assert cpu.auto_kernel_rows(path(bf16, bf16, "brg_matmul:avx2_vnni_2")) == 0
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
+    assert cpu.auto_kernel_rows(path(fp32, fp32, "gemm:acl")) == 0
+
+
+@needs_compiler
+@pytest.mark.skipif(cpu.probe_linear_path(torch.bfloat16).compute_dtype != torch.bfloat16,
+                    reason="oneDNN runs bf16 natively only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(monkeypatch, caplog):
+    """Where oneDNN has a bf16 kernel, the kernel serves the few rows (bf16 in, bf16 out) and oneDNN's bf16
+    packing the rest; a bf16 bias is widened for the kernel, and both round one fp32 sum once."""
+    model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(bf16_kernel_rows=5).apply(model)
+    assert "bf16 weights widened to fp32 in registers" in caplog.text and "prepacked bf16 oneDNN above" in caplog.text
+    packed = model.lm_head.packed
+    assert packed.compute_dtype == torch.bfloat16 and packed.packed.dtype == torch.bfloat16 and packed.kernel_rows == 5
+    calls = []
+    kernel = packed.kernel
+    monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
+    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    for rows in (1, 5, 6):
+        x = torch.randn(1, rows, model.config.hidden_size).bfloat16()  # [batch, rows, hidden]
+        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+        out = model.lm_head(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert calls == ["kernel", "kernel", "onednn"]
+    linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
+    with_bias = onednn.PackedWeight([linear], torch.bfloat16, kernel=kernel, kernel_rows=4)
+    assert with_bias.kernel_bias.dtype == torch.float32
+    x = torch.randn(3, 75).bfloat16()  # [rows, in]
+    # the kernel's fp32 sums plus the widened bias, rounded once
+    expected = (kernel(x.float(), linear.weight.detach(), None) + linear.bias.float()).bfloat16()
+    assert torch.equal(with_bias.product(x), expected)
 
 
 @needs_compiler
@@ -646,7 +709,7 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
 
     without_native_bf16(monkeypatch)
 
-    def no_ninja(build_dir):
+    def no_ninja(build_dir, isa):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_ninja)

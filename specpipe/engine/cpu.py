@@ -33,15 +33,27 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 #   23.2, q=4 19.9 / 19.7 / 21.7.
 AUTO_SPLIT_ROWS = 4  # x86 CPUs whose oneDNN fp32 kernel is AVX2 (or older)
 AUTO_SPLIT_ROWS_AVX512 = 2
-# engine.fp32_kernel_rows=auto: specpipe's product kernel (specpipe.engine.cpu_kernel) on fp32 weights
-# against oneDNN's AVX2 kernel and split GEMMs, SmolLM2-135M's 121 linears and output layer back to back on
-# a 2-core AVX2-only EPYC (Zen 3), min of 6-10 interleaved rounds, ms:
-#   rows        1     2     3     4     6     8    12    16    24    32    64
-#   stock    36.4  52.0  64.5  55.6  63.9  77.5  72.4  79.3  91.8 106.1 178.6
-#   kernel   25.1  32.3  30.6  32.7  37.1  42.7  55.0  63.1  87.7 103.2 211.2
-# (stock: split GEMMs up to 4 rows, oneDNN above). It streams the weights once for all rows at memory
-# speed where oneDNN's AVX2 kernel does not; on AVX-512 CPUs oneDNN was not measured against it.
+# engine.fp32_kernel_rows / bf16_kernel_rows = auto (see `auto_kernel_rows`): products of up to this many rows
+# run specpipe's product kernel (specpipe.engine.cpu_kernel), which streams the weights once for all rows.
+# - fp32 weights where oneDNN's fp32 kernel is AVX2: SmolLM2-135M's 121 linears and output layer back to
+#   back on a 2-core AVX2-only EPYC (Zen 3), min of 6-10 interleaved rounds, ms (stock: split GEMMs up to
+#   4 rows, oneDNN above):
+#     rows        1     2     3     4     6     8    12    16    24    32    64
+#     stock    36.4  52.0  64.5  55.6  63.9  77.5  72.4  79.3  91.8 106.1 178.6
+#     kernel   25.1  32.3  30.6  32.7  37.1  42.7  55.0  63.1  87.7 103.2 211.2
 AUTO_FP32_KERNEL_ROWS = 16
+# - bf16 weights where oneDNN has no bf16 kernel (packed in fp32): the kernel on the bf16 weights beat the
+#   fp32 packing and bf16 F.linear up to 32 rows (run 21, docs/BENCHMARKS.md).
+AUTO_BF16_UPCAST_KERNEL_ROWS = 32
+# - fp32 and bf16 weights where oneDNN's kernel is AVX-512 (the kernel's AVX-512 build): SmolLM2-135M's
+#   whole forward on a 2-core AVX-512 EPYC (Zen 5), KV 256, 20 interleaved rounds, median ms, oneDNN
+#   (fp32: split GEMMs up to 2 rows) -> the kernel for every product:
+#     q        1     2     3     4     6     8    12    16
+#     fp32  14.0  18.2  16.6  17.0  18.5  21.0  23.7  26.8
+#        -> 12.1  12.5  13.2  13.6  16.1  19.6  23.7  30.2
+#     bf16  12.4  13.2  13.5  13.7  14.8  16.4  18.3  20.4
+#        ->  9.2   9.8  10.4  10.8  12.3  15.4  19.9  25.3
+AUTO_KERNEL_ROWS_AVX512 = 8
 
 
 def onednn_available() -> bool:
@@ -113,14 +125,21 @@ def auto_split_rows(onednn_kernel: str) -> int:
     return AUTO_SPLIT_ROWS_AVX512 if "avx512" in onednn_kernel else AUTO_SPLIT_ROWS
 
 
-def auto_fp32_kernel_rows(onednn_kernel: str) -> int:
-    """engine.fp32_kernel_rows=auto: how many rows specpipe's kernel serves for fp32 weights on a CPU whose
-    oneDNN fp32 kernel is `onednn_kernel`: AUTO_FP32_KERNEL_ROWS where that is AVX2 (or older) on x86,
-    0 where it is AVX-512 or AMX (not measured against the kernel) and off x86 (no kernel)."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    if not x86 or "amx" in onednn_kernel or "avx512" in onednn_kernel:
+def auto_kernel_rows(path: "LinearPath") -> int:
+    """engine.fp32_kernel_rows / bf16_kernel_rows = auto: how many rows specpipe's kernel serves for a model
+    whose linears take `path` on this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32
+    rows where oneDNN's fp32 kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows
+    where oneDNN's kernel is AVX-512, and 0 on AMX CPUs, under oneDNN's other bf16 kernels and off x86,
+    where the kernel was not measured against oneDNN (or does not exist)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
-    return AUTO_FP32_KERNEL_ROWS
+    if path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32:
+        return AUTO_BF16_UPCAST_KERNEL_ROWS
+    if "amx" in path.kernel:
+        return 0
+    if "avx512" in path.kernel:
+        return AUTO_KERNEL_ROWS_AVX512
+    return AUTO_FP32_KERNEL_ROWS if path.dtype == torch.float32 else 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +160,7 @@ class LinearPath:
     reason: str  # why this path, for the log line
     small_rows: int = 0
     split_rows: int = 0
-    # bf16 weights packed in fp32, or fp32 weights: products of up to this many rows run specpipe.engine.cpu_kernel
+    # products of up to this many rows run specpipe.engine.cpu_kernel on the weights in the model's own dtype
     kernel_rows: int = 0
     kernel_build: str = ""  # that kernel's build (CpuKernel.build)
 
@@ -150,7 +169,7 @@ class LinearPath:
         paths = []  # fewest rows first
         if self.kernel_rows:
             how = "widened to fp32 in registers" if self.dtype != torch.float32 else "streamed once for all rows"
-            paths.append(f"{name} weights {how} (specpipe's AVX2 kernel {self.kernel_build}) for up to "
+            paths.append(f"{name} weights {how} (specpipe's CPU kernel {self.kernel_build}) for up to "
                          f"{self.kernel_rows} rows")
         if self.small_rows > self.kernel_rows:
             paths.append(f"{name} F.linear for up to {self.small_rows} rows")
@@ -281,14 +300,7 @@ def cpu_description() -> dict:
             paths[DTYPE_NAMES[dtype]] = "none"
             continue
         # engine=fast's defaults on this CPU (whether specpipe's kernel builds is the engine's log line)
-        if dtype == torch.float32:
-            kernel_rows = auto_fp32_kernel_rows(path.kernel)
-        elif path.compute_dtype == torch.float32:  # bf16 weights packed in fp32
-            from specpipe.engine.onednn import OneDNNEngine  # it builds on this module
-
-            kernel_rows = OneDNNEngine.bf16_kernel_rows if platform.machine().lower() in ("x86_64", "amd64") else 0
-        else:
-            kernel_rows = 0
+        kernel_rows = auto_kernel_rows(path)
         paths[DTYPE_NAMES[dtype]] = (f"{DTYPE_NAMES[path.compute_dtype]}:{path.kernel}"
                                      + (f"+kernel<={kernel_rows}" if kernel_rows else "")
                                      + (f"+split<={path.split_rows}" if path.split_rows > kernel_rows else ""))

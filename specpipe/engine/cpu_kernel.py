@@ -32,6 +32,23 @@ The kernel is C++ with AVX2/FMA intrinsics, built once per machine with torch's 
 `CpuKernel.reason` says why and engine=fast keeps the paths above. Sums run in another
 order than oneDNN's or ATen's, so outputs differ from theirs by float rounding, like any other GEMM.
 
+Where ATen runs AVX-512 the product is built with 16-lane vectors (`kernel_isa`), and there it serves
+fp32 weights and bf16 weights that oneDNN runs natively too (specpipe.engine.cpu.auto_kernel_rows): on a
+2-core Zen 5 EPYC oneDNN's AVX-512 kernels read SmolLM2-135M's weights at ~45 GB/s of the ~76 the memory
+gives, where this kernel's 16-lane widening keeps a bf16 product of 1-6 rows at the memory's speed. Both
+builds ask for each weight two rows ahead of the one they read (software prefetch): without it a pass
+of 4-8 rows waited on memory. Over SmolLM2-135M's 121 linears and output layer on that CPU, min of 8
+interleaved rounds, ms (run 24, docs/BENCHMARKS.md):
+
+| weights, build | 1 | 2 | 4 | 6 | 8 | 12 | 16 |
+|---|---:|---:|---:|---:|---:|---:|---:|
+| fp32, AVX2 before | 10.7 | 11.1 | 13.5 | 16.4 | 25.7 | 26.8 | 37.7 |
+| fp32, AVX2 with the prefetch | 10.7 | 10.7 | 11.4 | 11.6 | 14.4 | 19.3 | 27.2 |
+| fp32, AVX-512 | 10.6 | 10.8 | 11.3 | 12.2 | 14.6 | 16.6 | 22.0 |
+| bf16, AVX2 before | 5.8 | 5.9 | 9.2 | 14.0 | 18.3 | 25.3 | 33.4 |
+| bf16, AVX2 with the prefetch | 5.5 | 5.5 | 6.5 | 9.1 | 13.4 | 17.7 | 26.5 |
+| bf16, AVX-512 | 5.4 | 5.5 | 5.8 | 6.3 | 8.7 | 11.9 | 16.5 |
+
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
 linear), and the extension carries LlamaRMSNorm as one call, which engine=fast's lean forward uses for
@@ -51,7 +68,7 @@ from pathlib import Path
 
 import torch
 
-from specpipe.engine.cpu import _first_line, cpu_flags
+from specpipe.engine.cpu import _first_line, aten_capability, cpu_flags
 
 
 _SOURCE = r"""
@@ -66,20 +83,44 @@ _SOURCE = r"""
 
 namespace {
 
-inline float horizontal_sum(__m256 v) {
+// The product's vectors: 16 fp32 lanes in 32 registers where the extension is built for AVX-512, else 8
+// lanes in 16 registers (AVX2). Which one is built follows the ISA ATen runs (CpuKernel.isa).
+#ifdef __AVX512F__
+using Lanes = __m512;
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
+inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline float lanes_sum(Lanes v) { return _mm512_reduce_add_ps(v); }
+// 16 weights as fp32: bf16 ones widened (a bf16 is the upper half of an fp32), fp32 ones as they are
+inline Lanes load_weights(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline Lanes load_weights(const float* p) { return _mm512_loadu_ps(p); }
+#else
+using Lanes = __m256;
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
+inline Lanes lanes_load(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline Lanes lanes_add(Lanes a, Lanes b) { return _mm256_add_ps(a, b); }
+inline float lanes_sum(Lanes v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
 // 8 weights as fp32: bf16 ones widened (a bf16 is the upper half of an fp32), fp32 ones as they are
-inline __m256 load_weights(const uint16_t* p) {
+inline Lanes load_weights(const uint16_t* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-
-inline __m256 load_weights(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes load_weights(const float* p) { return _mm256_loadu_ps(p); }
+#endif
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -91,41 +132,51 @@ inline float bf16_to_float(uint16_t v) {
 inline float weight_value(uint16_t v) { return bf16_to_float(v); }
 inline float weight_value(float v) { return v; }
 
+// How many weight rows ahead the product asks for the weights it reads next (a software prefetch of
+// the same offset that many rows on). The hardware prefetcher alone left a pass of 4-8 rows waiting on
+// memory: over SmolLM2-135M's fp32 linears on a 2-core AVX-512 EPYC (Zen 5), 8 rows took 26.5 ms
+// without it and 14.5 with it (1 row: 11.0 both).
+constexpr int64_t kPrefetchRows = 2;
+
 // out[r, o] = sum_k x[r, k] * w[o, k] for R rows of x and output features [begin, end). Each output
 // feature streams its weight row once; U accumulators per row over interleaved slices of k keep R * U
 // independent FMA chains in flight (the FMA's latency, not the memory, limits one chain).
 template <int R, int U, typename W, typename Out>
 void product_block(const float* x, const W* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
-  const int64_t unrolled_end = in - in % (8 * U);
-  const int64_t vector_end = in - in % 8;
+  const int64_t unrolled_end = in - in % (kLanes * U);
+  const int64_t vector_end = in - in % kLanes;
   for (int64_t o = begin; o < end; ++o) {
     const W* row = w + o * in;
-    __m256 acc[U][R];
-#pragma GCC unroll 8
+    // past the weight's last row near the end: a prefetch never faults, and its line is only not used
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * in);
+    Lanes acc[U][R];
+#pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < unrolled_end; k += 8 * U) {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[u][r] = lanes_zero();
+    for (int64_t k = 0; k < unrolled_end; k += kLanes * U) {
+#pragma GCC unroll 16
       for (int u = 0; u < U; ++u) {
-        const __m256 weights = load_weights(row + k + 8 * u);
-#pragma GCC unroll 8
+        const Lanes weights = load_weights(row + k + kLanes * u);
+        _mm_prefetch(ahead + (k + kLanes * u) * sizeof(W), _MM_HINT_T0);
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          acc[u][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * in + k + 8 * u), acc[u][r]);
+          acc[u][r] = lanes_fma(weights, lanes_load(x + r * in + k + kLanes * u), acc[u][r]);
       }
     }
-    for (int64_t k = unrolled_end; k < vector_end; k += 8) {
-      const __m256 weights = load_weights(row + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[0][r] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + r * in + k), acc[0][r]);
+    for (int64_t k = unrolled_end; k < vector_end; k += kLanes) {
+      const Lanes weights = load_weights(row + k);
+      _mm_prefetch(ahead + k * sizeof(W), _MM_HINT_T0);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[0][r] = lanes_fma(weights, lanes_load(x + r * in + k), acc[0][r]);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      __m256 total = acc[0][r];
-#pragma GCC unroll 8
-      for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][r]);
-      float sum = horizontal_sum(total);
+      Lanes total = acc[0][r];
+#pragma GCC unroll 16
+      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r]);
+      float sum = lanes_sum(total);
       for (int64_t k = vector_end; k < in; ++k) sum += x[r * in + k] * weight_value(row[k]);
       if (bias != nullptr) sum += bias[o];
       // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
@@ -135,36 +186,40 @@ void product_block(const float* x, const W* w, const float* bias, Out* out, int6
   }
 }
 
-// Rows [x, x + count) of the product for output features [begin, end): U accumulators per row where
-// the row count leaves registers for them (16 ymm registers: R * U accumulators and the weights).
+// Accumulators per row for a group of R rows: at least 8 independent FMA chains (two FMA units, 4 cycles
+// of latency) where the registers hold them beside the U weight vectors: 8, 4, 2 for 1, 2, 3-6 rows and
+// 1 from 7 in 16 registers (AVX2); 2 up to 8 rows in 32 (AVX-512).
+template <int R>
+constexpr int accumulators_per_row() {
+  if (R == 1) return 8;
+  if (R == 2) return 4;
+  return R <= (kRegisters == 32 ? 8 : 6) ? 2 : 1;
+}
+
+// The most rows one pass over a tile runs (AVX-512: groups of 16 measured slower than two of 8)
+constexpr int64_t kMaxGroupRows = 8;
+
 template <int R, typename W, typename Out>
 void product_group(const float* x, const W* w, const float* bias, Out* out, int64_t in, int64_t out_stride,
                    int64_t begin, int64_t end) {
-  constexpr int U = R == 1 ? 8 : (R == 2 ? 4 : (R <= 6 ? 2 : 1));
-  product_block<R, U>(x, w, bias, out, in, out_stride, begin, end);
+  product_block<R, accumulators_per_row<R>()>(x, w, bias, out, in, out_stride, begin, end);
 }
 
-template <typename W, typename Out>
+// Rows [x, x + count) of the product for output features [begin, end), count <= kMaxGroupRows.
+template <int R = 1, typename W, typename Out>
 void product_rows(int64_t count, const float* x, const W* w, const float* bias, Out* out, int64_t in,
                   int64_t out_stride, int64_t begin, int64_t end) {
-  switch (count) {
-    case 1: product_group<1>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 2: product_group<2>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 3: product_group<3>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 4: product_group<4>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 5: product_group<5>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 6: product_group<6>(x, w, bias, out, in, out_stride, begin, end); break;
-    case 7: product_group<7>(x, w, bias, out, in, out_stride, begin, end); break;
-    default: product_group<8>(x, w, bias, out, in, out_stride, begin, end); break;
+  if constexpr (R < kMaxGroupRows) {
+    if (count != R) return product_rows<R + 1>(count, x, w, bias, out, in, out_stride, begin, end);
   }
+  product_group<R>(x, w, bias, out, in, out_stride, begin, end);
 }
 
-constexpr int64_t kMaxGroupRows = 8;
 constexpr int64_t kTileBytes = 32768;
 
 // The weight streams from memory once for all rows: each thread walks its output features in tiles of
-// ~32 KB of weight rows and runs every group of up to 8 rows over a tile while it is in L1/L2. Groups
-// are balanced (11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
+// ~32 KB of weight rows and runs every group of up to kMaxGroupRows rows over a tile while it is in L1/L2.
+// Groups are balanced (AVX2, 11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
 template <typename W, typename Out>
 void product(const float* xs, const W* w, const float* bias, Out* os, int64_t rows, int64_t in,
              int64_t out_features) {
@@ -206,13 +261,16 @@ torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optiona
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = out_features;
   auto out = torch::empty(out_sizes, x.options());
-  std::vector<float> widened;
+  torch::Tensor widened;
   const float* xs = nullptr;
   if (bf16_x) {  // a few rows: widening them (exactly) costs nothing next to the weights
-    widened.resize(rows * in);
+    // a tensor, not a std::vector: torch aligns it to 64 bytes, and a vector load of x crossing cache
+    // lines measured ~2x slower for 6-8 rows
+    widened = torch::empty({rows * in}, x.options().dtype(torch::kFloat32));
+    float* wide = widened.data_ptr<float>();
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(raw[i]);
-    xs = widened.data();
+    for (int64_t i = 0; i < rows * in; ++i) wide[i] = bf16_to_float(raw[i]);
+    xs = wide;
   } else {
     xs = x.data_ptr<float>();
   }
@@ -358,7 +416,16 @@ NORM_DTYPES = (torch.float32, torch.bfloat16)
 
 # -ffp-contract=off: no multiply and add fused into one rounding behind the source's back (the norm
 # rounds like torch's separate ops; the product's FMAs are written out)
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+# The instruction sets the product is built for: 16-lane vectors where ATen itself runs AVX-512, else
+# 8-lane AVX2 (ATEN_CPU_CAPABILITY=avx2 holds both back, so one variable tests the AVX2 build on any CPU).
+ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"), "avx512": ("-mavx2", "-mfma", "-mavx512f")}
+
+
+def kernel_isa() -> str:
+    """Which build of the kernel this machine gets: 'avx512' where the CPU has AVX-512F and ATen's own
+    kernels run AVX-512 (not held back by ATEN_CPU_CAPABILITY), else 'avx2'."""
+    return "avx512" if "avx512f" in cpu_flags() and aten_capability().startswith("AVX512") else "avx2"
 
 
 class CpuKernel:
@@ -372,9 +439,10 @@ class CpuKernel:
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         self.reason = ""
         self.norm_reason = ""
+        self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
-        # another version of the kernel is not reused
-        self.build = build_name()
+        # another version of the kernel (or another ISA's build) is not reused
+        self.build = build_name(self.isa)
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"
             return
@@ -382,7 +450,7 @@ class CpuKernel:
             self.reason = "this CPU has no AVX2/FMA for specpipe's CPU kernel"
             return
         try:
-            module = _build(build_dir)
+            module = _build(build_dir, self.isa)
             self.product = module.weight_product
             _self_check(self.product)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
@@ -398,17 +466,20 @@ class CpuKernel:
             self.norm = module.rms_norm
 
 
-def build_name() -> str:
-    """The extension's name: the source's, its flags' and torch's version in 12 hex digits."""
-    return "specpipe_kernel_" + hashlib.sha1((_SOURCE + " ".join(_CFLAGS) + torch.__version__).encode()).hexdigest()[:12]
+def build_name(isa: str | None = None) -> str:
+    """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags' and torch's
+    version in 12 hex digits."""
+    isa = isa or kernel_isa()
+    flags = " ".join(_CFLAGS + ISA_FLAGS[isa])
+    return f"specpipe_kernel_{isa}_" + hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
-def _build(build_dir: Path | None):
+def _build(build_dir: Path | None, isa: str):
     from torch.utils import cpp_extension
 
     from specpipe.models import cache_root
 
-    name = build_name()
+    name = build_name(isa)
     folder = (build_dir or cache_root() / "kernels") / name
     folder.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
@@ -420,18 +491,18 @@ def _build(build_dir: Path | None):
     try:
         return cpp_extension.load_inline(
             name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm"], build_directory=str(folder),
-            extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+            extra_cflags=list(_CFLAGS + ISA_FLAGS[isa]), extra_ldflags=["-fopenmp"], verbose=False)
     finally:
         os.environ["PATH"] = path
 
 
 def _self_check(product) -> None:
-    """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-19 rows),
+    """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-33 rows),
     with fp32 and bf16 inputs and a bias."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 75, generator=generator).bfloat16()  # [out, in]
     bias = torch.randn(37, generator=generator)  # [out]
-    for rows in (1, 3, 7, 8, 11, 19):
+    for rows in (1, 3, 7, 8, 11, 16, 19, 33):
         x = torch.randn(rows, 75, generator=generator)  # [rows, in]
         expected = x @ weight.float().t()
         if not torch.allclose(product(x, weight, None), expected, rtol=1e-4, atol=1e-4):

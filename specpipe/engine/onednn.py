@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
-from specpipe.engine.cpu import (LinearPath, auto_fp32_kernel_rows, pack_weight, packed_linear, probe_linear_path,
+from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
 
 if TYPE_CHECKING:
@@ -53,11 +53,9 @@ class PackedWeight(nn.Module):
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
         # Products of at most `kernel_rows` rows of the model's own dtype run `kernel` (the product of
-        # specpipe.engine.cpu_kernel) on the weight itself: bf16 weights packed in fp32 (bf16 rows), or
-        # fp32 weights (fp32 rows).
-        upcast_bf16 = weight.dtype == torch.bfloat16 and self.compute_dtype == torch.float32
-        plain_fp32 = weight.dtype == torch.float32 and self.compute_dtype == torch.float32
-        self.kernel = kernel if (upcast_bf16 or plain_fp32) and kernel_rows > 0 else None
+        # specpipe.engine.cpu_kernel) on the weight itself: bf16 weights (bf16 rows), whether packed in
+        # fp32 or in bf16 for oneDNN above those rows, or fp32 weights (fp32 rows).
+        self.kernel = kernel if weight.dtype in (torch.float32, torch.bfloat16) and kernel_rows > 0 else None
         self.kernel_rows = kernel_rows if self.kernel is not None else 0
         self.kernel_input = weight.dtype  # the rows the kernel serves: of the weight's own dtype
         # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
@@ -81,6 +79,8 @@ class PackedWeight(nn.Module):
             self.bias = torch.cat([bias if bias is not None else weight.new_zeros(linear.out_features)
                                    for bias, linear in zip(biases, linears)]).to(self.compute_dtype)  # [sum out]
         self.small_bias = self.bias.to(weight.dtype) if self.small_rows and self.bias is not None else None
+        # the kernel adds an fp32 bias to its fp32 sums (a bf16 packing's bias is bf16: widened exactly)
+        self.kernel_bias = self.bias.float() if self.kernel is not None and self.bias is not None else None
         # The last input's shared product, per thread: requests decoded in parallel threads each
         # run their own forwards through the same modules.
         self._last = threading.local()
@@ -89,7 +89,7 @@ class PackedWeight(nn.Module):
         # x [..., in] -> [..., sum out], in x's dtype
         if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
             # one call: a bf16 x is widened, the fp32 bias added to the fp32 sums, and they are rounded to bf16
-            return self.kernel(x, self.small_weight, self.bias)
+            return self.kernel(x, self.small_weight, self.kernel_bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
                 return split_linear(x, self._row_blocks(), self.bias)
@@ -110,7 +110,7 @@ class PackedWeight(nn.Module):
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
         if rows <= self.kernel_rows:
-            weight, bias = self.small_weight, self.bias
+            weight, bias = self.small_weight, self.kernel_bias
         elif rows <= self.small_rows:
             weight, bias = self.small_weight, self.small_bias
         else:
@@ -173,12 +173,12 @@ class OneDNNEngine:
     # With bf16 weights packed in fp32: products of up to this many rows run bf16 F.linear on the
     # original weights (half the bytes; on an AVX2 CPU faster for 1-3 rows, 2-3x slower from 8).
     bf16_small_rows: int = 3
-    # bf16 weights packed in fp32: products of up to this many rows run specpipe's AVX2 kernel
+    # bf16 models: products of up to this many rows run specpipe's CPU kernel on the bf16 weights
     # (specpipe.engine.cpu_kernel, built once per machine; where it cannot be built the paths below serve
-    # every product); 0 = never.
-    bf16_kernel_rows: int = 32
+    # every product); "auto" = specpipe.engine.cpu.auto_kernel_rows for this CPU; 0 = never.
+    bf16_kernel_rows: int | str = "auto"
     # fp32 models: products of up to this many rows run the same kernel on the fp32 weights; "auto" =
-    # specpipe.engine.cpu.auto_fp32_kernel_rows for this CPU's oneDNN kernel; 0 = never.
+    # specpipe.engine.cpu.auto_kernel_rows for this CPU; 0 = never.
     fp32_kernel_rows: int | str = "auto"
     # Products computed in fp32 (fp32 models, and bf16 weights packed in fp32 above bf16_small_rows)
     # of up to this many rows run as one batched GEMM over a row block per thread of a plain fp32
@@ -195,11 +195,10 @@ class OneDNNEngine:
 
         if self.bf16_compute not in BF16_COMPUTE_CHOICES:
             raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
-        if not (isinstance(self.bf16_kernel_rows, int) and self.bf16_kernel_rows >= 0):
-            raise ConfigError(f"engine.bf16_kernel_rows must be a row count >= 0, got {self.bf16_kernel_rows!r}")
-        if self.fp32_kernel_rows != "auto" and not (isinstance(self.fp32_kernel_rows, int)
-                                                    and self.fp32_kernel_rows >= 0):
-            raise ConfigError(f"engine.fp32_kernel_rows must be 'auto' or a row count >= 0, got {self.fp32_kernel_rows!r}")
+        for name in ("bf16_kernel_rows", "fp32_kernel_rows"):
+            rows = getattr(self, name)
+            if rows != "auto" and not (isinstance(rows, int) and rows >= 0):
+                raise ConfigError(f"engine.{name} must be 'auto' or a row count >= 0, got {rows!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -253,16 +252,14 @@ class OneDNNEngine:
 
     def _with_kernel(self, path: LinearPath) -> tuple[LinearPath, CpuKernel | None]:
         """The path with specpipe's product kernel where it applies and builds, and the kernel."""
-        if path.compute_dtype != torch.float32:
-            return path, None
-        if path.dtype == torch.bfloat16:
-            rows, why = self.bf16_kernel_rows, ""
-        elif self.fp32_kernel_rows == "auto":
-            rows = auto_fp32_kernel_rows(path.kernel)
-            why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} fp32 rows on such CPUs"
+        name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
+        rows = getattr(self, name)
+        if rows == "auto":
+            rows = auto_kernel_rows(path)
+            why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
                    if rows else "")
         else:
-            rows, why = self.fp32_kernel_rows, f"engine.fp32_kernel_rows={self.fp32_kernel_rows}"
+            why = f"engine.{name}={rows}"
         if rows <= 0:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
