@@ -468,7 +468,9 @@ needs_compiler = pytest.mark.skipif(
 
 @needs_compiler
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
-    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F"))])
+    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
+    pytest.param("avx512_bf16", marks=pytest.mark.skipif(
+        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(), reason="pair products need AVX512_BF16"))])
 def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(isa):
     from specpipe.engine import cpu_kernel
 
@@ -491,18 +493,22 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
                 bias = torch.randn(out_features, generator=generator)  # [out]
                 torch.testing.assert_close(kernel.product(x, fp32_weight, bias),
                                            torch.addmm(bias, x, fp32_weight.t()), rtol=1e-5, atol=1e-4)
-                # bf16 rows in, bf16 out: widened and rounded inside, with the fp32 bias added before
-                # rounding: bitwise what casting around the fp32 product gives
+                # bf16 rows in, bf16 out, with the fp32 bias added before rounding
                 bias = torch.randn(out_features, generator=generator)  # [out]
                 x = x.bfloat16()
-                expected = (kernel.product(x.float(), weight, None) + bias).bfloat16()
-                assert torch.equal(kernel.product(x, weight, bias), expected)
+                out = kernel.product(x, weight, bias)
+                assert out.dtype == torch.bfloat16
+                if isa == "avx512_bf16":  # bf16 pairs multiplied by the CPU: the fp32 sum in another order
+                    reference = (x.float() @ weight.float().t() + bias).bfloat16()
+                    torch.testing.assert_close(out.float(), reference.float(), rtol=2 ** -7, atol=1e-4)
+                else:  # widened and rounded inside: bitwise what casting around the fp32 product gives
+                    assert torch.equal(out, (kernel.product(x.float(), weight, None) + bias).bfloat16())
     # leading dimensions and a non-contiguous input
     x = torch.randn(2, 3, 75 * 2, generator=generator).bfloat16()[..., ::2]  # [2, 3, 75], strided
     weight = torch.randn(37, 75, generator=generator).bfloat16()
     out = kernel.product(x, weight, None)
     assert out.shape == (2, 3, 37) and out.dtype == torch.bfloat16
-    assert torch.equal(out, kernel.product(x.float().reshape(6, 75), weight, None).bfloat16().view(2, 3, 37))
+    assert torch.equal(out, kernel.product(x.reshape(6, 75).contiguous(), weight, None).view(2, 3, 37))
     with pytest.raises(RuntimeError, match="x: fp32 or bf16"):
         kernel.product(torch.randn(2, 75).half(), weight, None)
     with pytest.raises(RuntimeError, match="disagree on in_features"):
@@ -516,15 +522,18 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
 def test_the_kernel_is_built_for_the_isa_aten_runs(monkeypatch):
     from specpipe.engine import cpu_kernel
 
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    assert cpu_kernel.kernel_isa() == "avx512_bf16"
+    assert cpu_kernel.build_name().startswith("specpipe_kernel_avx512_bf16_")
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     assert cpu_kernel.kernel_isa() == "avx512" and cpu_kernel.build_name().startswith("specpipe_kernel_avx512_")
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2 holds it back
     assert cpu_kernel.kernel_isa() == "avx2" and cpu_kernel.build_name().startswith("specpipe_kernel_avx2_")
     monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
     assert cpu_kernel.kernel_isa() == "avx2"
-    assert cpu_kernel.build_name("avx2") != cpu_kernel.build_name("avx512")
+    assert len({cpu_kernel.build_name(isa) for isa in cpu_kernel.ISA_FLAGS}) == 3
 
 
 @needs_compiler
@@ -642,22 +651,24 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
 
 
 def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
-    """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows), not on
-    AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
-    def path(dtype, compute, kernel):
-        return cpu.LinearPath(dtype, compute, kernel, "")
+    """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows, 12 bf16
+    rows with pair products), not on AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
+    def rows(dtype, compute, kernel, isa="avx512"):
+        return cpu.auto_kernel_rows(cpu.LinearPath(dtype, compute, kernel, ""), isa)
 
     fp32, bf16 = torch.float32, torch.bfloat16
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
-    assert cpu.auto_kernel_rows(path(fp32, fp32, "brg_matmul:avx2")) == cpu.AUTO_FP32_KERNEL_ROWS == 16
-    assert cpu.auto_kernel_rows(path(bf16, fp32, "brg_matmul:avx2")) == cpu.AUTO_BF16_UPCAST_KERNEL_ROWS == 32
-    assert cpu.auto_kernel_rows(path(fp32, fp32, "brg_matmul:avx512_core")) == cpu.AUTO_KERNEL_ROWS_AVX512 == 8
-    assert cpu.auto_kernel_rows(path(bf16, bf16, "brg_matmul:avx512_core_bf16")) == 8
-    assert cpu.auto_kernel_rows(path(fp32, fp32, "brgemm:avx512_core_amx")) == 0
-    assert cpu.auto_kernel_rows(path(bf16, bf16, "brgemm:avx512_core_amx_bf16")) == 0
-    assert cpu.auto_kernel_rows(path(bf16, bf16, "brg_matmul:avx2_vnni_2")) == 0
+    assert rows(fp32, fp32, "brg_matmul:avx2", "avx2") == cpu.AUTO_FP32_KERNEL_ROWS == 16
+    assert rows(bf16, fp32, "brg_matmul:avx2", "avx2") == cpu.AUTO_BF16_UPCAST_KERNEL_ROWS == 32
+    assert rows(fp32, fp32, "brg_matmul:avx512_core") == cpu.AUTO_KERNEL_ROWS_AVX512 == 8
+    assert rows(fp32, fp32, "brg_matmul:avx512_core", "avx512_bf16") == 8  # pairs are for bf16 weights
+    assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16") == 8
+    assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16", "avx512_bf16") == cpu.AUTO_BF16_PAIR_KERNEL_ROWS == 12
+    assert rows(fp32, fp32, "brgemm:avx512_core_amx") == 0
+    assert rows(bf16, bf16, "brgemm:avx512_core_amx_bf16", "avx512_bf16") == 0
+    assert rows(bf16, bf16, "brg_matmul:avx2_vnni_2", "avx2") == 0
     monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
-    assert cpu.auto_kernel_rows(path(fp32, fp32, "gemm:acl")) == 0
+    assert rows(fp32, fp32, "gemm:acl", "avx2") == 0
 
 
 @needs_compiler
@@ -687,9 +698,9 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     with_bias = onednn.PackedWeight([linear], torch.bfloat16, kernel=kernel, kernel_rows=4)
     assert with_bias.kernel_bias.dtype == torch.float32
     x = torch.randn(3, 75).bfloat16()  # [rows, in]
-    # the kernel's fp32 sums plus the widened bias, rounded once
-    expected = (kernel(x.float(), linear.weight.detach(), None) + linear.bias.float()).bfloat16()
-    assert torch.equal(with_bias.product(x), expected)
+    # fp32 sums plus the widened bias, rounded once (the sums' order is the kernel build's own)
+    expected = (x.float() @ linear.weight.detach().float().t() + linear.bias.float()).bfloat16()
+    torch.testing.assert_close(with_bias.product(x).float(), expected.float(), rtol=2 ** -7, atol=1e-4)
 
 
 @needs_compiler

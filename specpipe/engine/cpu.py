@@ -54,6 +54,10 @@ AUTO_BF16_UPCAST_KERNEL_ROWS = 32
 #     bf16  12.4  13.2  13.5  13.7  14.8  16.4  18.3  20.4
 #        ->  9.2   9.8  10.4  10.8  12.3  15.4  19.9  25.3
 AUTO_KERNEL_ROWS_AVX512 = 8
+# - bf16 weights where the kernel's build multiplies bf16 pairs (AVX512_BF16; the same CPU, another run):
+#     bf16  12.4  13.2  13.4  13.1  14.1  15.6  17.3  18.4
+#        ->  9.7   9.8  10.2  10.3  11.0  12.1  14.8  19.4
+AUTO_BF16_PAIR_KERNEL_ROWS = 12
 
 
 def onednn_available() -> bool:
@@ -125,12 +129,13 @@ def auto_split_rows(onednn_kernel: str) -> int:
     return AUTO_SPLIT_ROWS_AVX512 if "avx512" in onednn_kernel else AUTO_SPLIT_ROWS
 
 
-def auto_kernel_rows(path: "LinearPath") -> int:
-    """engine.fp32_kernel_rows / bf16_kernel_rows = auto: how many rows specpipe's kernel serves for a model
-    whose linears take `path` on this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32
-    rows where oneDNN's fp32 kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows
-    where oneDNN's kernel is AVX-512, and 0 on AMX CPUs, under oneDNN's other bf16 kernels and off x86,
-    where the kernel was not measured against oneDNN (or does not exist)."""
+def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
+    """engine.fp32_kernel_rows / bf16_kernel_rows = auto: how many rows specpipe's kernel (built for
+    `kernel_isa`, specpipe.engine.cpu_kernel.kernel_isa) serves for a model whose linears take `path` on
+    this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
+    kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
+    AVX-512 (12 bf16 rows where the kernel multiplies bf16 pairs), and 0 on AMX CPUs, under oneDNN's
+    other bf16 kernels and off x86, where the kernel was not measured against oneDNN (or does not exist)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
     if path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32:
@@ -138,7 +143,8 @@ def auto_kernel_rows(path: "LinearPath") -> int:
     if "amx" in path.kernel:
         return 0
     if "avx512" in path.kernel:
-        return AUTO_KERNEL_ROWS_AVX512
+        pairs = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16"
+        return AUTO_BF16_PAIR_KERNEL_ROWS if pairs else AUTO_KERNEL_ROWS_AVX512
     return AUTO_FP32_KERNEL_ROWS if path.dtype == torch.float32 else 0
 
 
@@ -290,6 +296,7 @@ def cpu_flags() -> set[str]:
 
 def cpu_description() -> dict:
     """CPU facts every benchmark report's machine line and the cost-curve cache key carry."""
+    from specpipe.engine.cpu_kernel import kernel_isa  # it builds on this module
     model, flags = _cpuinfo()
     isa_flags = [flag for flag in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16")
                  if flag in flags]
@@ -300,7 +307,7 @@ def cpu_description() -> dict:
             paths[DTYPE_NAMES[dtype]] = "none"
             continue
         # engine=fast's defaults on this CPU (whether specpipe's kernel builds is the engine's log line)
-        kernel_rows = auto_kernel_rows(path)
+        kernel_rows = auto_kernel_rows(path, kernel_isa())
         paths[DTYPE_NAMES[dtype]] = (f"{DTYPE_NAMES[path.compute_dtype]}:{path.kernel}"
                                      + (f"+kernel<={kernel_rows}" if kernel_rows else "")
                                      + (f"+split<={path.split_rows}" if path.split_rows > kernel_rows else ""))

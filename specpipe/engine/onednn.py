@@ -255,7 +255,9 @@ class OneDNNEngine:
         name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
         rows = getattr(self, name)
         if rows == "auto":
-            rows = auto_kernel_rows(path)
+            from specpipe.engine.cpu_kernel import kernel_isa
+
+            rows = auto_kernel_rows(path, kernel_isa())
             why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
                    if rows else "")
         else:
