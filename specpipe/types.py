@@ -67,15 +67,22 @@ def merge_by_prefix(proposals: list[Proposal]) -> tuple[list[int], list[int], li
     """Deterministic proposals merged into one trie: (tokens, parents, scores, sources) per merged
     node in topological order. A node proposed twice keeps its best score and its first source; a
     child's score is capped at its parent's, so every best-first prefix of the nodes is a tree."""
+    return merge_node_lists([(proposal.tokens.tolist(), proposal.parents.tolist(), proposal.scores.tolist(),
+                              proposal.source) for proposal in proposals])
+
+
+def merge_node_lists(trees: list[tuple[list[int], list[int], list[float], str]]
+                     ) -> tuple[list[int], list[int], list[float], list[str]]:
+    """merge_by_prefix over trees given as (tokens, parents, scores, source) lists, for a proposer that
+    merges its own tries before it makes one Proposal of them (no tensors in between)."""
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
     sources: list[str] = []
     index_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    for proposal in proposals:
+    for tree_tokens, tree_parents, tree_scores, source in trees:
         local_to_merged: list[int] = []
-        for token, parent, score in zip(proposal.tokens.tolist(), proposal.parents.tolist(),
-                                        proposal.scores.tolist()):
+        for token, parent, score in zip(tree_tokens, tree_parents, tree_scores):
             merged_parent = local_to_merged[parent] if parent >= 0 else -1
             if merged_parent >= 0:
                 score = min(score, scores[merged_parent])
@@ -87,7 +94,7 @@ def merge_by_prefix(proposals: list[Proposal]) -> tuple[list[int], list[int], li
                 tokens.append(token)
                 parents.append(merged_parent)
                 scores.append(score)
-                sources.append(proposal.source)
+                sources.append(source)
             elif score > scores[node]:
                 scores[node] = score
             local_to_merged.append(node)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
-from specpipe.types import Proposal, merge_by_prefix
+from specpipe.types import Proposal, merge_node_lists
 
 
 @dataclass(slots=True)
@@ -67,11 +67,10 @@ class ContinuationTrie:
         total = self.total if self.total is not None else sum(node.count for node in nodes if node.parent < 0)
         return [node.count / (nodes[node.parent].count if node.parent >= 0 else total) for node in nodes]
 
-    def to_proposal(self, source: str, calibration: AcceptanceCalibration) -> Proposal:
-        """Scores are cumulative along each path: P(parent accepted) * min(1, factor * ratio),
-        the factor being what the calibration learned for the node's match length and depth."""
-        if not self.nodes:
-            return Proposal.empty(source)
+    def to_nodes(self, calibration: AcceptanceCalibration) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, scores) per node. Scores are cumulative along each path: P(parent accepted) *
+        min(1, factor * ratio), the factor being what the calibration learned for the node's match length
+        and depth."""
         scores: list[float] = []
         factors: dict[tuple[int, int], float] = {}  # the calibration is fixed during one proposal
         for node, ratio in zip(self.nodes, self.ratios()):
@@ -82,12 +81,7 @@ class ContinuationTrie:
                 factor = factors[key] = calibration.factor(*key)
             conditional = factor * ratio
             scores.append(parent_score * (conditional if conditional < 1.0 else 1.0))
-        return Proposal(
-            tokens=torch.tensor([node.token for node in self.nodes], dtype=torch.long),
-            parents=torch.tensor([node.parent for node in self.nodes], dtype=torch.long),
-            scores=torch.tensor(scores, dtype=torch.float32),
-            source=source,
-        )
+        return [node.token for node in self.nodes], [node.parent for node in self.nodes], scores
 
     def teach(self, emitted: list[int], calibration: AcceptanceCalibration) -> None:
         """Scores each node whose parent lies on the committed path against the truth.
@@ -122,10 +116,11 @@ class TrieSequence:
         merged by prefix: a node in several keeps its best score. Each trie keeps its own
         frequency ratios and all share the calibration, keyed by each node's match length."""
         self.tries, self.proposed_at = list(tries), committed
-        proposals = [trie.to_proposal(source, self.calibration) for trie in self.tries if len(trie)]
-        if len(proposals) <= 1:
-            return proposals[0] if proposals else Proposal.empty(source)
-        tokens, parents, scores, _ = merge_by_prefix(proposals)
+        trees = [trie.to_nodes(self.calibration) for trie in self.tries if len(trie)]
+        if not trees:
+            return Proposal.empty(source)
+        tokens, parents, scores = trees[0] if len(trees) == 1 else merge_node_lists(
+            [(*tree, source) for tree in trees])[:3]
         return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
                         scores=torch.tensor(scores, dtype=torch.float32), source=source)
 
