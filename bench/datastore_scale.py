@@ -1,7 +1,10 @@
 """How the REST token datastore scales: build time, size on disk, load time and propose time
 per decoding step for datastores of 1M and 10M tokens of real text.
 
-    nice -n 19 .venv/bin/python bench/datastore_scale.py [--sizes 1000000 10000000] [--steps 2000]
+    chrt -f 1 .venv/bin/python bench/datastore_scale.py [--sizes 1000000 10000000] [--steps 2000]
+
+Run it alone: the forward it weighs a propose step against runs OpenMP threads that spin between ops
+(as in a pipeline), and they slow down many times over when another process competes for the cores.
 
 The corpus is the CPython standard library's source plus Python's documentation topics
 (`pydoc_data.topics`), tokenized with the embedded model's tokenizer, files in a seeded
@@ -12,7 +15,6 @@ the last 16 tokens each, as a decoding step would see them.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -23,23 +25,24 @@ from pathlib import Path
 
 import numpy as np
 
-# Before torch loads OpenMP: spinning worker threads make every op many times slower whenever
-# another process competes for this 2-core machine (as in tests/conftest.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specpipe.pipelines.builder import compose_config, load_model  # noqa: E402
+from specpipe.cost import measure_cost_curve  # noqa: E402
+from specpipe.pipelines.builder import build_target, compose_config, load_model  # noqa: E402
 from specpipe.stages.retrieve.rest import RestRetriever  # noqa: E402
 from specpipe.stores.manifest import tokenizer_fingerprint  # noqa: E402
 from specpipe.stores.token_datastore import TokenDatastore, build_token_datastore  # noqa: E402
 from specpipe.types import DecodeState  # noqa: E402
 
 HELD_OUT_FILES = 40
-# conf/retriever/token_datastore.yaml's lookup settings
-REST_OPTIONS = {"max_span": 16, "min_span": 2, "max_candidates": 8, "max_length": 16, "max_occurrences": 256}
+# REST's settings that shape a step's lookups, read from conf/retriever/token_datastore.yaml (the shipped ones)
+REST_SETTINGS = ("max_span", "min_span", "max_candidates", "max_length", "max_occurrences", "shorter_spans")
+
+
+def rest_options() -> dict:
+    retriever = compose_config(["pipeline=rest"]).pipeline.proposers.rest
+    return {key: retriever[key] for key in REST_SETTINGS}
 
 
 def corpus_texts(seed: int) -> tuple[list[str], list[str]]:
@@ -103,25 +106,13 @@ def step_contexts(held_out: list[np.ndarray], steps: int, span: int, seed: int) 
     return contexts
 
 
-def one_token_forward_seconds(model, repeats: int = 20, cached: int = 256) -> float:
-    """Median time of the target's plain one-token decoding forward over a `cached`-token KV
-    cache (transformers' stock forward, the model's own dtype): what a propose step is
-    weighed against, measured in the same process under the same machine load."""
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.config.vocab_size, (1, cached), generator=generator)
-    token = prefix[:, -1:]
-    times = []
-    with torch.inference_mode():
-        cache = model(input_ids=prefix, use_cache=True).past_key_values
-        for _ in range(3):  # warm-up
-            model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache.crop(-1)
-        for _ in range(repeats):
-            started = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - started)
-            cache.crop(-1)  # back to `cached` tokens
-    return statistics.median(times)
+def one_token_forward_seconds(dtype: str, cached: int = 256) -> float:
+    """Median time of the target's one-token decoding forward as a pipeline runs it (engine=fast, the
+    config's defaults) in `dtype` over a `cached`-token KV cache: what a propose step is weighed
+    against, measured in the same process under the same machine load."""
+    cfg = compose_config(["model=smollm2_135m", f"model.dtype={dtype}"])
+    target, _ = build_target(cfg, load_model(cfg.model))
+    return measure_cost_curve(target, queries=(1,), kv_length=cached, rounds=21).milliseconds[0] / 1000
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -136,9 +127,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="where to build the stores (default: a temp dir)")
     args = parser.parse_args()
 
-    loaded = load_model(compose_config(["model=smollm2_135m", "model.dtype=fp32"]).model)
-    tokenizer = loaded.tokenizer
-    forward_seconds = one_token_forward_seconds(loaded.model)
+    options = rest_options()
+    tokenizer = load_model(compose_config(["model=smollm2_135m"]).model).tokenizer
+    forward_seconds = {dtype: one_token_forward_seconds(dtype) for dtype in ("fp32", "bf16")}
     texts, held_out_texts = corpus_texts(args.seed)
     documents, tokenize_seconds = tokenize(tokenizer, texts)
     held_out, _ = tokenize(tokenizer, held_out_texts)
@@ -146,7 +137,7 @@ def main() -> None:
     print(f"corpus: {len(documents)} documents, {corpus_tokens:,} tokens, tokenized in {tokenize_seconds:.1f} s "
           f"({corpus_tokens / tokenize_seconds:,.0f} tokens/s); held out: {len(held_out)} files, "
           f"{sum(len(d) for d in held_out):,} tokens", file=sys.stderr)
-    contexts = step_contexts(held_out, args.steps, REST_OPTIONS["max_span"], args.seed)
+    contexts = step_contexts(held_out, args.steps, options["max_span"], args.seed)
     fingerprint = tokenizer_fingerprint(tokenizer)
 
     rows = []
@@ -159,8 +150,10 @@ def main() -> None:
             load_seconds = min(timed(lambda: TokenDatastore.load(path, tokenizer), 5))
             checksum_seconds = min(timed(lambda: TokenDatastore.load(path, tokenizer, verify_checksums=True), 2))
             store = TokenDatastore.load(path, tokenizer)
-            rest = RestRetriever(datastore=store, **REST_OPTIONS)
+            rest = RestRetriever(datastore=store, **options)
             states = [DecodeState(tokens=context, prompt_length=len(context)) for context in contexts]
+            for state in states:
+                rest.reset(state)  # its per-request calibration
             for state in states[:50]:  # warm the page cache and the interpreter's paths
                 rest.propose(state)
             lookup_times, propose_times, lengths, nodes = [], [], [], []
@@ -189,22 +182,25 @@ def main() -> None:
             })
             print(f"{size:,} tokens done", file=sys.stderr)
 
-    settings = ", ".join(f"{key} {value}" for key, value in REST_OPTIONS.items())
-    print(f"REST token datastore scale: {args.steps} steps at random positions of held-out stdlib code; {settings}.")
+    settings = ", ".join(f"{key} {value}" for key, value in options.items())
+    print(f"REST token datastore scale: {args.steps} steps at random positions of held-out stdlib code; {settings} "
+          f"(conf/retriever/token_datastore.yaml). 'lookup' = the longest match's lookup alone; 'propose' = the "
+          f"whole propose stage (every lookup, the tries, their scores).")
     print(f"Corpus tokenized at {corpus_tokens / tokenize_seconds:,.0f} tokens/s ({corpus_tokens:,} tokens in "
           f"{tokenize_seconds:.1f} s), not in 'build s' (suffix sort + keys + write + manifest checksums). "
-          f"'load' = manifest, sizes, tokenizer fingerprint, mmap. One-token fp32 forward of the target "
-          f"(stock HF, 256 cached tokens), same process: {1000 * forward_seconds:.1f} ms.\n")
+          f"'load' = manifest, sizes, tokenizer fingerprint, mmap. One-token forward of the target (engine=fast, "
+          f"256 cached tokens), same process: {1000 * forward_seconds['fp32']:.1f} ms fp32, "
+          f"{1000 * forward_seconds['bf16']:.1f} ms bf16.\n")
     print("| tokens | build s | on disk MB | load ms (+SHA-256) | lookup µs mean / p50 / p99 | "
-          "propose µs mean / p50 / p99 | propose / forward | steps matched | mean match len | nodes/step |")
+          "propose µs mean / p50 / p99 | propose / forward fp32, bf16 | steps matched | mean match len | nodes/step |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
+        share = ", ".join(f"{row['propose_mean_us'] / (1e6 * seconds):.1%}" for seconds in forward_seconds.values())
         print(f"| {row['tokens']:,}{' (x%d)' % row['rounds'] if row['rounds'] > 1 else ''} | {row['build_s']:.1f} | "
               f"{row['mb']:.0f} | {row['load_ms']:.0f} ({row['checksum_load_ms']:.0f}) | "
               f"{row['lookup_mean_us']:.0f} / {row['lookup_p50_us']:.0f} / {row['lookup_p99_us']:.0f} | "
               f"{row['propose_mean_us']:.0f} / {row['propose_p50_us']:.0f} / {row['propose_p99_us']:.0f} | "
-              f"{row['propose_mean_us'] / (1e6 * forward_seconds):.1%} | {row['matched']:.0%} | "
-              f"{row['match_length']:.1f} | {row['nodes']:.1f} |")
+              f"{share} | {row['matched']:.0%} | {row['match_length']:.1f} | {row['nodes']:.1f} |")
 
 
 if __name__ == "__main__":
