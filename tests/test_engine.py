@@ -595,7 +595,7 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     from specpipe.engine.cpu_kernel import build_name
 
     # the kernel's build is named: a cost curve measured with another version of it is not reused
-    assert (f"bf16 weights widened to fp32 in registers (specpipe's CPU kernel {build_name()}) for up to 5 rows"
+    assert (f"bf16 weights summed in fp32 (specpipe's CPU kernel {build_name()}) for up to 5 rows"
             in caplog.text)
     packed = model.lm_head.packed
     assert packed.kernel_rows == 5 and packed.small_weight.dtype == torch.bfloat16 and packed.split_rows == 0
@@ -680,7 +680,7 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
         OneDNNEngine(bf16_kernel_rows=5).apply(model)
-    assert "bf16 weights widened to fp32 in registers" in caplog.text and "prepacked bf16 oneDNN above" in caplog.text
+    assert "bf16 weights summed in fp32" in caplog.text and "prepacked bf16 oneDNN above" in caplog.text
     packed = model.lm_head.packed
     assert packed.compute_dtype == torch.bfloat16 and packed.packed.dtype == torch.bfloat16 and packed.kernel_rows == 5
     calls = []

@@ -174,7 +174,7 @@ class LinearPath:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
         paths = []  # fewest rows first
         if self.kernel_rows:
-            how = "widened to fp32 in registers" if self.dtype != torch.float32 else "streamed once for all rows"
+            how = "summed in fp32" if self.dtype != torch.float32 else "streamed once for all rows"
             paths.append(f"{name} weights {how} (specpipe's CPU kernel {self.kernel_build}) for up to "
                          f"{self.kernel_rows} rows")
         if self.small_rows > self.kernel_rows:

@@ -48,6 +48,11 @@ interleaved rounds, ms (run 24, docs/BENCHMARKS.md):
 | bf16, AVX2 before | 5.8 | 5.9 | 9.2 | 14.0 | 18.3 | 25.3 | 33.4 |
 | bf16, AVX2 with the prefetch | 5.5 | 5.5 | 6.5 | 9.1 | 13.4 | 17.7 | 26.5 |
 | bf16, AVX-512 | 5.4 | 5.5 | 5.8 | 6.3 | 8.7 | 11.9 | 16.5 |
+| bf16, AVX-512 with AVX512_BF16 pairs (another run) | 5.6 | 5.4 | 5.5 | 5.7 | 6.4 | 8.2 | 12.3 |
+
+On CPUs with AVX512_BF16 the AVX-512 build multiplies bf16 rows by bf16 weights in pairs (`vdpbf16ps`, 32
+values per instruction, no widened copy of x), which keeps a product of up to 8 rows near the memory's
+speed.
 
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
