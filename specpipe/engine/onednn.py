@@ -88,7 +88,8 @@ class PackedWeight(nn.Module):
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
         if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
-            # one call: a bf16 x is widened, the fp32 bias added to the fp32 sums, and they are rounded to bf16
+            # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias
+            # added to the fp32 sums, and they are rounded to bf16
             return self.kernel(x, self.small_weight, self.kernel_bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
