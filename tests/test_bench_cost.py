@@ -8,8 +8,8 @@ import pytest
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.tasks.bench_cost import read_settings, run_bench_cost
 from specpipe.pipelines.builder import compose_config
-from specpipe.tasks.forward_profile import (BETWEEN_OPS, KERNEL_NORM, KERNEL_PRODUCT, OTHER_OPS, TOTAL,
-                                           profile_forward, row_value, top_ops)
+from specpipe.tasks.forward_profile import (BETWEEN_OPS, KERNEL_ATTENTION, KERNEL_NORM, KERNEL_PRODUCT, OTHER_OPS,
+                                              TOTAL, profile_forward, row_value, top_ops)
 
 ENGINES = ("transformers", "specpipe-hf", "specpipe-fast")
 
@@ -86,11 +86,14 @@ def test_the_profile_names_specpipes_kernel_calls_and_leaves_them_as_they_were()
     packed = model.lm_head.packed
     if packed.kernel is None:
         pytest.skip("specpipe's CPU kernel does not build here")
-    product, norm = packed.kernel, model.model.norm_kernel
+    product, norm, attention = packed.kernel, model.model.norm_kernel, model.model.attention_kernel
     ops = profile_forward(TargetModel(model, engine="fast"), queries=2, kv_length=16, repeats=2)
     assert ops[KERNEL_PRODUCT] > 0 and "mkldnn::_linear_pointwise" not in ops
     assert (KERNEL_NORM in ops) == (norm is not None)
-    assert packed.kernel is product and model.model.norm_kernel is norm
+    # a verify's attention in the kernel: no SDPA left in the forward
+    assert (KERNEL_ATTENTION in ops) == (attention is not None)
+    assert (attention is None) == any("scaled_dot_product" in op for op in ops)
+    assert packed.kernel is product and model.model.norm_kernel is norm and model.model.attention_kernel is attention
 
 
 def test_profile_table_rows_keep_the_top_ops_and_sum_the_rest():

@@ -122,7 +122,7 @@ def test_lean_blocks_compute_what_the_stock_blocks_compute(dtype, rows):
     """The same fused products through the lean and the stock blocks: bitwise equal outputs and cache."""
     stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
     OneDNNEngine(lean_blocks=False).apply(stock)
-    OneDNNEngine().apply(lean)
+    OneDNNEngine(kernel_attention=False).apply(lean)  # SDPA on both sides: the blocks alone compared
     assert_same_forwards(stock, lean, rows)
 
 
@@ -134,7 +134,7 @@ def test_lean_model_forward_computes_what_transformers_forward_computes(dtype, r
     transformers' own over the same rewritten modules."""
     stock, lean = fresh_tiny(dtype), fresh_tiny(dtype)
     OneDNNEngine(lean_forward=False).apply(stock)
-    OneDNNEngine(kernel_norm=kernel_norm).apply(lean)
+    OneDNNEngine(kernel_norm=kernel_norm, kernel_attention=False).apply(lean)
     assert type(stock.model) is LlamaModel and type(lean.model) is LeanLlamaModel
     if not kernel_norm:
         assert lean.model.norm_kernel is None
@@ -166,7 +166,7 @@ def test_the_lean_forward_makes_the_attention_bias_once_per_masked_forward(monke
     monkeypatch.setattr(lean_model, "folded_attention_bias",
                         lambda *args: made.append(args[0].shape) or folded_attention_bias(*args))
     model = fresh_tiny()
-    OneDNNEngine().apply(model)
+    OneDNNEngine(kernel_attention=False).apply(model)  # SDPA's path: the kernel takes the boolean mask
     target = TargetModel(model, engine="fast")
     cache = target.new_cache()
     target.prefill([5, 6, 7, 8], cache)  # causal prefill: no mask, no bias
@@ -519,6 +519,90 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
         kernel.product(torch.randn(2, 75), weight.half(), None)
 
 
+@needs_compiler
+@pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
+    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
+    pytest.param("avx512_bf16", marks=pytest.mark.skipif(
+        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(), reason="pair products need AVX512_BF16"))])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, dtype, tolerance):
+    """The decoding attention of each build against SDPA in fp32: head sizes of its register paths (64 and
+    128, and 32 on the AVX2 build; bf16 keys times bf16 queries in pairs on the AVX512_BF16 build) and odd ones, 1-13 query rows under ancestor masks, keys and values
+    read as strided rows of a larger cache, grouped query heads."""
+    from specpipe.engine import cpu_kernel
+
+    attention = cpu_kernel._build(None, isa).tree_attention
+    generator = torch.Generator().manual_seed(11)
+    for head_dim in (64, 128, 32, 24, 72):
+        for q, kv in ((1, 1), (1, 300), (2, 19), (5, 64), (13, 77)):
+            cache = torch.randn(2, 1, 3, 320, head_dim, generator=generator).to(dtype)  # [K|V, 1, kv_heads, 320, hd]
+            key, value = cache[0, :, :, :kv], cache[1, :, :, :kv]  # [1, 3, kv, hd]: the cache's strides
+            fused = torch.randn(1, q, 12, head_dim, generator=generator).to(dtype) * 3  # q|k|v heads of a step
+            query = fused[:, :, :9].transpose(1, 2)  # [1, 9, q, hd], as the lean block hands it over
+            mask = None
+            if q > 1:
+                mask = torch.ones(q, kv, dtype=torch.bool)
+                mask[:, kv - q:] = torch.eye(q, dtype=torch.bool) | (torch.rand(q, q, generator=generator) < 0.4).tril()
+            expected = cpu_kernel.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
+            got = attention(query, key, value, mask, head_dim ** -0.5)
+            assert got.shape == (1, q, 9, head_dim) and got.dtype == dtype and got.is_contiguous()
+            torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0,
+                                       msg=lambda m: f"head_dim {head_dim}, {q} rows, {kv} keys: {m}")
+    # a masked key adds exactly nothing, however large its value
+    key, value = torch.randn(2, 1, 1, 40, 64, generator=generator).to(dtype)
+    value[:, :, -1] = 1e30
+    query = torch.randn(1, 2, 2, 64, generator=generator).to(dtype)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, -1] = False
+    got = attention(query, key, value, mask, 0.125)
+    assert torch.isfinite(got[0, 0]).all()
+    torch.testing.assert_close(got[0, 0].float(), cpu_kernel.sdpa_reference(
+        query[:, :, :1], key[:, :, :-1], value[:, :, :-1], None, 0.125)[0, 0], atol=tolerance, rtol=0)
+    with pytest.raises(RuntimeError, match="key and value: query's dtype"):
+        attention(query.float() if dtype == torch.bfloat16 else query.bfloat16(), key, value, None, 0.125)
+    with pytest.raises(RuntimeError, match="divide its heads"):
+        attention(torch.randn(1, 3, 1, 64).to(dtype), torch.randn(1, 2, 5, 64).to(dtype),
+                  torch.randn(1, 2, 5, 64).to(dtype), None, 0.125)
+    with pytest.raises(RuntimeError, match=r"mask: bool \[q, kv\]"):
+        attention(query, key, value, torch.ones(2, 39, dtype=torch.bool), 0.125)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_lean_forward_runs_steps_and_tree_verifies_through_the_kernels_attention(dtype):
+    """One token and a tree verify go through the kernel's attention (a prefill and a long block do not),
+    and give the logits SDPA's path gives: fp32 to float rounding with the same argmax in every row."""
+    from specpipe.engine import lean_model
+
+    with_kernel, with_sdpa = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine().apply(with_kernel)
+    OneDNNEngine(kernel_attention=False).apply(with_sdpa)
+    assert with_kernel.model.attention_kernel is not None and with_sdpa.model.attention_kernel is None
+    rows_seen = []
+    kernel = with_kernel.model.attention_kernel
+    with_kernel.model.attention_kernel = lambda query, *rest: rows_seen.append(query.shape[2]) or kernel(query, *rest)
+    prompt = random_prompts(1, seed=4)[0]
+    tree = DraftTree.from_parents(torch.arange(300, 305), torch.tensor([-1, 0, 0, 1, 3]))
+    long_tree = DraftTree.from_parents(torch.arange(300, 300 + lean_model.KERNEL_ATTENTION_MAX_ROWS),
+                                       torch.arange(-1, lean_model.KERNEL_ATTENTION_MAX_ROWS - 1))
+    outputs = []
+    for model in (with_kernel, with_sdpa):
+        target = TargetModel(model, engine="fast")
+        cache = target.new_cache()
+        target.prefill(prompt, cache)
+        step = target.forward_tree(prompt[-1], DraftTree.empty(), cache)
+        verify = target.forward_tree(300, tree, cache)
+        long_verify = target.forward_tree(301, long_tree, cache)  # 1 + 64 rows: SDPA's
+        outputs.append((step.logits, verify.logits, long_verify.logits))
+    layers = with_kernel.config.num_hidden_layers
+    assert rows_seen == [1] * layers + [6] * layers
+    tolerance = 1e-4 if dtype == "fp32" else 0.1
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
+        if dtype == "fp32":
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 def test_the_kernel_is_built_for_the_isa_aten_runs(monkeypatch):
     from specpipe.engine import cpu_kernel
 
@@ -570,7 +654,7 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     stock, lean = fresh_tiny("bf16"), fresh_tiny("bf16")
     OneDNNEngine(lean_forward=False).apply(stock)
     with caplog.at_level(logging.INFO):
-        OneDNNEngine().apply(lean)
+        OneDNNEngine(kernel_attention=False).apply(lean)
     from specpipe.engine.cpu_kernel import build_name
 
     if lean.model.norm_kernel is None:

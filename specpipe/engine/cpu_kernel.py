@@ -62,6 +62,14 @@ and ~50 us inside a forward, 61 norms per SmolLM2-135M forward. The norm repeats
 torch sums and rounds (ATen's cascade sum over 8-lane vectors), so its output is bitwise
 transformers'; a load-time check compares the two, and where this torch sums otherwise the norm is
 not used (`CpuKernel.norm_reason`). Both changes leave every output bitwise as before.
+
+The extension also carries the attention of a decoding step or a tree verify (`tree_attention`, used by the
+lean forward for up to 64 query rows, `engine.kernel_attention`): softmax(q k^T) v per query head over the
+KV cache's own rows and the boolean tree mask, fp32 sums, the output in the layout the output projection
+reads. SDPA took 25-29 us per layer for one bf16 token of SmolLM2-135M over 256 cached tokens, and a
+verify's folded mask and transposes around it added more; the kernel takes 4.3 us (one token) and 12 us
+(4 rows) per layer on a 2-core Zen 5 EPYC, and a whole forward ~10% less time in fp32 and bf16 (run 25,
+docs/BENCHMARKS.md). It agrees with SDPA to float rounding, not bitwise (checked when it loads).
 """
 from __future__ import annotations
 
@@ -105,6 +113,32 @@ inline Lanes load_weights(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline Lanes load_weights(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes lanes_set(float v) { return _mm512_set1_ps(v); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
+inline Lanes lanes_min(Lanes a, Lanes b) { return _mm512_min_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+inline Lanes lanes_floor(Lanes v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+// 2^n for integral n in [-126, 127]: the exponent field of an fp32
+inline Lanes lanes_pow2(Lanes n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// v where `score` > -inf, else exactly 0 (a masked key adds nothing)
+inline Lanes lanes_where_finite(Lanes v, Lanes score) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), v);
+}
+inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+// out[0..4) = the sums of a's, b's, c's and d's lanes, in fewer shuffles than four reductions
+inline void lanes_sum4(Lanes a, Lanes b, Lanes c, Lanes d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 blocks = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0x4E));
+  blocks = _mm512_add_ps(blocks, _mm512_permute_ps(blocks, 0xB1));  // every lane of block k: the k-th sum
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, blocks);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
+}
 #else
 using Lanes = __m256;
 constexpr int kLanes = 8;
@@ -125,7 +159,47 @@ inline Lanes load_weights(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline Lanes load_weights(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes lanes_set(float v) { return _mm256_set1_ps(v); }
+inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm256_sub_ps(a, b); }
+inline Lanes lanes_min(Lanes a, Lanes b) { return _mm256_min_ps(a, b); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return _mm256_max_ps(a, b); }
+inline Lanes lanes_floor(Lanes v) { return _mm256_floor_ps(v); }
+// 2^n for integral n in [-126, 127]: the exponent field of an fp32
+inline Lanes lanes_pow2(Lanes n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// v where `score` > -inf, else exactly 0 (a masked key adds nothing)
+inline Lanes lanes_where_finite(Lanes v, Lanes score) {
+  return _mm256_and_ps(v, _mm256_cmp_ps(score, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+}
+inline void lanes_store(float* p, Lanes v) { _mm256_storeu_ps(p, v); }
+// out[0..4) = the sums of a's, b's, c's and d's lanes, in fewer shuffles than four reductions
+inline void lanes_sum4(Lanes a, Lanes b, Lanes c, Lanes d, float* out) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
 #endif
+
+// e^x for x <= 0 (softmax weights), within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7
+// polynomial (the Taylor series' coefficients adjusted for the interval, as in Cephes' expf), times 2^n.
+// Below -87.3 the result is clamped to ~2^-126 instead of denormals: weights that small vanish beside
+// the row's largest, which is 1.
+inline Lanes lanes_exp(Lanes x) {
+  x = lanes_max(lanes_min(x, lanes_set(88.3f)), lanes_set(-87.3f));
+  const Lanes n = lanes_floor(lanes_fma(x, lanes_set(1.44269504088896341f), lanes_set(0.5f)));
+  // r = x - n ln2, ln2 in two parts so that n * 0.693359375 is exact
+  Lanes r = lanes_sub(x, lanes_mul(n, lanes_set(0.693359375f)));
+  r = lanes_sub(r, lanes_mul(n, lanes_set(-2.12194440e-4f)));
+  Lanes y = lanes_set(1.9875691500e-4f);
+  y = lanes_fma(y, r, lanes_set(1.3981999507e-3f));
+  y = lanes_fma(y, r, lanes_set(8.3334519073e-3f));
+  y = lanes_fma(y, r, lanes_set(4.1665795894e-2f));
+  y = lanes_fma(y, r, lanes_set(1.6666665459e-1f));
+  y = lanes_fma(y, r, lanes_set(5.0000001201e-1f));
+  y = lanes_fma(y, lanes_mul(r, r), lanes_add(r, lanes_set(1.0f)));
+  return lanes_mul(y, lanes_pow2(n));
+}
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -440,6 +514,272 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, n, eps32);
   return out;
 }
+
+namespace {
+
+inline void store_value(float* p, float v) { *p = v; }
+// rounded to the nearest bf16 (ties to even), as casting an fp32 tensor to bf16 rounds
+inline void store_value(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
+
+// One query head's attention for the q rows of a decoding step or a tree verify: softmax(q k^T * scale)
+// v over the kv keys that `mask` (row-major [q, kv], or null: every key) lets each row see, summed in
+// fp32. Keys and values are rows of the KV cache (`*_stride` apart); `scores` [q * kv], `rows` and
+// `sums` [q * head_dim] are the calling thread's scratch.
+template <typename T>
+void attend_head(const T* query, int64_t query_stride, const T* keys, int64_t key_stride, const T* values,
+                 int64_t value_stride, const bool* mask, int64_t q, int64_t kv, int64_t head_dim, float scale,
+                 T* out, int64_t out_stride, float* scores, float* rows, float* sums) {
+  const int64_t vector_end = head_dim - head_dim % kLanes;
+  for (int64_t r = 0; r < q; ++r)
+    for (int64_t d = 0; d < head_dim; ++d) rows[r * head_dim + d] = as_float(query[r * query_stride + d]);
+  for (int64_t j = 0; j < kv; ++j) {
+    const T* key = keys + j * key_stride;
+    for (int64_t r = 0; r < q; ++r) {
+      if (mask != nullptr && !mask[r * kv + j]) {
+        scores[r * kv + j] = -INFINITY;
+        continue;
+      }
+      const float* row = rows + r * head_dim;
+      Lanes acc = lanes_zero();
+      for (int64_t d = 0; d < vector_end; d += kLanes) acc = lanes_fma(load_weights(key + d), lanes_load(row + d), acc);
+      float dot = lanes_sum(acc);
+      for (int64_t d = vector_end; d < head_dim; ++d) dot += as_float(key[d]) * row[d];
+      scores[r * kv + j] = dot * scale;
+    }
+  }
+  const int64_t kv_vector_end = kv - kv % kLanes;
+  for (int64_t r = 0; r < q; ++r) {
+    float* score = scores + r * kv;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < kv; ++j) top = std::max(top, score[j]);
+    const Lanes top_lanes = lanes_set(top);
+    Lanes total = lanes_zero();
+    for (int64_t j = 0; j < kv_vector_end; j += kLanes) {
+      const Lanes s = lanes_load(score + j);
+      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+      lanes_store(score + j, weight);
+      total = lanes_add(total, weight);
+    }
+    if (kv_vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
+      alignas(64) float tail[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) tail[j] = kv_vector_end + j < kv ? score[kv_vector_end + j] : -INFINITY;
+      const Lanes s = lanes_load(tail);
+      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+      lanes_store(tail, weight);
+      total = lanes_add(total, weight);
+      for (int64_t j = kv_vector_end; j < kv; ++j) score[j] = tail[j - kv_vector_end];
+    }
+    sums[r] = lanes_sum(total);
+  }
+  float* acc = rows;  // the query rows are read; their scratch now sums the values
+  std::fill(acc, acc + q * head_dim, 0.0f);
+  for (int64_t j = 0; j < kv; ++j) {
+    const T* value = values + j * value_stride;
+    for (int64_t r = 0; r < q; ++r) {
+      const float weight = scores[r * kv + j];
+      if (weight == 0.0f) continue;  // masked (or vanishing): adds nothing
+      float* row = acc + r * head_dim;
+      const Lanes weight_lanes = lanes_set(weight);
+      for (int64_t d = 0; d < vector_end; d += kLanes)
+        lanes_store(row + d, lanes_fma(load_weights(value + d), weight_lanes, lanes_load(row + d)));
+      for (int64_t d = vector_end; d < head_dim; ++d) row[d] += as_float(value[d]) * weight;
+    }
+  }
+  for (int64_t r = 0; r < q; ++r) {
+    const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) store_value(out + r * out_stride + d, acc[r * head_dim + d] * inverse);
+  }
+}
+
+// A query row held in registers and its dot products with key rows (kLanes fp32 partial sums): NV
+// vectors widened to fp32; bf16 pairs on the AVX512_BF16 build (half the instructions, no widening).
+template <int NV, typename T>
+struct QueryRow {
+  Lanes values[NV];
+  explicit QueryRow(const T* row) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) values[v] = load_weights(row + v * kLanes);
+  }
+  Lanes dot(const T* key) const {
+    Lanes acc = lanes_zero();
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc = lanes_fma(load_weights(key + v * kLanes), values[v], acc);
+    return acc;
+  }
+};
+
+#ifdef __AVX512BF16__
+template <int NV>
+struct QueryRow<NV, uint16_t> {
+  static_assert(NV % 2 == 0, "bf16 pairs fill 512-bit registers two fp32 vectors' worth at a time");
+  __m512i pairs[NV / 2];
+  explicit QueryRow(const uint16_t* row) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v) pairs[v] = _mm512_loadu_si512(row + 32 * v);
+  }
+  Lanes dot(const uint16_t* key) const {
+    Lanes acc = lanes_zero();
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(key + 32 * v), (__m512bh)pairs[v]);
+    return acc;
+  }
+};
+#endif
+
+// attend_head for a head_dim of NV whole vectors (64 or 128 on either build): the query row and the
+// value sums stay in registers, four keys' dot products and two keys' value sums are in flight at once
+// (one dot product at a time waited on its chain of multiply-adds: 13 us per one-token layer of
+// SmolLM2-135M against 25 for SDPA). `scores` [kv] is scratch; `mask` as for attend_head.
+template <int NV, typename T>
+void attend_head_vectors(const T* query, int64_t query_stride, const T* keys, int64_t key_stride, const T* values,
+                         int64_t value_stride, const bool* mask, int64_t q, int64_t kv, float scale, T* out,
+                         int64_t out_stride, float* scores) {
+  constexpr int64_t kHeadDim = NV * kLanes;
+  for (int64_t r = 0; r < q; ++r) {
+    const QueryRow<NV, T> row(query + r * query_stride);
+    int64_t j = 0;
+    for (; j + 4 <= kv; j += 4) {
+      lanes_sum4(row.dot(keys + j * key_stride), row.dot(keys + (j + 1) * key_stride),
+                 row.dot(keys + (j + 2) * key_stride), row.dot(keys + (j + 3) * key_stride), scores + j);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) scores[j + u] *= scale;
+    }
+    for (; j < kv; ++j) scores[j] = lanes_sum(row.dot(keys + j * key_stride)) * scale;
+    if (mask != nullptr) {
+      const bool* visible = mask + r * kv;
+      for (int64_t k = 0; k < kv; ++k)
+        if (!visible[k]) scores[k] = -INFINITY;
+    }
+    const int64_t kv_vector_end = kv - kv % kLanes;
+    Lanes top_so_far = lanes_set(-INFINITY);
+    for (int64_t k = 0; k < kv_vector_end; k += kLanes) top_so_far = lanes_max(top_so_far, lanes_load(scores + k));
+    alignas(64) float tops[kLanes];
+    lanes_store(tops, top_so_far);
+    float top = -INFINITY;
+    for (int64_t k = 0; k < kLanes; ++k) top = std::max(top, tops[k]);
+    for (int64_t k = kv_vector_end; k < kv; ++k) top = std::max(top, scores[k]);
+    const Lanes top_lanes = lanes_set(top);
+    Lanes total = lanes_zero();
+    for (int64_t k = 0; k < kv_vector_end; k += kLanes) {
+      const Lanes s = lanes_load(scores + k);
+      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+      lanes_store(scores + k, weight);
+      total = lanes_add(total, weight);
+    }
+    if (kv_vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
+      alignas(64) float tail[kLanes];
+      for (int64_t k = 0; k < kLanes; ++k) tail[k] = kv_vector_end + k < kv ? scores[kv_vector_end + k] : -INFINITY;
+      const Lanes s = lanes_load(tail);
+      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+      lanes_store(tail, weight);
+      total = lanes_add(total, weight);
+      for (int64_t k = kv_vector_end; k < kv; ++k) scores[k] = tail[k - kv_vector_end];
+    }
+    const float sum = lanes_sum(total);
+    // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop
+    Lanes acc[2][NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = lanes_zero();
+    j = 0;
+    for (; j + 2 <= kv; j += 2) {
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const Lanes weight = lanes_set(scores[j + u]);
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v)
+          acc[u][v] = lanes_fma(load_weights(values + (j + u) * value_stride + v * kLanes), weight, acc[u][v]);
+      }
+    }
+    for (; j < kv; ++j) {
+      const Lanes weight = lanes_set(scores[j]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[0][v] = lanes_fma(load_weights(values + j * value_stride + v * kLanes), weight, acc[0][v]);
+    }
+    const Lanes inverse = lanes_set(sum > 0.0f ? 1.0f / sum : 0.0f);
+    alignas(64) float result[kHeadDim];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) lanes_store(result + v * kLanes, lanes_mul(lanes_add(acc[0][v], acc[1][v]), inverse));
+    for (int64_t d = 0; d < kHeadDim; ++d) store_value(out + r * out_stride + d, result[d]);
+  }
+}
+
+template <typename T, typename Raw>
+void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, const bool* mask,
+            float scale, torch::Tensor& out) {
+  const int64_t heads = query.size(1), q = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = key.size(1), kv = key.size(2), groups = heads / kv_heads;
+  const Raw* query_data = reinterpret_cast<const Raw*>(query.data_ptr<T>());
+  const Raw* key_data = reinterpret_cast<const Raw*>(key.data_ptr<T>());
+  const Raw* value_data = reinterpret_cast<const Raw*>(value.data_ptr<T>());
+  T* out_data = out.data_ptr<T>();
+  const int nv = head_dim == kLanes * 4 ? 4 : head_dim == kLanes * 8 ? 8 : head_dim == kLanes * 16 ? 16 : 0;
+  // one (query head, row) per unit: a verify's rows spread evenly over the threads (9 heads of one row
+  // split 5 : 4 over two)
+  at::parallel_for(0, heads * q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kv), rows(head_dim), sums(1);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit / q, r = unit % q;
+      const int64_t g = h / groups;  // the KV head this query head reads (transformers' repeat_kv order)
+      const Raw* row_query = query_data + h * query.stride(1) + r * query.stride(2);
+      const Raw* head_keys = key_data + g * key.stride(1);
+      const Raw* head_values = value_data + g * value.stride(1);
+      const bool* row_mask = mask != nullptr ? mask + r * kv : nullptr;
+      Raw* row_out = reinterpret_cast<Raw*>(out_data) + (r * heads + h) * head_dim;
+      switch (nv) {
+        case 4:
+          attend_head_vectors<4>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
+                                 kv, scale, row_out, 0, scores.data());
+          break;
+        case 8:
+          attend_head_vectors<8>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
+                                 kv, scale, row_out, 0, scores.data());
+          break;
+        case 16:
+          attend_head_vectors<16>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
+                                  kv, scale, row_out, 0, scores.data());
+          break;
+        default:
+          attend_head(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1, kv, head_dim,
+                      scale, row_out, 0, scores.data(), rows.data(), sums.data());
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Attention of a decoding step or a tree verify, batch 1: query [1, heads, q, head_dim], key and value
+// [1, kv_heads, kv, head_dim] (the KV cache's rows, any strides but the last), mask [q, kv] bool (True =
+// attend) or None (every row sees every key) -> [1, q, heads, head_dim] in query's dtype (the layout the
+// output projection reads). Sums run in fp32. SDPA spent ~29 us per layer on the 9 heads of a one-token
+// step of SmolLM2-135M, and a verify's transposes and folded masks around it cost as much again.
+torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                             c10::optional<torch::Tensor> mask, double scale) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "query: fp32 or bf16");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "key and value: query's dtype");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1 && key.size(0) == 1 &&
+                  value.size(0) == 1, "query [1, heads, q, head_dim], key and value [1, kv_heads, kv, head_dim]");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(3) == query.size(3) && query.size(1) % key.size(1) == 0,
+              "key and value must match, share query's head_dim, and divide its heads");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "head_dim must be contiguous");
+  const int64_t q = query.size(2), kv = key.size(2);
+  torch::Tensor mask_rows;
+  const bool* mask_data = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == q && mask->size(1) == kv,
+                "mask: bool [q, kv]");
+    mask_rows = mask->contiguous();
+    mask_data = mask_rows.data_ptr<bool>();
+  }
+  auto out = torch::empty({1, q, query.size(1), query.size(3)}, query.options());
+  if (dtype == torch::kBFloat16)
+    attend<at::BFloat16, uint16_t>(query, key, value, mask_data, static_cast<float>(scale), out);
+  else
+    attend<float, float>(query, key, value, mask_data, static_cast<float>(scale), out);
+  return out;
+}
 """
 
 
@@ -468,16 +808,21 @@ def kernel_isa() -> str:
 
 
 class CpuKernel:
-    """Loads (building it once per machine) the bf16-weight product and the RMSNorm beside it;
-    `product` is None and `reason` says why where they are not available, `norm` is None (and
-    `norm_reason` says why) where the norm is not bitwise torch's on this machine. One instance per
-    engine apply: nothing is kept at module level."""
+    """Loads (building it once per machine) the weight product, and the RMSNorm and the decoding
+    attention beside it; `product` is None and `reason` says why where they are not available, `norm`
+    is None (and `norm_reason` says why) where the norm is not bitwise torch's on this machine,
+    `attention` is None (and `attention_reason` says why) where it disagrees with SDPA. One instance
+    per engine apply: nothing is kept at module level."""
 
     def __init__(self, build_dir: Path | None = None) -> None:
         self.product = None
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
+        # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
+        # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
+        self.attention = None
         self.reason = ""
         self.norm_reason = ""
+        self.attention_reason = ""
         self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel (or another ISA's build) is not reused
@@ -503,6 +848,11 @@ class CpuKernel:
             self.norm_reason = f"its RMSNorm is not bitwise torch's here ({mismatch})"
         else:
             self.norm = module.rms_norm
+        mismatch = _attention_mismatch(module.tree_attention)
+        if mismatch:
+            self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
+        else:
+            self.attention = module.tree_attention
 
 
 def build_name(isa: str | None = None) -> str:
@@ -529,7 +879,7 @@ def _build(build_dir: Path | None, isa: str):
         os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
     try:
         return cpp_extension.load_inline(
-            name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm"], build_directory=str(folder),
+            name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm", "tree_attention"], build_directory=str(folder),
             extra_cflags=list(_CFLAGS + ISA_FLAGS[isa]), extra_ldflags=["-fopenmp"], verbose=False)
     finally:
         os.environ["PATH"] = path
@@ -553,6 +903,37 @@ def _self_check(product) -> None:
         if not torch.allclose(product(x, weight, bias).float(), expected.float(), rtol=2 ** -7, atol=1e-4):
             raise RuntimeError(f"the kernel disagrees with an fp32 product for {rows} bf16 rows")
 
+
+
+def sdpa_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """What the kernel's tree_attention computes, by SDPA in fp32 over repeated KV heads: query [1, heads, q,
+    hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None -> [1, q, heads, hd] fp32."""
+    groups = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(groups, 1).float(), value.repeat_interleave(groups, 1).float()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys, values, attn_mask=None if mask is None else mask[None, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+def _attention_mismatch(attention) -> str:
+    """'' when the built attention agrees with SDPA (fp32 and bf16; head sizes of the vector paths and
+    an odd one; a tree mask; KV rows strided as in the cache), else which case did not."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for head_dim, q, kv in ((64, 1, 37), (128, 3, 20), (64, 5, 9), (24, 2, 17)):
+            cache = torch.randn(2, 1, 2, 64, head_dim, generator=generator).to(dtype)  # K, V [1, kv_heads, 64, hd]
+            key, value = cache[0, :, :, :kv], cache[1, :, :, :kv]
+            query = torch.randn(1, 6, q, head_dim, generator=generator).to(dtype) * 2
+            mask = None
+            if q > 1:  # the committed keys, then an ancestor mask over the new ones
+                mask = torch.ones(q, kv, dtype=torch.bool)
+                mask[:, kv - q:] = torch.eye(q, dtype=torch.bool) | (torch.rand(q, q, generator=generator) < 0.5).tril()
+            scale = head_dim ** -0.5
+            error = (attention(query, key, value, mask, scale).float() - sdpa_reference(query, key, value, mask, scale))
+            if not error.abs().max() <= tolerance:
+                return f"{dtype} head_dim {head_dim}, {q} rows over {kv} keys: max error {error.abs().max():.3g}"
+    return ""
 
 
 def _norm_mismatch(norm) -> str:

@@ -38,6 +38,10 @@ except ImportError:  # releases that read the class attribute instead, which Lea
 # Keyword arguments the lean forward serves; any other (attention weights, packed-sequence
 # lengths, ...) goes to the stock forward.
 LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"})
+# The most query rows the attention kernel serves: a step and a tree verify (4-13 us per layer of
+# SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding); a longer block (a drafter feeding its
+# committed text) goes to SDPA, which splits it over threads by rows.
+KERNEL_ATTENTION_MAX_ROWS = 64
 TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' own hook; inert unless it collects
 
 
@@ -62,6 +66,10 @@ class LeanLlamaModel(LlamaModel):
     share one dtype it serves; None = torch.rms_norm."""
 
     norm_kernel = None
+    # `attention_kernel` (set by swap_lean_model): CpuKernel.attention, which computes the attention of a
+    # step of up to KERNEL_ATTENTION_MAX_ROWS query rows on the CPU (one token, a tree verify) in place
+    # of SDPA, the folded tree mask and the transposes around it; None = tree_attention_forward's SDPA.
+    attention_kernel = None
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -89,7 +97,9 @@ class LeanLlamaModel(LlamaModel):
         lean_attention = {"attention_function": attention_function,
                           "rotary": rotary_tables(position_embeddings)}  # made once for every layer
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
-        if (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
+        if attention_function is tree_attention_forward and self._kernel_attends(hidden, mask):
+            lean_attention["attention_function"] = KernelAttention(self.attention_kernel)
+        elif (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
                 and mask.dim() == 4 and heads % kv_heads == 0):
             lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
         recorded = [hidden] if output_hidden_states else None
@@ -122,6 +132,36 @@ class LeanLlamaModel(LlamaModel):
                                        hidden_states=tuple(recorded) if recorded is not None else None)
 
 
+    def _kernel_attends(self, hidden: Tensor, mask: Tensor | None) -> bool:
+        """Whether the attention kernel serves this forward: hidden [batch, q, hidden_size], mask as the
+        attention function receives it. One sequence of a few rows on the CPU in fp32 or bf16, with an
+        explicit boolean mask [1, 1, q, kv] or none for one row (a mask-free prefill is causal over many
+        rows: SDPA's)."""
+        batch, q = hidden.shape[:2]
+        if (self.attention_kernel is None or batch != 1 or not 1 <= q <= KERNEL_ATTENTION_MAX_ROWS
+                or hidden.dtype not in (torch.float32, torch.bfloat16) or hidden.device.type != "cpu"
+                or self.config.num_attention_heads % self.config.num_key_value_heads):
+            return False
+        if mask is None:
+            return q == 1
+        return mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q)
+
+
+class KernelAttention:
+    """An attention function (transformers' signature, as tree_attention_forward's) over CpuKernel.attention:
+    query [1, heads, q, head_dim], key/value [1, kv_heads, kv, head_dim], attention_mask [1, 1, q, kv] bool or
+    None -> ([1, q, heads, head_dim], None)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        mask = attention_mask[0, 0] if attention_mask is not None else None  # [q, kv]
+        return self.kernel(query, key, value, mask, scale), None
+
+
 def _hooked(module: nn.Module) -> bool:
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
     return any(getattr(hook, "__name__", "") != TRANSFORMERS_HOOK for hook in hooks)
@@ -148,14 +188,16 @@ def _norm_kernel_serves(model: LlamaModel) -> bool:
             and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
 
-def swap_lean_model(model: nn.Module, norm_kernel=None) -> int:
+def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
-    `norm_kernel`: CpuKernel.norm, for the models whose norms it serves."""
+    `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
+    CpuKernel.attention, for their decoding steps and tree verifies."""
     swapped = 0
     for module in list(model.modules()):
         if lean_model_applies(module):
             module.__class__ = LeanLlamaModel
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
+            module.attention_kernel = attention_kernel
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

@@ -189,6 +189,10 @@ class OneDNNEngine:
     # fp32 and bf16 models: the lean forward runs LlamaRMSNorm as one C++ call (specpipe.engine.cpu_kernel's
     # extension, built where the product kernel builds; bitwise transformers' norm, checked when it loads)
     kernel_norm: bool = True
+    # fp32 and bf16 models: the lean forward's decoding steps and tree verifies (up to
+    # lean_model.KERNEL_ATTENTION_MAX_ROWS query rows) run their attention in the same extension
+    # (fp32 sums; checked against SDPA when it loads) instead of SDPA over folded heads
+    kernel_attention: bool = True
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -231,12 +235,15 @@ class OneDNNEngine:
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
-            norm, norm_why = self._norm_kernel(path, kernel)
-            lean_models = swap_lean_model(model, norm_kernel=norm)
+            extension = kernel if kernel is not None else self._extension(path)
+            norm, norm_why = self._norm_kernel(path, extension)
+            attention, attention_why = self._attention_kernel(path, extension)
+            lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention)
         rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
-        if lean_models and norm_why:
-            rewrite += f" ({norm_why})"
+        whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
+        if whys:
+            rewrite += f" ({'; '.join(whys)})"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
         log.info("engine=%s: %s", self.name, rewrite)
         return model
@@ -273,20 +280,33 @@ class OneDNNEngine:
         reason = f"{path.reason}; {why}" if why else path.reason
         return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=reason), kernel
 
-    def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
-        """The extension's RMSNorm for the lean forward (built here where the bf16 path did not build it),
-        and what the log line says about it."""
-        if not self.kernel_norm or path.dtype not in (torch.float32, torch.bfloat16):
-            return None, ""
-        if kernel is None:
-            from specpipe.engine.cpu_kernel import CpuKernel
+    def _extension(self, path: LinearPath) -> CpuKernel | None:
+        """The extension for the lean forward's norm and attention where the product path did not load it."""
+        if not (self.kernel_norm or self.kernel_attention) or path.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from specpipe.engine.cpu_kernel import CpuKernel
 
-            kernel = CpuKernel()
-            if kernel.product is None:
-                return None, f"RMSNorm in torch: {kernel.reason}"
+        return CpuKernel()
+
+    def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
+        """The extension's RMSNorm for the lean forward, and what the log line says about it."""
+        if not self.kernel_norm or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
+            return None, ""
+        if kernel.product is None:
+            return None, f"RMSNorm in torch: {kernel.reason}"
         if kernel.norm is None:
             return None, f"RMSNorm in torch: {kernel.norm_reason}"
         return kernel.norm, f"RMSNorm in specpipe's kernel {kernel.build}"
+
+    def _attention_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
+        """The extension's decoding attention for the lean forward, and what the log line says about it."""
+        if not self.kernel_attention or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
+            return None, ""
+        if kernel.product is None:
+            return None, f"attention in SDPA: {kernel.reason}"
+        if kernel.attention is None:
+            return None, f"attention in SDPA: {kernel.attention_reason}"
+        return kernel.attention, "decoding attention in the kernel"
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
                       ) -> list[tuple[str, nn.Module]]:

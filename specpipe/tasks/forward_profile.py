@@ -21,6 +21,7 @@ from specpipe.cost import random_chain
 BETWEEN_OPS = "(between ops: Python, dispatch)"
 KERNEL_PRODUCT = "specpipe::weight_product"  # specpipe's CPU kernel (specpipe.engine.cpu_kernel)
 KERNEL_NORM = "specpipe::rms_norm"
+KERNEL_ATTENTION = "specpipe::tree_attention"
 OTHER_OPS = "(other ops)"
 TOTAL = "(wall time, unprofiled)"
 
@@ -60,8 +61,8 @@ def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8
 
 @contextmanager
 def _kernel_calls_named(model: torch.nn.Module):
-    """While open, every call of specpipe's CPU kernel in `model` (products, norms) is a profiler event of
-    its own (KERNEL_PRODUCT, KERNEL_NORM): the extension is called directly, not through torch's
+    """While open, every call of specpipe's CPU kernel in `model` (products, norms, attention) is a profiler event of
+    its own (KERNEL_PRODUCT, KERNEL_NORM, KERNEL_ATTENTION): the extension is called directly, not through torch's
     dispatcher, so the profiler would count its time as time between ops."""
     from specpipe.engine.lean_model import LeanLlamaModel
     from specpipe.engine.onednn import PackedWeight
@@ -77,9 +78,11 @@ def _kernel_calls_named(model: torch.nn.Module):
         if isinstance(module, PackedWeight) and module.kernel is not None:
             originals.append((module, "kernel", module.kernel))
             module.kernel = named(module.kernel, KERNEL_PRODUCT)
-        elif isinstance(module, LeanLlamaModel) and module.norm_kernel is not None:
-            originals.append((module, "norm_kernel", module.norm_kernel))
-            module.norm_kernel = named(module.norm_kernel, KERNEL_NORM)
+        elif isinstance(module, LeanLlamaModel):
+            for attribute, name in (("norm_kernel", KERNEL_NORM), ("attention_kernel", KERNEL_ATTENTION)):
+                if getattr(module, attribute) is not None:
+                    originals.append((module, attribute, getattr(module, attribute)))
+                    setattr(module, attribute, named(getattr(module, attribute), name))
     try:
         yield
     finally:
