@@ -9,8 +9,9 @@ building, forward = the verify forward, verify, commit), per step after the pref
     python bench/stage_profile.py --dtype fp32 --prompts bench/dev_chat_prompts.jsonl \\
         eagle eagle@full_vocab 'eagle_mix+pipeline.tree.max_nodes=16'
 
-A method is a pipeline name, `+override` for each config override of its own, and optionally
-`@full_vocab`: its drafters hand the tree builder log-probs over the whole vocabulary even where
+A method is a pipeline name, `+override` for each config override of its own (`++override` for
+an override that starts with `+`, e.g. `rag_lookahead++retriever@pipeline.proposers.rest=token_datastore`),
+and optionally `@full_vocab`: its drafters hand the tree builder log-probs over the whole vocabulary even where
 their head scores a reduced one (how EAGLE drafted before run 16). `vanilla` (the first pipeline
 without drafting) is always added. First turns only; each question is a new request.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import time
 
 from specpipe.pipelines.pipeline import Pipeline
@@ -27,8 +29,11 @@ STAGES = ("propose", "tree", "forward", "verify", "commit")
 
 
 def build(method: str, dtype: str, overrides: list[str]) -> Pipeline:
-    name, _, mode = method.partition("@")
-    pipeline, *own = name.split("+")
+    name, _, mode = method.rpartition("@")
+    if mode != "full_vocab":  # an '@' inside an override (retriever@pipeline.proposers.X=...)
+        name, mode = method, ""
+    pipeline, *own = re.split(r"(?<!\+)\+", name)  # '++x' adds the override '+x'
+    own = [override for override in own if override]
     built = Pipeline.from_config([f"pipeline={pipeline}", f"model.dtype={dtype}", *own, *overrides])
     if mode == "full_vocab":
         for drafter in built.decoder.drafters:
