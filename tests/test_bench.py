@@ -346,9 +346,9 @@ RAG_QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def rag_run(tmp_path_factory, tiny_mixed):
-    """rag_lookahead over a small document store, without its token datastore. Its n-gram proposer
-    drafts one token only, so the deeper nodes come from the store of past outputs (question 3 repeats
-    question 1): both sources get accepted tokens."""
+    """rag_lookahead over a small document store. Its n-gram proposer drafts one token only, so the
+    deeper nodes come from the store of past outputs (question 3 repeats question 1): both sources
+    get accepted tokens."""
     from specpipe.pipelines.builder import build_pipeline
     from specpipe.stores.document_store import DocumentStoreBuilder
 
@@ -359,7 +359,7 @@ def rag_run(tmp_path_factory, tiny_mixed):
     prompts = folder / "questions.jsonl"
     prompts.write_text("".join(json.dumps(q) + "\n" for q in RAG_QUESTIONS))
     cfg = compose_config(tiny_overrides(prompts, "pipeline=rag_lookahead", f"pipeline.augment.path={folder / 'store'}",
-                                        "~pipeline.proposers.rest", "pipeline.proposers.ngram.max_length=1", "bench.max_new_tokens=16",
+                                        "pipeline.proposers.ngram.max_length=1", "bench.max_new_tokens=16",
                                         f"bench.out={folder / 'out'}"))
     summary = run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
     return folder / "out", summary, build_pipeline(cfg, loaded=tiny_mixed.loaded)

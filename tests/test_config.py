@@ -47,10 +47,6 @@ def test_default_config_composes():
     assert cfg.model.name == "smollm2_135m"
     assert cfg.pipeline.name in config_options("pipeline")
     assert cfg.sampling.temperature == 0.0
-    # the headline pipeline: retrieved chunks in the prompt, drafts from its n-grams, past outputs and
-    # the token datastore
-    assert cfg.pipeline.name == "rag_lookahead"
-    assert set(cfg.pipeline.proposers) == {"ngram", "past", "rest"} and cfg.pipeline.augment is not None
 
 
 @pytest.mark.parametrize("group,option", ALL_OPTIONS)
