@@ -521,6 +521,37 @@ inline void store_value(float* p, float v) { *p = v; }
 // rounded to the nearest bf16 (ties to even), as casting an fp32 tensor to bf16 rounds
 inline void store_value(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
 
+// scores [kv] (a masked key's is -inf) -> in place, e^(score - the largest score): a softmax's weights before
+// normalizing, exactly 0 for a masked key; returns their sum.
+float softmax_weights(float* scores, int64_t kv) {
+  const int64_t vector_end = kv - kv % kLanes;
+  Lanes top_so_far = lanes_set(-INFINITY);
+  for (int64_t k = 0; k < vector_end; k += kLanes) top_so_far = lanes_max(top_so_far, lanes_load(scores + k));
+  alignas(64) float tops[kLanes];
+  lanes_store(tops, top_so_far);
+  float top = -INFINITY;
+  for (int64_t k = 0; k < kLanes; ++k) top = std::max(top, tops[k]);
+  for (int64_t k = vector_end; k < kv; ++k) top = std::max(top, scores[k]);
+  const Lanes top_lanes = lanes_set(top);
+  Lanes total = lanes_zero();
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    const Lanes s = lanes_load(scores + k);
+    const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+    lanes_store(scores + k, weight);
+    total = lanes_add(total, weight);
+  }
+  if (vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
+    alignas(64) float tail[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) tail[k] = vector_end + k < kv ? scores[vector_end + k] : -INFINITY;
+    const Lanes s = lanes_load(tail);
+    const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+    lanes_store(tail, weight);
+    total = lanes_add(total, weight);
+    for (int64_t k = vector_end; k < kv; ++k) scores[k] = tail[k - vector_end];
+  }
+  return lanes_sum(total);
+}
+
 // One query head's attention for the q rows of a decoding step or a tree verify: softmax(q k^T * scale)
 // v over the kv keys that `mask` (row-major [q, kv], or null: every key) lets each row see, summed in
 // fp32. Keys and values are rows of the KV cache (`*_stride` apart); `scores` [q * kv], `rows` and
@@ -547,30 +578,7 @@ void attend_head(const T* query, int64_t query_stride, const T* keys, int64_t ke
       scores[r * kv + j] = dot * scale;
     }
   }
-  const int64_t kv_vector_end = kv - kv % kLanes;
-  for (int64_t r = 0; r < q; ++r) {
-    float* score = scores + r * kv;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < kv; ++j) top = std::max(top, score[j]);
-    const Lanes top_lanes = lanes_set(top);
-    Lanes total = lanes_zero();
-    for (int64_t j = 0; j < kv_vector_end; j += kLanes) {
-      const Lanes s = lanes_load(score + j);
-      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
-      lanes_store(score + j, weight);
-      total = lanes_add(total, weight);
-    }
-    if (kv_vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
-      alignas(64) float tail[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) tail[j] = kv_vector_end + j < kv ? score[kv_vector_end + j] : -INFINITY;
-      const Lanes s = lanes_load(tail);
-      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
-      lanes_store(tail, weight);
-      total = lanes_add(total, weight);
-      for (int64_t j = kv_vector_end; j < kv; ++j) score[j] = tail[j - kv_vector_end];
-    }
-    sums[r] = lanes_sum(total);
-  }
+  for (int64_t r = 0; r < q; ++r) sums[r] = softmax_weights(scores + r * kv, kv);
   float* acc = rows;  // the query rows are read; their scratch now sums the values
   std::fill(acc, acc + q * head_dim, 0.0f);
   for (int64_t j = 0; j < kv; ++j) {
@@ -651,32 +659,7 @@ void attend_head_vectors(const T* query, int64_t query_stride, const T* keys, in
       for (int64_t k = 0; k < kv; ++k)
         if (!visible[k]) scores[k] = -INFINITY;
     }
-    const int64_t kv_vector_end = kv - kv % kLanes;
-    Lanes top_so_far = lanes_set(-INFINITY);
-    for (int64_t k = 0; k < kv_vector_end; k += kLanes) top_so_far = lanes_max(top_so_far, lanes_load(scores + k));
-    alignas(64) float tops[kLanes];
-    lanes_store(tops, top_so_far);
-    float top = -INFINITY;
-    for (int64_t k = 0; k < kLanes; ++k) top = std::max(top, tops[k]);
-    for (int64_t k = kv_vector_end; k < kv; ++k) top = std::max(top, scores[k]);
-    const Lanes top_lanes = lanes_set(top);
-    Lanes total = lanes_zero();
-    for (int64_t k = 0; k < kv_vector_end; k += kLanes) {
-      const Lanes s = lanes_load(scores + k);
-      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
-      lanes_store(scores + k, weight);
-      total = lanes_add(total, weight);
-    }
-    if (kv_vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
-      alignas(64) float tail[kLanes];
-      for (int64_t k = 0; k < kLanes; ++k) tail[k] = kv_vector_end + k < kv ? scores[kv_vector_end + k] : -INFINITY;
-      const Lanes s = lanes_load(tail);
-      const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
-      lanes_store(tail, weight);
-      total = lanes_add(total, weight);
-      for (int64_t k = kv_vector_end; k < kv; ++k) scores[k] = tail[k - kv_vector_end];
-    }
-    const float sum = lanes_sum(total);
+    const float sum = softmax_weights(scores, kv);
     // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop
     Lanes acc[2][NV];
 #pragma GCC unroll 16
