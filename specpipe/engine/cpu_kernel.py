@@ -552,51 +552,40 @@ float softmax_weights(float* scores, int64_t kv) {
   return lanes_sum(total);
 }
 
-// One query head's attention for the q rows of a decoding step or a tree verify: softmax(q k^T * scale)
-// v over the kv keys that `mask` (row-major [q, kv], or null: every key) lets each row see, summed in
-// fp32. Keys and values are rows of the KV cache (`*_stride` apart); `scores` [q * kv], `rows` and
-// `sums` [q * head_dim] are the calling thread's scratch.
+// One query row of one head: softmax(q k^T * scale) v over the kv keys that `visible` ([kv], or null:
+// every key) lets it see, summed in fp32, for any head_dim. Keys and values are rows of the KV cache
+// (`*_stride` apart); `scores` [kv] and `sums` [head_dim] are the calling thread's scratch.
 template <typename T>
-void attend_head(const T* query, int64_t query_stride, const T* keys, int64_t key_stride, const T* values,
-                 int64_t value_stride, const bool* mask, int64_t q, int64_t kv, int64_t head_dim, float scale,
-                 T* out, int64_t out_stride, float* scores, float* rows, float* sums) {
+void attend_row(const T* query, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
+                const bool* visible, int64_t kv, int64_t head_dim, float scale, T* out, float* scores, float* sums) {
   const int64_t vector_end = head_dim - head_dim % kLanes;
-  for (int64_t r = 0; r < q; ++r)
-    for (int64_t d = 0; d < head_dim; ++d) rows[r * head_dim + d] = as_float(query[r * query_stride + d]);
+  float* row = sums;  // the query row, widened, until the scores are made
+  for (int64_t d = 0; d < head_dim; ++d) row[d] = as_float(query[d]);
   for (int64_t j = 0; j < kv; ++j) {
+    if (visible != nullptr && !visible[j]) {
+      scores[j] = -INFINITY;
+      continue;
+    }
     const T* key = keys + j * key_stride;
-    for (int64_t r = 0; r < q; ++r) {
-      if (mask != nullptr && !mask[r * kv + j]) {
-        scores[r * kv + j] = -INFINITY;
-        continue;
-      }
-      const float* row = rows + r * head_dim;
-      Lanes acc = lanes_zero();
-      for (int64_t d = 0; d < vector_end; d += kLanes) acc = lanes_fma(load_weights(key + d), lanes_load(row + d), acc);
-      float dot = lanes_sum(acc);
-      for (int64_t d = vector_end; d < head_dim; ++d) dot += as_float(key[d]) * row[d];
-      scores[r * kv + j] = dot * scale;
-    }
+    Lanes acc = lanes_zero();
+    for (int64_t d = 0; d < vector_end; d += kLanes) acc = lanes_fma(load_weights(key + d), lanes_load(row + d), acc);
+    float dot = lanes_sum(acc);
+    for (int64_t d = vector_end; d < head_dim; ++d) dot += as_float(key[d]) * row[d];
+    scores[j] = dot * scale;
   }
-  for (int64_t r = 0; r < q; ++r) sums[r] = softmax_weights(scores + r * kv, kv);
-  float* acc = rows;  // the query rows are read; their scratch now sums the values
-  std::fill(acc, acc + q * head_dim, 0.0f);
+  const float total = softmax_weights(scores, kv);
+  std::fill(sums, sums + head_dim, 0.0f);
   for (int64_t j = 0; j < kv; ++j) {
+    const float weight = scores[j];
+    if (weight == 0.0f) continue;  // masked (or vanishing): adds nothing
     const T* value = values + j * value_stride;
-    for (int64_t r = 0; r < q; ++r) {
-      const float weight = scores[r * kv + j];
-      if (weight == 0.0f) continue;  // masked (or vanishing): adds nothing
-      float* row = acc + r * head_dim;
-      const Lanes weight_lanes = lanes_set(weight);
-      for (int64_t d = 0; d < vector_end; d += kLanes)
-        lanes_store(row + d, lanes_fma(load_weights(value + d), weight_lanes, lanes_load(row + d)));
-      for (int64_t d = vector_end; d < head_dim; ++d) row[d] += as_float(value[d]) * weight;
-    }
+    const Lanes weight_lanes = lanes_set(weight);
+    for (int64_t d = 0; d < vector_end; d += kLanes)
+      lanes_store(sums + d, lanes_fma(load_weights(value + d), weight_lanes, lanes_load(sums + d)));
+    for (int64_t d = vector_end; d < head_dim; ++d) sums[d] += as_float(value[d]) * weight;
   }
-  for (int64_t r = 0; r < q; ++r) {
-    const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) store_value(out + r * out_stride + d, acc[r * head_dim + d] * inverse);
-  }
+  const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) store_value(out + d, sums[d] * inverse);
 }
 
 // A query row held in registers and its dot products with key rows (kLanes fp32 partial sums): NV
@@ -635,56 +624,51 @@ struct QueryRow<NV, uint16_t> {
 };
 #endif
 
-// attend_head for a head_dim of NV whole vectors (64 or 128 on either build): the query row and the
+// attend_row for a head_dim of NV whole vectors (64 or 128 on either build): the query row and the
 // value sums stay in registers, four keys' dot products and two keys' value sums are in flight at once
 // (one dot product at a time waited on its chain of multiply-adds: 13 us per one-token layer of
-// SmolLM2-135M against 25 for SDPA). `scores` [kv] is scratch; `mask` as for attend_head.
+// SmolLM2-135M against 25 for SDPA). `scores` [kv] is scratch; `visible` as for attend_row.
 template <int NV, typename T>
-void attend_head_vectors(const T* query, int64_t query_stride, const T* keys, int64_t key_stride, const T* values,
-                         int64_t value_stride, const bool* mask, int64_t q, int64_t kv, float scale, T* out,
-                         int64_t out_stride, float* scores) {
+void attend_row_vectors(const T* query, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
+                        const bool* visible, int64_t kv, float scale, T* out, float* scores) {
   constexpr int64_t kHeadDim = NV * kLanes;
-  for (int64_t r = 0; r < q; ++r) {
-    const QueryRow<NV, T> row(query + r * query_stride);
-    int64_t j = 0;
-    for (; j + 4 <= kv; j += 4) {
-      lanes_sum4(row.dot(keys + j * key_stride), row.dot(keys + (j + 1) * key_stride),
-                 row.dot(keys + (j + 2) * key_stride), row.dot(keys + (j + 3) * key_stride), scores + j);
+  const QueryRow<NV, T> row(query);
+  int64_t j = 0;
+  for (; j + 4 <= kv; j += 4) {
+    lanes_sum4(row.dot(keys + j * key_stride), row.dot(keys + (j + 1) * key_stride),
+               row.dot(keys + (j + 2) * key_stride), row.dot(keys + (j + 3) * key_stride), scores + j);
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) scores[j + u] *= scale;
-    }
-    for (; j < kv; ++j) scores[j] = lanes_sum(row.dot(keys + j * key_stride)) * scale;
-    if (mask != nullptr) {
-      const bool* visible = mask + r * kv;
-      for (int64_t k = 0; k < kv; ++k)
-        if (!visible[k]) scores[k] = -INFINITY;
-    }
-    const float sum = softmax_weights(scores, kv);
-    // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop
-    Lanes acc[2][NV];
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = lanes_zero();
-    j = 0;
-    for (; j + 2 <= kv; j += 2) {
-#pragma GCC unroll 2
-      for (int u = 0; u < 2; ++u) {
-        const Lanes weight = lanes_set(scores[j + u]);
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v)
-          acc[u][v] = lanes_fma(load_weights(values + (j + u) * value_stride + v * kLanes), weight, acc[u][v]);
-      }
-    }
-    for (; j < kv; ++j) {
-      const Lanes weight = lanes_set(scores[j]);
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[0][v] = lanes_fma(load_weights(values + j * value_stride + v * kLanes), weight, acc[0][v]);
-    }
-    const Lanes inverse = lanes_set(sum > 0.0f ? 1.0f / sum : 0.0f);
-    alignas(64) float result[kHeadDim];
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) lanes_store(result + v * kLanes, lanes_mul(lanes_add(acc[0][v], acc[1][v]), inverse));
-    for (int64_t d = 0; d < kHeadDim; ++d) store_value(out + r * out_stride + d, result[d]);
+    for (int u = 0; u < 4; ++u) scores[j + u] *= scale;
   }
+  for (; j < kv; ++j) scores[j] = lanes_sum(row.dot(keys + j * key_stride)) * scale;
+  if (visible != nullptr)
+    for (int64_t k = 0; k < kv; ++k)
+      if (!visible[k]) scores[k] = -INFINITY;
+  const float sum = softmax_weights(scores, kv);
+  // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop
+  Lanes acc[2][NV];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = lanes_zero();
+  j = 0;
+  for (; j + 2 <= kv; j += 2) {
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; ++u) {
+      const Lanes weight = lanes_set(scores[j + u]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v)
+        acc[u][v] = lanes_fma(load_weights(values + (j + u) * value_stride + v * kLanes), weight, acc[u][v]);
+    }
+  }
+  for (; j < kv; ++j) {
+    const Lanes weight = lanes_set(scores[j]);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[0][v] = lanes_fma(load_weights(values + j * value_stride + v * kLanes), weight, acc[0][v]);
+  }
+  const Lanes inverse = lanes_set(sum > 0.0f ? 1.0f / sum : 0.0f);
+  alignas(64) float result[kHeadDim];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) lanes_store(result + v * kLanes, lanes_mul(lanes_add(acc[0][v], acc[1][v]), inverse));
+  for (int64_t d = 0; d < kHeadDim; ++d) store_value(out + d, result[d]);
 }
 
 template <typename T, typename Raw>
@@ -700,31 +684,32 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   // one (query head, row) per unit: a verify's rows spread evenly over the threads (9 heads of one row
   // split 5 : 4 over two)
   at::parallel_for(0, heads * q, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kv), rows(head_dim), sums(1);
+    std::vector<float> scores(kv), sums(head_dim);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t h = unit / q, r = unit % q;
       const int64_t g = h / groups;  // the KV head this query head reads (transformers' repeat_kv order)
       const Raw* row_query = query_data + h * query.stride(1) + r * query.stride(2);
       const Raw* head_keys = key_data + g * key.stride(1);
       const Raw* head_values = value_data + g * value.stride(1);
-      const bool* row_mask = mask != nullptr ? mask + r * kv : nullptr;
+      const bool* visible = mask != nullptr ? mask + r * kv : nullptr;
       Raw* row_out = reinterpret_cast<Raw*>(out_data) + (r * heads + h) * head_dim;
+      const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
       switch (nv) {
         case 4:
-          attend_head_vectors<4>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
-                                 kv, scale, row_out, 0, scores.data());
+          attend_row_vectors<4>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                                row_out, scores.data());
           break;
         case 8:
-          attend_head_vectors<8>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
-                                 kv, scale, row_out, 0, scores.data());
+          attend_row_vectors<8>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                                row_out, scores.data());
           break;
         case 16:
-          attend_head_vectors<16>(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1,
-                                  kv, scale, row_out, 0, scores.data());
+          attend_row_vectors<16>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                                 row_out, scores.data());
           break;
         default:
-          attend_head(row_query, 0, head_keys, key.stride(2), head_values, value.stride(2), row_mask, 1, kv, head_dim,
-                      scale, row_out, 0, scores.data(), rows.data(), sums.data());
+          attend_row(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale,
+                     row_out, scores.data(), sums.data());
       }
     }
   });
