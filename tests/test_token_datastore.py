@@ -902,20 +902,9 @@ def test_rest_drafts_a_stored_answer_from_the_shipped_corpus(embedded):
     assert len(tokens) / len(steps) > 3
 
 
-def test_a_corpus_of_another_tokenizer_is_refused_or_skipped_as_configured(caplog):
-    """The shipped chat corpus holds SmolLM2's ids. For another model REST refuses it; the default
-    pipeline (rag_lookahead, skip_other_tokenizer) goes on without that source and says so."""
-    import logging
-
-    from specpipe.types import DecodeState
-
+def test_a_corpus_of_another_tokenizer_is_refused_before_its_store_is_loaded():
+    """The shipped chat corpus holds SmolLM2's ids: for another tokenizer REST refuses it with one message,
+    whether or not the store built from it exists already."""
     corpus = str(REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet")
     with pytest.raises(StoreError, match="holds token ids of another tokenizer.*task=build_store"):
         RestRetriever(TOKENIZER, corpus=corpus, store="chat_distill")
-    with caplog.at_level(logging.WARNING):
-        skipping = RestRetriever(TOKENIZER, corpus=corpus, store="chat_distill", skip_other_tokenizer=True)
-    assert not skipping.available
-    assert "proposes nothing for this model" in caplog.text and "pipeline.proposers.rest.path" in caplog.text
-    state = DecodeState(tokens=[3, 4, 5], prompt_length=2)
-    skipping.reset(state)
-    assert len(skipping.propose(state)) == 0

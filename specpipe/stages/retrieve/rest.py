@@ -2,7 +2,6 @@
 suffix in a token datastore, the most frequent continuations merged into a trie."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from specpipe import distributed
@@ -12,8 +11,6 @@ from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSeq
 from specpipe.stores.manifest import sha256_file
 from specpipe.stores.token_datastore import DatastoreMatch, TokenDatastore, TokenStore, default_store_path
 from specpipe.types import DecodeState, Proposal, VerifyResult
-
-log = logging.getLogger(__name__)
 
 
 class RestRetriever:
@@ -31,12 +28,6 @@ class RestRetriever:
     1, 2, ...) are proposed too, each as its own trie with its own frequency ratios, merged by
     prefix (a node in several keeps its best score). A long match is often one occurrence whose
     continuation is an accident of one answer; a shorter one counts what usually follows.
-
-    `skip_other_tokenizer`: where the datastore would be built from `corpus` (no `path` given) and that
-    corpus holds another tokenizer's ids (the shipped chat corpus is SmolLM2's), this source proposes
-    nothing and says so once in the log, instead of refusing the pipeline: rag_lookahead, the default
-    pipeline, drafts from it for the embedded model and still serves every other model. `available`
-    tells which.
     """
 
     def __init__(self, tokenizer=None, path: str | None = None, store: str = "tokens_from_files",
@@ -44,7 +35,7 @@ class RestRetriever:
                  max_length: int = 16, max_occurrences: int = 256, shorter_spans: int = 0, prior: float = 0.5,
                  memory: float = float("inf"), verify_checksums: bool = False,
                  datastore: TokenStore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
-                 skip_other_tokenizer: bool = False, target=None) -> None:
+                 target=None) -> None:
         # `target` is what the pipeline builder hands every partial stage; REST has no use for it.
         if not 1 <= min_span <= max_span:
             raise ValueError(f"{name}: spans need 1 <= min_span <= max_span, got {min_span}, {max_span}")
@@ -53,45 +44,32 @@ class RestRetriever:
         if shorter_spans < 0:
             raise ValueError(f"{name}: shorter_spans must be >= 0 (0 = the longest match alone), got {shorter_spans}")
         self.name = name
-        self.max_span, self.min_span = max_span, min_span
-        self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
-        self.shorter_spans = shorter_spans
-        AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
-        self.prior, self.memory = prior, memory
-        self.datastore: TokenStore | None = datastore
         folder = Path(path).expanduser() if path else default_store_path(store)
         if datastore is None and corpus and not path:
             source = corpus_file(corpus, folder)
+            # refused before loading or building: the store of this corpus may exist, built for its tokenizer
             mismatch = corpus_tokenizer_mismatch(source, tokenizer)
-            if mismatch and not skip_other_tokenizer:
+            if mismatch:
                 raise StoreError(f"{name}: {mismatch}: build a datastore for this model with `python run.py "
                                  f"task=build_store store=tokens_from_files store.sources=[...]` and give its folder "
                                  f"as this proposer's `path`")
-            if mismatch:
-                log.warning("%s: proposes nothing for this model: %s. Build a datastore for it with `python run.py "
-                            "task=build_store store=tokens_from_files store.sources=[...]` and give its folder as this "
-                            "proposer's `path` (pipeline.proposers.rest.path in rag_lookahead), or remove the source "
-                            "(~pipeline.proposers.rest)", name, mismatch)
-                return
             # one store per corpus version: a corpus that grew (or changed) gets its own, built once
             folder = default_store_path(f"{store}-{sha256_file(source)[:12]}")
             with distributed.main_process_first():  # under torchrun one rank builds it, the others load it
                 if not folder.exists():
                     build_from_corpus(folder, source, ids_field, tokenizer)
-        if self.datastore is None:
-            self.datastore = TokenDatastore.load(folder, tokenizer, verify_checksums=verify_checksums)
-
-    @property
-    def available(self) -> bool:
-        """False where `skip_other_tokenizer` turned this source off (it proposes nothing)."""
-        return self.datastore is not None
+        self.datastore = datastore if datastore is not None else TokenDatastore.load(
+            folder, tokenizer, verify_checksums=verify_checksums)
+        self.max_span, self.min_span = max_span, min_span
+        self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
+        self.shorter_spans = shorter_spans
+        AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.prior, self.memory = prior, memory
 
     def reset(self, state: DecodeState) -> None:
         state.stage_state[self] = TrieSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory))
 
     def propose(self, state: DecodeState) -> Proposal:
-        if self.datastore is None:
-            return Proposal.empty(self.name)
         context = state.tokens[-self.max_span:]
         match = self.datastore.lookup(context, self.max_span, self.min_span, self.max_length,
                                       self.max_candidates, self.max_occurrences)
@@ -154,16 +132,12 @@ def corpus_tokenizer_mismatch(source: Path, tokenizer) -> str:
 
 def build_from_corpus(folder: Path, source: Path, ids_field: str, tokenizer) -> None:
     """Builds the datastore at `folder` from a corpus of token ids shipped as Parquet (the
-    self-distilled chat answers in data/self_distill/): seconds, once per machine. A corpus whose
-    metadata names another tokenizer is refused before anything is built."""
+    self-distilled chat answers in data/self_distill/): seconds, once per machine. The caller has
+    checked the corpus's tokenizer (corpus_tokenizer_mismatch)."""
     import sys
 
     from specpipe.stores.token_datastore import TokenDatastoreBuilder
 
-    mismatch = corpus_tokenizer_mismatch(source, tokenizer)
-    if mismatch:
-        raise StoreError(f"{mismatch}: build a datastore for this model with "
-                         f"`python run.py task=build_store store=tokens_from_files store.sources=[...]`")
     print(f"specpipe: building the token datastore {folder} from {source} (once per corpus)", file=sys.stderr)
     TokenDatastoreBuilder(tokenizer, sources=[str(source)], out=str(folder), ids_field=ids_field,
                           progress=False).build()
