@@ -159,6 +159,10 @@ def test_malformed_jsonl_line_is_reported_with_its_line_number(tmp_path):
     (["bench.per_category=0"], InvalidRequest, "per_category must be a positive integer"),
     (["bench.categories=[chat,poetry]"], InvalidRequest, "unknown category 'poetry'"),
     (["model.dtype=bf16"], ConfigError, "bench.dtype=bf16"),
+    (["bench.compare=[no_such_pipeline]"], ConfigError, "no_such_pipeline"),
+    (["bench.compare=[vanilla]"], InvalidRequest, "'vanilla' is already a method of this run"),
+    (["pipeline=prompt_lookup", "bench.compare=[prompt_lookup]"], InvalidRequest, "'prompt_lookup' is already"),
+    (["bench.compare=[[prompt_lookup]]"], InvalidRequest, "bench.compare must list pipelines"),
 ])
 def test_bad_settings_stop_with_a_clear_error(prompts_file, tmp_path, overrides, error, message):
     cfg = compose_config(tiny_overrides(prompts_file, f"bench.out={tmp_path}", *overrides))
@@ -360,7 +364,7 @@ def rag_run(tmp_path_factory, tiny_mixed):
     prompts.write_text("".join(json.dumps(q) + "\n" for q in RAG_QUESTIONS))
     cfg = compose_config(tiny_overrides(prompts, "pipeline=rag_lookahead", f"pipeline.augment.path={folder / 'store'}",
                                         "pipeline.proposers.ngram.max_length=1", "bench.max_new_tokens=16",
-                                        f"bench.out={folder / 'out'}"))
+                                        "bench.compare=[prompt_lookup,lookahead_trie]", f"bench.out={folder / 'out'}"))
     summary = run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
     return folder / "out", summary, build_pipeline(cfg, loaded=tiny_mixed.loaded)
 
@@ -368,11 +372,14 @@ def rag_run(tmp_path_factory, tiny_mixed):
 def test_rag_methods_all_run_on_the_same_augmented_prompt(rag_run):
     out, summary, pipeline = rag_run
     frame = pd.read_parquet(out / "results.parquet")
-    assert set(frame["method"]) == {"hf_generate", "hf_pld", "vanilla", "rag_lookahead"}
+    # bench.compare's pipelines ran as methods of their own, on the same target and augmented prompts
+    assert set(frame["method"]) == {"hf_generate", "hf_pld", "vanilla", "rag_lookahead", "prompt_lookup",
+                                    "lookahead_trie"}
+    assert summary["meta"]["methods"][-2:] == ["prompt_lookup", "lookahead_trie"]
     for question in RAG_QUESTIONS:
         rows = frame[frame["question_id"] == question["question_id"]]
         first_turns = {tuple(row.prompt_ids[0]) for row in rows.itertuples()}
-        assert len(first_turns) == 1  # hf_generate, hf_pld, vanilla and the pipeline saw the same ids
+        assert len(first_turns) == 1  # every method (the compared pipelines too) saw the same ids
         (prompt,) = first_turns
         plain = pipeline.encode([{"role": "user", "content": question["turns"][0]}])
         assert len(prompt) > len(plain) + 20  # the chunks went into it

@@ -80,6 +80,27 @@ def build_pipeline(cfg: DictConfig, loaded: LoadedModel | None = None) -> Pipeli
     """Instantiates every stage of `cfg.pipeline` around the target model `cfg.model`."""
     loaded = loaded or load_model(cfg.model)
     target, engine = build_target(cfg, loaded)
+    return assemble_pipeline(cfg, target, loaded, engine)
+
+
+def with_pipeline(cfg: DictConfig, name: str) -> DictConfig:
+    """`cfg` with its `pipeline` node replaced by the one `pipeline=NAME` composes (conf/pipeline/NAME.yaml
+    and its defaults): another pipeline on the same model, engine and settings."""
+    overrides = [f"pipeline={name}"]
+    if GlobalHydra.instance().is_initialized():  # inside run.py's app: compose from its own search path
+        try:
+            node = compose(config_name="config", overrides=overrides).pipeline
+        except HydraException as error:
+            raise ConfigError(str(error)) from None
+    else:
+        node = compose_config(overrides).pipeline
+    other = cfg.copy()
+    other.pipeline = node
+    return other
+
+
+def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel, engine: Engine) -> Pipeline:
+    """The stages of `cfg.pipeline` around a target `build_target` made: several pipelines can share one."""
     pipeline_cfg = cfg.pipeline
     proposers = [_build_source(stage_cfg, f"pipeline.proposers.{key}", target, loaded, engine)
                  for key, stage_cfg in (pipeline_cfg.get("proposers") or {}).items()]

@@ -11,7 +11,10 @@ every method of `bench.methods` over them:
 - `hf_pld`: transformers' prompt lookup decoding (`prompt_lookup_num_tokens=bench.pld_tokens`),
 - `vanilla`: specpipe's own loop with no drafting, on the same target and engine (the
   baseline that isolates the gain of drafting from the gain of the engine),
-- `pipeline`: the configured specpipe pipeline (reported under its own name).
+- `pipeline`: the configured specpipe pipeline (reported under its own name),
+- and each pipeline of `bench.compare` (conf/pipeline/ names, e.g. `[prompt_lookup,lookahead_trie]`),
+  built on the same target and run on the same prompts, reported under its own name: a comparison of
+  pipelines inside one run, question by question, where separate jobs would differ by the machine's drift.
 
 The HF methods run on a separate stock instance of the model when the pipeline's engine
 rewrites its own (`engine=fast`), so `hf_generate` stays transformers' forward.
@@ -46,7 +49,7 @@ from transformers.generation.streamers import BaseStreamer
 from specpipe import distributed
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
-from specpipe.pipelines.builder import CONFIG_DIR, build_pipeline, load_model
+from specpipe.pipelines.builder import CONFIG_DIR, assemble_pipeline, build_target, load_model, with_pipeline
 from specpipe.pipelines.pipeline import GenerationStats, Pipeline, PreparedPrompt
 
 REFERENCE = "hf_generate"
@@ -370,6 +373,7 @@ class BenchSettings:
     max_new_tokens: int
     dtype: str
     methods: tuple[str, ...]
+    compare: tuple[str, ...]  # further pipelines (conf/pipeline/ names) run as methods of their own
     warmup: int
     pld_tokens: int
     categories: tuple[str, ...] | None
@@ -400,11 +404,25 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         max_new_tokens=max_new_tokens,
         dtype=str(bench.dtype),
         methods=tuple(bench.get("methods") or ()),
+        compare=read_compare(bench.get("compare")),
         warmup=warmup,
         pld_tokens=int(bench.get("pld_tokens") or 10),
         categories=tuple(categories) if categories else None,
         out=output_dir(bench.get("out")),
     )
+
+
+def read_compare(compare: object) -> tuple[str, ...]:
+    """bench.compare: a list of conf/pipeline/ names (one name alone is taken as a list of one)."""
+    if compare is None:
+        return ()
+    if isinstance(compare, str):
+        compare = [compare]
+    names = list(compare) if not isinstance(compare, (Mapping, DictConfig)) else None
+    if names is None or not all(isinstance(name, str) and name for name in names):
+        raise InvalidRequest(f"bench.compare must list pipelines of conf/pipeline/, e.g. [prompt_lookup,lookahead_trie]; "
+                             f"got {compare!r}")
+    return tuple(names)
 
 
 def read_groups(groups: object) -> dict[str, str]:
@@ -461,13 +479,22 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
     questions = select_questions(read_questions(settings.prompts), settings.per_category, settings.categories)
     if not questions:
         raise InvalidRequest(f"{settings.prompts} holds no questions; nothing to benchmark")
-    pipeline = build_pipeline(cfg, loaded=loaded)
+    given_model = loaded is not None
+    loaded = loaded or load_model(cfg.model)
+    target, engine = build_target(cfg, loaded)
+    pipeline = assemble_pipeline(cfg, target, loaded, engine)
+    compared = [assemble_pipeline(with_pipeline(cfg, name), target, loaded, engine) for name in settings.compare]
     if hf_model is None and pipeline.target.engine != "hf" and {REFERENCE, HF_PLD} & set(settings.methods):
-        if loaded is not None:
+        if given_model:
             raise ValueError("run_bench(loaded=...) with an engine that rewrites the model needs hf_model=, a "
                              "stock instance with the same weights for the HF methods")
         hf_model = load_model(cfg.model).model  # stock weights and forward for the HF methods
     methods = make_methods(settings.methods, pipeline, settings.pld_tokens, hf_model)
+    for other in compared:
+        if other.name in methods or other.name in (REFERENCE, HF_PLD, VANILLA, PIPELINE):
+            raise InvalidRequest(f"bench.compare: {other.name!r} is already a method of this run "
+                                 f"({', '.join(methods)}); compare other pipelines")
+        methods[other.name] = PipelineDecode(other)
     print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}) on "
           f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
           f"warm-up {settings.warmup}", file=sys.stderr)
