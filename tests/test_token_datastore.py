@@ -118,33 +118,72 @@ def assert_matches_brute_force(store: TokenDatastore, documents, patterns, max_l
 
 # ---- lookups -----------------------------------------------------------------------------------
 
-# 0: every narrowing past the packed key goes through binary search; 10**9: through one gather.
-NARROWING = [0, 10**9]
+# How lookups run: in compiled C (specpipe.stores.suffix_lookup), or in numpy narrowing every range past
+# the packed key by binary search (limit 0) or by one gather (limit 10**9).
+LOOKUPS = ["native", "numpy-bisect", "numpy-gather"]
 
 
-@pytest.mark.parametrize("narrow_limit", NARROWING)
+def store_for(documents, lookup: str, monkeypatch) -> TokenDatastore:
+    if lookup != "native":
+        monkeypatch.setattr(token_datastore, "GATHER_NARROW_LIMIT", 0 if lookup == "numpy-bisect" else 10**9)
+    store = TokenDatastore.from_documents(documents, native=lookup == "native")
+    if lookup == "native" and store.native is None:
+        pytest.skip(f"the native lookup is not available here: {store.native_reason}")
+    return store
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
 @pytest.mark.parametrize("vocab", [2, 5, 300, 70000])  # 70000 needs 17-bit key fields (3 tokens a key)
-def test_lookups_equal_brute_force_on_random_corpora(vocab, narrow_limit, monkeypatch):
-    monkeypatch.setattr(token_datastore, "GATHER_NARROW_LIMIT", narrow_limit)
+def test_lookups_equal_brute_force_on_random_corpora(vocab, lookup, monkeypatch):
     rng = random.Random(vocab)
     for _ in range(8):
         documents = random_corpus(rng, vocab, documents=rng.randrange(1, 6), length=80)
         if not any(documents):
             continue
-        store = TokenDatastore.from_documents(documents)
+        store = store_for(documents, lookup, monkeypatch)
         assert len(store) == sum(map(len, documents))
         assert_matches_brute_force(store, documents, probe_patterns(rng, documents, vocab, 25))
 
 
-@pytest.mark.parametrize("narrow_limit", NARROWING)
-def test_lookups_equal_brute_force_on_repetitive_corpora(narrow_limit, monkeypatch):
-    monkeypatch.setattr(token_datastore, "GATHER_NARROW_LIMIT", narrow_limit)
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_lookups_equal_brute_force_on_repetitive_corpora(lookup, monkeypatch):
     rng = random.Random(7)
     documents = repetitive_corpus(rng, documents=12)
-    store = TokenDatastore.from_documents(documents)
+    store = store_for(documents, lookup, monkeypatch)
     patterns = probe_patterns(rng, documents, 6, 40)
     assert max(store.count(p) for p in patterns) > 300  # ranges large enough for the binary search
     assert_matches_brute_force(store, documents, patterns)
+
+
+@pytest.mark.parametrize("vocab", [2, 6, 70000])
+def test_the_native_lookup_equals_numpys_with_sampling_limits_and_unpackable_tokens(vocab):
+    """Beyond brute force's unlimited lookups: sampled occurrences, few candidates (ties), short
+    continuations and spans, and context tokens that cannot occur (negative, or past the key fields)."""
+    rng = random.Random(vocab)
+    if vocab == 2:
+        documents = random_corpus(rng, vocab, 30, 300)
+    else:  # motifs of 6 tokens; at 70000 their ids are the vocabulary's last (17-bit key fields)
+        documents = [[token + vocab - 6 for token in document] for document in repetitive_corpus(rng, documents=20)]
+    native, numpy_only = TokenDatastore.from_documents(documents), TokenDatastore.from_documents(documents, native=False)
+    if native.native is None:
+        pytest.skip(f"the native lookup is not available here: {native.native_reason}")
+    assert numpy_only.native is None
+    sampled = 0
+    for _ in range(1500):
+        document = rng.choice([d for d in documents if d])
+        end = rng.randrange(len(document)) + 1
+        context = document[max(0, end - 20):end]
+        if rng.random() < 0.2:
+            context = context + [rng.choice([-1, 1 << 20, vocab])]
+        max_span = rng.randrange(1, 17)
+        settings = dict(max_span=max_span, min_span=rng.randrange(1, max_span + 1), max_length=rng.randrange(1, 10),
+                        max_candidates=rng.randrange(1, 9), max_occurrences=rng.choice([1, 3, 17, 256, 10**6]))
+        match = native.lookup(context, **settings)
+        assert match == numpy_only.lookup(context, **settings), (context, settings)
+        sampled += match.sampled < match.occurrences
+    assert sampled > 50  # the sample of occurrences was exercised
+    with pytest.raises(ValueError, match="max_length, max_candidates and max_occurrences >= 1"):
+        native.lookup([1, 2], max_occurrences=0)
 
 
 def test_lookups_equal_on_disk_and_in_memory(tmp_path):

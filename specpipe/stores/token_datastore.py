@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from specpipe.errors import ConfigError, StoreError
 from specpipe.models import cache_root
+from specpipe.stores.suffix_lookup import NativeSuffixLookup
 from specpipe.stores.manifest import (MANIFEST, StoreManifest, check_fingerprint, read_manifest,
                                       tokenizer_fingerprint, verify_files, write_store)
 
@@ -99,7 +100,7 @@ class TokenDatastore:
     """Immutable, shareable between threads and requests: lookups only read the arrays."""
 
     def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray, prefix_keys: np.ndarray, key_bits: int,
-                 path: Path | None = None) -> None:
+                 path: Path | None = None, native: bool = True) -> None:
         # tokens [n] int32, suffix_array [m] int32|int64, prefix_keys [m] uint64
         self.tokens = tokens
         self.suffix_array = suffix_array
@@ -109,30 +110,38 @@ class TokenDatastore:
         self.path = path
         # Pattern tokens that cannot be packed cannot occur in the corpus either.
         self._token_limit = (1 << key_bits) - 1
+        # `lookup` in compiled C where it builds (specpipe.stores.suffix_lookup), else in numpy;
+        # `native_reason` says why not
+        self.native: NativeSuffixLookup | None = None
+        self.native_reason = "native=False"
+        if native:
+            self.native, self.native_reason = _native_lookup(self)
 
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_documents(cls, documents: Iterable[Sequence[int]]) -> "TokenDatastore":
-        """An in-memory datastore (nothing written), e.g. for a small corpus known at run time."""
+    def from_documents(cls, documents: Iterable[Sequence[int]], native: bool = True) -> "TokenDatastore":
+        """An in-memory datastore (nothing written), e.g. for a small corpus known at run time;
+        `native=False` keeps the numpy lookup."""
         tokens, _ = _concatenate(documents, vocab_size=None)
         suffix_array, prefix_keys, key_bits = _index(tokens)
-        return cls(tokens, suffix_array, prefix_keys, key_bits)
+        return cls(tokens, suffix_array, prefix_keys, key_bits, native=native)
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer=None,
-             verify_checksums: bool = False) -> "TokenDatastore | ShardedTokenDatastore":
+    def load(cls, path: str | Path, tokenizer=None, verify_checksums: bool = False,
+             native: bool = True) -> "TokenDatastore | ShardedTokenDatastore":
         """Memory-maps a built store, one-shard or sharded (then a `ShardedTokenDatastore`, which
-        has the same lookups); refuses one built for a tokenizer other than `tokenizer`."""
+        has the same lookups); refuses one built for a tokenizer other than `tokenizer`. `native=False`
+        keeps a one-shard store's lookup in numpy (sharded stores always merge their shards in numpy)."""
         path = Path(path).expanduser()
         manifest = read_manifest(path, KIND, (FORMAT_VERSION, SHARDED_FORMAT_VERSION))
         if manifest.format_version == SHARDED_FORMAT_VERSION:
             return ShardedTokenDatastore.from_manifest(path, manifest, tokenizer, verify_checksums)
-        return cls.from_manifest(path, manifest, tokenizer, verify_checksums)
+        return cls.from_manifest(path, manifest, tokenizer, verify_checksums, native)
 
     @classmethod
     def from_manifest(cls, path: Path, manifest: StoreManifest, tokenizer=None,
-                      verify_checksums: bool = False) -> "TokenDatastore":
+                      verify_checksums: bool = False, native: bool = True) -> "TokenDatastore":
         """load() once the format-1 `manifest` of the store at `path` has been read."""
         missing = {TOKENS_FILE, SUFFIX_ARRAY_FILE, PREFIX_KEYS_FILE} - set(manifest.files)
         if missing:
@@ -151,7 +160,7 @@ class TokenDatastore:
             raise StoreError(f"{KIND} at {path}: its arrays disagree with each other or with the manifest "
                              f"(tokens {len(tokens)}, suffixes {len(suffix_array)}, keys {len(prefix_keys)}, "
                              f"manifest token_count {manifest.stats.get('token_count')}); rebuild the store")
-        return cls(tokens, suffix_array, prefix_keys, key_bits, path)
+        return cls(tokens, suffix_array, prefix_keys, key_bits, path, native=native)
 
     def __len__(self) -> int:
         """Real tokens in the corpus (separators excluded)."""
@@ -208,7 +217,14 @@ class TokenDatastore:
         order, a document's end below every token); the best `max_candidates` are returned in
         that (lexicographic) order.
         """
-        return merged_lookup([self], context, max_span, min_span, max_length, max_candidates, max_occurrences)
+        if self.native is None:
+            return merged_lookup([self], context, max_span, min_span, max_length, max_candidates, max_occurrences)
+        _check_lookup_limits(max_length, max_candidates, max_occurrences)
+        length, occurrences, sampled, continuations, prefix_counts = self.native.lookup(
+            list(context), max_span, min_span, max_length, max_candidates, max_occurrences)
+        if length == 0:
+            return DatastoreMatch.none()
+        return DatastoreMatch(length, occurrences, sampled, continuations, prefix_counts)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -282,7 +298,7 @@ class ShardedTokenDatastore:
     @classmethod
     def from_documents(cls, documents: Iterable[Sequence[int]], shard_tokens: int) -> "ShardedTokenDatastore":
         """In memory, cut into shards exactly as a build with this `shard_tokens` would cut them."""
-        shards = [TokenDatastore(tokens, *_index(tokens))
+        shards = [TokenDatastore(tokens, *_index(tokens), native=False)
                   for tokens, _, _ in _shards_of(enumerate(documents), shard_tokens, vocab_size=None)]
         if not shards:
             raise StoreError("the corpus holds no tokens: every source is empty, so there is nothing to index")
@@ -324,7 +340,7 @@ class ShardedTokenDatastore:
                 raise StoreError(f"sharded {KIND} at {path}: shard {entry['name']} holds "
                                  f"{shard_manifest.stats.get('token_count')} tokens, the store's manifest says "
                                  f"{entry.get('token_count')} (a shard from another build?); rebuild the store")
-            shards.append(TokenDatastore.from_manifest(folder, shard_manifest))  # sizes were checked above
+            shards.append(TokenDatastore.from_manifest(folder, shard_manifest, native=False))  # sizes were checked above
         total = sum(len(shard) for shard in shards)
         if total != manifest.stats.get("token_count"):
             raise StoreError(f"sharded {KIND} at {path}: its shards hold {total} tokens, the manifest says "
@@ -400,9 +416,7 @@ def merged_lookup(shards: Sequence[TokenDatastore], context: Sequence[int], max_
     sorted as one suffix-array range would order them, so `_distinct_continuations` (and its
     tie-break) sees the same rows whichever way the corpus was cut whenever nothing was sampled out.
     """
-    if max_length < 1 or max_candidates < 1 or max_occurrences < 1:
-        raise ValueError(f"lookup needs max_length, max_candidates and max_occurrences >= 1, got "
-                         f"{max_length}, {max_candidates}, {max_occurrences}")
+    _check_lookup_limits(max_length, max_candidates, max_occurrences)
     length, ranges = _longest_in_shards(shards, context, max_span, min_span)
     if length == 0:
         return DatastoreMatch.none()
@@ -422,6 +436,23 @@ def merged_lookup(shards: Sequence[TokenDatastore], context: Sequence[int], max_
         followers = followers[np.lexsort(followers.T[::-1])]  # rows in order, first column most significant
     continuations, prefix_counts = _distinct_continuations(followers, max_candidates)
     return DatastoreMatch(length, occurrences, sampled, continuations, prefix_counts)
+
+
+def _check_lookup_limits(max_length: int, max_candidates: int, max_occurrences: int) -> None:
+    if max_length < 1 or max_candidates < 1 or max_occurrences < 1:
+        raise ValueError(f"lookup needs max_length, max_candidates and max_occurrences >= 1, got "
+                         f"{max_length}, {max_candidates}, {max_occurrences}")
+
+
+def _native_lookup(store: "TokenDatastore") -> tuple[NativeSuffixLookup | None, str]:
+    """The compiled lookup bound to `store`'s arrays, or (None, why not)."""
+    arrays = (store.tokens, store.suffix_array, store.prefix_keys)
+    if not all(array.flags.c_contiguous for array in arrays) or store.tokens.dtype != np.int32:
+        return None, "the store's arrays are not contiguous int32 / int32|int64 / uint64 arrays"
+    library, reason = NativeSuffixLookup.build(cache_root() / "native")
+    if library is None:
+        return None, reason
+    return NativeSuffixLookup(library, *arrays, store.key_bits), ""
 
 
 def _distinct_continuations(followers: np.ndarray, max_candidates: int) -> tuple[list[list[int]], list[list[int]]]:

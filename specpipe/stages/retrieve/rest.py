@@ -33,7 +33,7 @@ class RestRetriever:
     def __init__(self, tokenizer=None, path: str | None = None, store: str = "tokens_from_files",
                  name: str = "token_datastore", max_span: int = 16, min_span: int = 2, max_candidates: int = 8,
                  max_length: int = 16, max_occurrences: int = 256, shorter_spans: int = 0, prior: float = 0.5,
-                 memory: float = float("inf"), verify_checksums: bool = False,
+                 memory: float = float("inf"), verify_checksums: bool = False, native_lookup: bool = True,
                  datastore: TokenStore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
                  target=None) -> None:
         # `target` is what the pipeline builder hands every partial stage; REST has no use for it.
@@ -59,7 +59,7 @@ class RestRetriever:
                 if not folder.exists():
                     build_from_corpus(folder, source, ids_field, tokenizer)
         self.datastore = datastore if datastore is not None else TokenDatastore.load(
-            folder, tokenizer, verify_checksums=verify_checksums)
+            folder, tokenizer, verify_checksums=verify_checksums, native=native_lookup)
         self.max_span, self.min_span = max_span, min_span
         self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
         self.shorter_spans = shorter_spans
