@@ -528,7 +528,7 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
 def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, dtype, tolerance):
     """The decoding attention of each build against SDPA in fp32: head sizes of its register paths (64 and
     128, and 32 on the AVX2 build; bf16 keys times bf16 queries in pairs on the AVX512_BF16 build) and odd ones, 1-13 query rows under ancestor masks, keys and values
-    read as strided rows of a larger cache, grouped query heads."""
+    read as strided rows of a larger cache, 1, 3, 4 and 8 query heads per KV head."""
     from specpipe.engine import cpu_kernel
 
     attention = cpu_kernel._build(None, isa).tree_attention
@@ -548,6 +548,16 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
             assert got.shape == (1, q, 9, head_dim) and got.dtype == dtype and got.is_contiguous()
             torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0,
                                        msg=lambda m: f"head_dim {head_dim}, {q} rows, {kv} keys: {m}")
+            if (q, kv) not in ((1, 300), (5, 64)):
+                continue
+            # other numbers of query heads per KV head: one (no grouping), and 4 and 8, which attend in
+            # chunks of 4, 2 or 1 heads together depending on the head size and the build
+            for groups in (1, 4, 8):
+                query = torch.randn(1, 3 * groups, q, head_dim, generator=generator).to(dtype) * 3
+                expected = cpu_kernel.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
+                got = attention(query, key, value, mask, head_dim ** -0.5)
+                torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0,
+                                           msg=lambda m: f"head_dim {head_dim}, {groups} heads per KV head, {q} rows: {m}")
     # a masked key adds exactly nothing, however large its value
     key, value = torch.randn(2, 1, 1, 40, 64, generator=generator).to(dtype)
     value[:, :, -1] = 1e30

@@ -592,8 +592,9 @@ void attend_row(const T* query, const T* keys, int64_t key_stride, const T* valu
 // vectors widened to fp32; bf16 pairs on the AVX512_BF16 build (half the instructions, no widening).
 template <int NV, typename T>
 struct QueryRow {
+  static constexpr int kRegisters = NV;
   Lanes values[NV];
-  explicit QueryRow(const T* row) {
+  void load(const T* row) {
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) values[v] = load_weights(row + v * kLanes);
   }
@@ -609,8 +610,9 @@ struct QueryRow {
 template <int NV>
 struct QueryRow<NV, uint16_t> {
   static_assert(NV % 2 == 0, "bf16 pairs fill 512-bit registers two fp32 vectors' worth at a time");
+  static constexpr int kRegisters = NV / 2;
   __m512i pairs[NV / 2];
-  explicit QueryRow(const uint16_t* row) {
+  void load(const uint16_t* row) {
 #pragma GCC unroll 8
     for (int v = 0; v < NV / 2; ++v) pairs[v] = _mm512_loadu_si512(row + 32 * v);
   }
@@ -624,51 +626,129 @@ struct QueryRow<NV, uint16_t> {
 };
 #endif
 
-// attend_row for a head_dim of NV whole vectors (64 or 128 on either build): the query row and the
-// value sums stay in registers, four keys' dot products and two keys' value sums are in flight at once
-// (one dot product at a time waited on its chain of multiply-adds: 13 us per one-token layer of
-// SmolLM2-135M against 25 for SDPA). `scores` [kv] is scratch; `visible` as for attend_row.
+// How many query heads of one KV head attend together (G of attend_heads): their rows, and G x 4 dot
+// products in flight, must fit the registers beside the keys being read.
 template <int NV, typename T>
-void attend_row_vectors(const T* query, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
-                        const bool* visible, int64_t kv, float scale, T* out, float* scores) {
+constexpr int max_heads_together() {
+  constexpr int per_head = QueryRow<NV, T>::kRegisters;
+  return per_head * 4 <= kRegisters / 2 ? 4 : per_head * 2 <= kRegisters / 2 ? 2 : 1;
+}
+
+// One query row of G query heads that read the same KV head, for a head_dim of NV whole vectors (64 or
+// 128 on either build): softmax(q k^T * scale) v with fp32 sums, each key and value row read once for
+// all G heads. The query rows and the value sums stay in registers; four keys' dot products per head are
+// in flight at once (one at a time waited on its chain of multiply-adds). Grouped-query models read each
+// KV head for several query heads (SmolLM2-135M: 3, Llama-3-70B: 8): one head at a time re-read them
+// from the caches G times, so a verify's rows over long contexts waited on those reads (fp32, 1200
+// cached tokens: 182 us per layer for 8 rows). `scores` [G, kv] is scratch; `visible` [kv] or null.
+template <int NV, int G, typename T>
+void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
+                  const bool* visible, int64_t kv, float scale, T* const* outs, float* scores) {
   constexpr int64_t kHeadDim = NV * kLanes;
-  const QueryRow<NV, T> row(query);
+  QueryRow<NV, T> rows[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) rows[g].load(queries[g]);
   int64_t j = 0;
   for (; j + 4 <= kv; j += 4) {
-    lanes_sum4(row.dot(keys + j * key_stride), row.dot(keys + (j + 1) * key_stride),
-               row.dot(keys + (j + 2) * key_stride), row.dot(keys + (j + 3) * key_stride), scores + j);
 #pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) scores[j + u] *= scale;
+    for (int g = 0; g < G; ++g) {
+      lanes_sum4(rows[g].dot(keys + j * key_stride), rows[g].dot(keys + (j + 1) * key_stride),
+                 rows[g].dot(keys + (j + 2) * key_stride), rows[g].dot(keys + (j + 3) * key_stride),
+                 scores + g * kv + j);
+    }
   }
-  for (; j < kv; ++j) scores[j] = lanes_sum(row.dot(keys + j * key_stride)) * scale;
-  if (visible != nullptr)
-    for (int64_t k = 0; k < kv; ++k)
-      if (!visible[k]) scores[k] = -INFINITY;
-  const float sum = softmax_weights(scores, kv);
-  // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop
-  Lanes acc[2][NV];
+  for (; j < kv; ++j)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) scores[g * kv + j] = lanes_sum(rows[g].dot(keys + j * key_stride));
+  float inverse[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    float* head_scores = scores + g * kv;
+    for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
+    if (visible != nullptr)
+      for (int64_t k = 0; k < kv; ++k)
+        if (!visible[k]) head_scores[k] = -INFINITY;
+    const float sum = softmax_weights(head_scores, kv);
+    inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop; one head
+  // alone sums even and odd keys apart, which keeps as many multiply-adds in flight as G heads do
+  constexpr int kSplit = G == 1 ? 2 : 1;
+  Lanes acc[kSplit][G][NV];
+  for (int u = 0; u < kSplit; ++u)
+    for (int g = 0; g < G; ++g)
 #pragma GCC unroll 16
-  for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = lanes_zero();
+      for (int v = 0; v < NV; ++v) acc[u][g][v] = lanes_zero();
   j = 0;
-  for (; j + 2 <= kv; j += 2) {
+  for (; j + kSplit <= kv; j += kSplit) {
 #pragma GCC unroll 2
-    for (int u = 0; u < 2; ++u) {
-      const Lanes weight = lanes_set(scores[j + u]);
+    for (int u = 0; u < kSplit; ++u) {
+      Lanes weight[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) weight[g] = lanes_set(scores[g * kv + j + u]);
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v)
-        acc[u][v] = lanes_fma(load_weights(values + (j + u) * value_stride + v * kLanes), weight, acc[u][v]);
+      for (int v = 0; v < NV; ++v) {
+        const Lanes value = load_weights(values + (j + u) * value_stride + v * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[u][g][v] = lanes_fma(value, weight[g], acc[u][g][v]);
+      }
     }
   }
   for (; j < kv; ++j) {
-    const Lanes weight = lanes_set(scores[j]);
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[0][v] = lanes_fma(load_weights(values + j * value_stride + v * kLanes), weight, acc[0][v]);
+    for (int v = 0; v < NV; ++v) {
+      const Lanes value = load_weights(values + j * value_stride + v * kLanes);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[0][g][v] = lanes_fma(value, lanes_set(scores[g * kv + j]), acc[0][g][v]);
+    }
   }
-  const Lanes inverse = lanes_set(sum > 0.0f ? 1.0f / sum : 0.0f);
   alignas(64) float result[kHeadDim];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const Lanes head_inverse = lanes_set(inverse[g]);
 #pragma GCC unroll 16
-  for (int v = 0; v < NV; ++v) lanes_store(result + v * kLanes, lanes_mul(lanes_add(acc[0][v], acc[1][v]), inverse));
-  for (int64_t d = 0; d < kHeadDim; ++d) store_value(out + d, result[d]);
+    for (int v = 0; v < NV; ++v) {
+      Lanes total = acc[0][g][v];
+      if (kSplit == 2) total = lanes_add(total, acc[kSplit - 1][g][v]);
+      lanes_store(result + v * kLanes, lanes_mul(total, head_inverse));
+    }
+    for (int64_t d = 0; d < kHeadDim; ++d) store_value(outs[g] + d, result[d]);
+  }
+}
+
+// The query heads [first, first + count) of one KV head over one row, `count` of them together where the
+// head size has a vector path (count <= max_heads_together), else one at a time through attend_row.
+template <int NV, typename T>
+void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t key_stride, const T* values,
+                     int64_t value_stride, const bool* visible, int64_t kv, float scale, T* const* outs,
+                     float* scores) {
+  switch (count) {
+    case 4:
+      if constexpr (max_heads_together<NV, T>() >= 4)
+        return attend_heads<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+    case 3:
+      if constexpr (max_heads_together<NV, T>() >= 3)
+        return attend_heads<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+    case 2:
+      if constexpr (max_heads_together<NV, T>() >= 2)
+        return attend_heads<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+  }
+  for (int g = 0; g < count; ++g)
+    attend_heads<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g, scores);
+}
+
+// How many query heads attend together: the largest count up to the vector path's limit that divides the
+// heads per KV head (so every unit of work is alike), 1 without a vector path.
+template <typename T>
+int heads_together(int nv, int64_t groups) {
+  const int limit = nv == 4 ? max_heads_together<4, T>() : nv == 8 ? max_heads_together<8, T>()
+                    : nv == 16 ? max_heads_together<16, T>() : 1;
+  for (int count = std::min<int64_t>(limit, groups); count > 1; --count)
+    if (groups % count == 0) return count;
+  return 1;
 }
 
 template <typename T, typename Raw>
@@ -679,37 +759,44 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   const Raw* query_data = reinterpret_cast<const Raw*>(query.data_ptr<T>());
   const Raw* key_data = reinterpret_cast<const Raw*>(key.data_ptr<T>());
   const Raw* value_data = reinterpret_cast<const Raw*>(value.data_ptr<T>());
-  T* out_data = out.data_ptr<T>();
+  Raw* out_data = reinterpret_cast<Raw*>(out.data_ptr<T>());
   const int nv = head_dim == kLanes * 4 ? 4 : head_dim == kLanes * 8 ? 8 : head_dim == kLanes * 16 ? 16 : 0;
-  // one (query head, row) per unit: a verify's rows spread evenly over the threads (9 heads of one row
-  // split 5 : 4 over two)
-  at::parallel_for(0, heads * q, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kv), sums(head_dim);
+  const int together = heads_together<Raw>(nv, groups);
+  const int64_t chunks = groups / together;  // per KV head
+  const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
+  // one (KV head, chunk of its query heads, row) per unit, the rows of one chunk next to each other (they
+  // read the same keys); a verify's units spread evenly over the threads
+  at::parallel_for(0, kv_heads * chunks * q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(together * kv), sums(head_dim);
+    const Raw* queries[4];
+    Raw* outs[4];
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t h = unit / q, r = unit % q;
-      const int64_t g = h / groups;  // the KV head this query head reads (transformers' repeat_kv order)
-      const Raw* row_query = query_data + h * query.stride(1) + r * query.stride(2);
+      const int64_t r = unit % q, chunk = unit / q;
+      const int64_t g = chunk / chunks;  // the KV head (transformers' repeat_kv order: heads g*groups...)
+      const int64_t first = g * groups + (chunk % chunks) * together;
       const Raw* head_keys = key_data + g * key.stride(1);
       const Raw* head_values = value_data + g * value.stride(1);
       const bool* visible = mask != nullptr ? mask + r * kv : nullptr;
-      Raw* row_out = reinterpret_cast<Raw*>(out_data) + (r * heads + h) * head_dim;
-      const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
+      for (int i = 0; i < together; ++i) {
+        queries[i] = query_data + (first + i) * query.stride(1) + r * query.stride(2);
+        outs[i] = out_data + (r * heads + first + i) * head_dim;
+      }
       switch (nv) {
         case 4:
-          attend_row_vectors<4>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                                row_out, scores.data());
+          attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                             outs, scores.data());
           break;
         case 8:
-          attend_row_vectors<8>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                                row_out, scores.data());
+          attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                             outs, scores.data());
           break;
         case 16:
-          attend_row_vectors<16>(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                                 row_out, scores.data());
+          attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
+                              outs, scores.data());
           break;
         default:
-          attend_row(row_query, head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale,
-                     row_out, scores.data(), sums.data());
+          attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale,
+                     outs[0], scores.data(), sums.data());
       }
     }
   });
