@@ -319,12 +319,17 @@ def test_prompt_lookup_reports_the_share_of_tokens_from_its_proposer(bench_run):
 def test_warm_up_answers_do_not_enter_the_store_of_past_outputs(tiny_mixed, prompts_file):
     from specpipe.tasks.bench import make_methods, run_methods
 
+    from specpipe.tasks.bench import PipelineDecode
+
     pipeline = tiny_mixed.pipeline("lookahead_trie", "+retriever@pipeline.proposers.past=past_outputs", fresh=True)
-    (past,) = [p for p in pipeline.decoder.proposers if p.name == "past_outputs"]
+    compared = tiny_mixed.pipeline("prompt_lookup", "+retriever@pipeline.proposers.past=past_outputs", fresh=True)
+    stores = [p for pipe in (pipeline, compared) for p in pipe.decoder.proposers if p.name == "past_outputs"]
     questions = read_questions(prompts_file)
-    run_methods(pipeline, make_methods(["pipeline"], pipeline, 10), questions, 4, warmup=2, progress=False)
-    assert len(past.store) == sum(len(q.turns) for q in questions)  # the counted answers, not the warm-up's
-    assert past.learn is True
+    methods = make_methods(["pipeline"], pipeline, 10) | {"prompt_lookup": PipelineDecode(compared)}  # bench.compare's
+    run_methods(pipeline, methods, questions, 4, warmup=2, progress=False)
+    for past in stores:
+        assert len(past.store) == sum(len(q.turns) for q in questions)  # the counted answers, not the warm-up's
+        assert past.learn is True
 
 
 # ---- RAG: every method on the same augmented prompt --------------------------------------------

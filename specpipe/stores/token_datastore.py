@@ -49,9 +49,9 @@ from tqdm.auto import tqdm
 
 from specpipe.errors import ConfigError, StoreError
 from specpipe.models import cache_root
-from specpipe.stores.suffix_lookup import NativeSuffixLookup
 from specpipe.stores.manifest import (MANIFEST, StoreManifest, check_fingerprint, read_manifest,
                                       tokenizer_fingerprint, verify_files, write_store)
+from specpipe.stores.suffix_lookup import NativeSuffixLookup
 
 KIND = "token_datastore"
 FORMAT_VERSION = 1  # one suffix array: a one-shard store, and every shard of a sharded one

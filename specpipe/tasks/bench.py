@@ -332,10 +332,10 @@ def run_question(pipeline: Pipeline, method_name: str, method: Method, question:
 
 
 @contextmanager
-def learning_paused(pipeline: Pipeline) -> Iterator[None]:
+def learning_paused(*pipelines: Pipeline) -> Iterator[None]:
     """Stages that learn from finished answers (the store of past outputs) learn nothing during the
     warm-up: the counted run of the same question would otherwise draft from its own earlier answer."""
-    learners = [p for p in pipeline.decoder.proposers if getattr(p, "learn", False) is True]
+    learners = [p for pipeline in pipelines for p in pipeline.decoder.proposers if getattr(p, "learn", False) is True]
     for proposer in learners:
         proposer.learn = False
     try:
@@ -349,7 +349,9 @@ def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Seque
                 max_new_tokens: int, warmup: int = 1, progress: bool = True) -> list[QuestionRun]:
     """Warms every method up on the first `warmup` questions (not counted), then runs each question
     through every method in turn (interleaved, so slow drift of the machine hits all methods alike)."""
-    with learning_paused(pipeline):
+    # the configured pipeline's and bench.compare's
+    decoding = [method.pipeline for method in methods.values() if isinstance(method, PipelineDecode)]
+    with learning_paused(pipeline, *decoding):
         for question in questions[:warmup]:
             prepared: dict[str, PreparedPrompt] = {}
             for name, method in methods.items():
