@@ -947,3 +947,16 @@ def test_a_corpus_of_another_tokenizer_is_refused_before_its_store_is_loaded():
     corpus = str(REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet")
     with pytest.raises(StoreError, match="holds token ids of another tokenizer.*task=build_store"):
         RestRetriever(TOKENIZER, corpus=corpus, store="chat_distill")
+
+
+def test_without_a_working_compiler_the_datastore_keeps_the_numpy_lookup(tmp_path, monkeypatch):
+    """A compiler that fails, or none: the store still loads and answers lookups (in numpy), and says why."""
+    monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path)  # nothing built there yet
+    documents = [[1, 2, 3, 1, 2, 4], [2, 3, 1, 2]]
+    reference = TokenDatastore.from_documents(documents, native=False).lookup([1, 2])
+    for compiler, reason in ((str(tmp_path / "no-such-cc"), "could not be built"),
+                             ("false", "did not compile")):
+        monkeypatch.setenv("CC", compiler)
+        store = TokenDatastore.from_documents(documents)
+        assert store.native is None and reason in store.native_reason
+        assert store.lookup([1, 2]) == reference

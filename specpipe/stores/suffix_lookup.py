@@ -241,16 +241,19 @@ class NativeSuffixLookup:
             compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
             if compiler is None:
                 return None, "no C compiler (cc or gcc) to build the datastore's native lookup"
-            build_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=build_dir) as staging:
-                source = Path(staging) / "suffix_lookup.c"
-                source.write_text(_SOURCE)
-                built = Path(staging) / path.name
-                result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(source)],
-                                        capture_output=True, text=True)
-                if result.returncode != 0:
-                    return None, f"the datastore's native lookup did not compile: {result.stderr.strip()[:300]}"
-                os.replace(built, path)  # atomic: processes building at once each install a whole library
+            try:
+                build_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=build_dir) as staging:
+                    source = Path(staging) / "suffix_lookup.c"
+                    source.write_text(_SOURCE)
+                    built = Path(staging) / path.name
+                    result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(source)],
+                                            capture_output=True, text=True)
+                    if result.returncode != 0:
+                        return None, f"the datastore's native lookup did not compile: {result.stderr.strip()[:300]}"
+                    os.replace(built, path)  # atomic: processes building at once each install a whole library
+            except OSError as error:  # a read-only cache, a compiler that cannot run
+                return None, f"the datastore's native lookup could not be built in {build_dir}: {error}"
         try:
             return ctypes.CDLL(str(path)), ""
         except OSError as error:
