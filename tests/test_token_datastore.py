@@ -174,10 +174,10 @@ def test_the_native_lookup_equals_numpys_with_sampling_limits_and_unpackable_tok
         end = rng.randrange(len(document)) + 1
         context = document[max(0, end - 20):end]
         if rng.random() < 0.2:
-            context = context + [rng.choice([-1, 1 << 20, vocab])]
+            context = context + [rng.choice([-1, 1 << 20, vocab, (1 << 32) + context[-1]])]  # the last wraps in int32
         max_span = rng.randrange(1, 17)
         settings = dict(max_span=max_span, min_span=rng.randrange(1, max_span + 1), max_length=rng.randrange(1, 10),
-                        max_candidates=rng.randrange(1, 9), max_occurrences=rng.choice([1, 3, 17, 256, 10**6]))
+                        max_candidates=rng.randrange(1, 9), max_occurrences=rng.choice([1, 3, 17, 256, 10**6, 1 << 40]))
         match = native.lookup(context, **settings)
         assert match == numpy_only.lookup(context, **settings), (context, settings)
         sampled += match.sampled < match.occurrences

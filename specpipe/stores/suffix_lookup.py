@@ -211,6 +211,7 @@ int64_t rest_lookup(const int32_t *tokens, int64_t n_tokens, const void *suffix_
 }
 """
 _CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
+INT32_LIMIT = 1 << 31
 
 
 def library_name() -> str:
@@ -262,8 +263,10 @@ class NativeSuffixLookup:
     def lookup(self, context: list[int], max_span: int, min_span: int, max_length: int, max_candidates: int,
                max_occurrences: int) -> tuple[int, int, int, list[list[int]], list[list[int]]]:
         """(match length, occurrences, sampled, continuations, prefix counts): merged_lookup's answer."""
-        window = context[-max_span:]
+        # ids past int32 would wrap in a C array; like any id the store cannot hold, they cut the match
+        window = [token if 0 <= token < INT32_LIMIT else -1 for token in context[-max_span:]]
         tokens = (ctypes.c_int32 * len(window))(*window)
+        max_occurrences = min(max_occurrences, INT32_LIMIT - 1)  # no range holds more in a C int anyway
         header = (ctypes.c_int64 * 4)()
         continuations = (ctypes.c_int32 * (max_candidates * max_length))()
         counts = (ctypes.c_int32 * (max_candidates * max_length))()
