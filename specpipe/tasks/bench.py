@@ -349,9 +349,9 @@ def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Seque
                 max_new_tokens: int, warmup: int = 1, progress: bool = True) -> list[QuestionRun]:
     """Warms every method up on the first `warmup` questions (not counted), then runs each question
     through every method in turn (interleaved, so slow drift of the machine hits all methods alike)."""
-    # the configured pipeline's and bench.compare's
+    # the pipelines that decode here: the configured one and bench.compare's (each once)
     decoding = [method.pipeline for method in methods.values() if isinstance(method, PipelineDecode)]
-    with learning_paused(pipeline, *decoding):
+    with learning_paused(*decoding):
         for question in questions[:warmup]:
             prepared: dict[str, PreparedPrompt] = {}
             for name, method in methods.items():
