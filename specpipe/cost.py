@@ -7,6 +7,7 @@ once per machine, model and dtype and cached on disk.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -26,7 +27,9 @@ from specpipe.types import DraftTree
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUERIES = (1, 2, 4, 8, 16, 32, 64)
+# Dense where trees are chosen: linear between 4 and 8 rows priced 5-7 rows 6-9% over what they cost
+# (fp32 on a 2-core Zen 5 EPYC, where 6 rows cost 1.14x one row and 8 rows 1.31x).
+DEFAULT_QUERIES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,69 @@ class CostCurve:
 
     def to_json(self) -> dict:
         return {"queries": list(self.queries), "milliseconds": list(self.milliseconds)}
+
+
+class OnlineCostCurve:
+    """A measured curve corrected by the times of the verify forwards decoding runs.
+
+    The cached curve keeps the shape of the moment it was measured, and a shared VM's speed
+    moves by 15-25% within minutes, the shape too: on a 2-core Zen 5 EPYC in fp32, one row took
+    11.0 ms at a fast moment, with 4 rows at 1.18x it, and 14.4 ms an hour later with 4 rows at
+    1.07x. A stale curve prices the nodes of a tree wrongly for the rest of the run.
+
+    Model: cost(q) = alpha + beta * (base(q) - base(1)). A slower or faster memory moves alpha (every
+    forward streams the weights once, whatever its rows); beta scales what each extra row adds over
+    one. Both are fit by least squares over the observed forwards, each weighted by its recency
+    (about the last `memory` count), with a prior of the cached curve (alpha = base(1), beta = 1) worth
+    `prior_weight` forwards, so a curve that has seen nothing, or only one tree size, stays near it.
+    An observation further than `clip` times from the current estimate counts as that bound (a
+    page fault, a pause of the VM must not bend the curve).
+    """
+
+    def __init__(self, base: CostCurve, memory: float = 256.0, prior_weight: float = 2.0,
+                 clip: float = 1.5) -> None:
+        if memory < 1 or prior_weight <= 0 or clip <= 1:
+            raise ValueError(f"online cost curve: memory must be >= 1, prior_weight > 0 and clip > 1; got "
+                             f"{memory}, {prior_weight}, {clip}")
+        self.base = base
+        self.clip = clip
+        self._keep = 1.0 - 1.0 / memory
+        self._one_row = base(1)
+        # the prior's weight in units of forwards of a typical tree (4 rows)
+        spread = max(base(4) - self._one_row, 0.01 * self._one_row)
+        self._alpha_prior = prior_weight
+        self._beta_prior = prior_weight * spread * spread
+        self._sums = [0.0] * 5  # decayed sums of w, w*x, w*y, w*x*x, w*x*y
+        self.alpha, self.beta = self._one_row, 1.0
+        self.observations = 0
+
+    def extra(self, queries: int) -> float:
+        """What `queries` rows cost over one row on the base curve (ms)."""
+        return self.base(queries) - self._one_row
+
+    def __call__(self, queries: int) -> float:
+        return self.alpha + self.beta * self.extra(queries)
+
+    def observe(self, queries: int, milliseconds: float) -> None:
+        """One verify forward of `queries` query rows took `milliseconds`."""
+        x = self.extra(queries)
+        predicted = self.alpha + self.beta * x
+        y = min(max(milliseconds, predicted / self.clip), predicted * self.clip)
+        keep = self._keep
+        sums = self._sums
+        for index, value in enumerate((1.0, x, y, x * x, x * y)):
+            sums[index] = sums[index] * keep + value
+        self.observations += 1
+        weight, sum_x, sum_y, sum_xx, sum_xy = sums
+        # normal equations of sum w (y - a - b x)^2 + pa (a - base(1))^2 + pb (b - 1)^2
+        a11, a12, a22 = weight + self._alpha_prior, sum_x, sum_xx + self._beta_prior
+        b1, b2 = sum_y + self._alpha_prior * self._one_row, sum_xy + self._beta_prior
+        determinant = a11 * a22 - a12 * a12
+        alpha = (b1 * a22 - a12 * b2) / determinant
+        beta = (a11 * b2 - a12 * b1) / determinant
+        # a tree never costs less than its root, nor an extra row less than a twentieth of the measured one
+        self.beta = max(beta, 0.05)
+        self.alpha = max(alpha, 0.05 * self._one_row)
 
 
 def random_chain(queries: int, vocab: int, generator: torch.Generator) -> DraftTree:
@@ -106,7 +172,8 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
                     cache.crop(kv_length)
                 if round_index > 0:  # round 0 warms up
                     target_samples[q].append(elapsed * 1000.0)
-    return [CostCurve(tuple(queries), tuple(statistics.median(s[q]) for q in queries)) for s in samples]
+    return [CostCurve(tuple(queries), tuple(itertools.accumulate((statistics.median(s[q]) for q in queries), max)))
+            for s in samples]  # more rows never cost less: a dip is noise that would pin every tree at its size
 
 
 def _machine_key(target, kv_length: int) -> str:
@@ -131,8 +198,9 @@ def cost_curve_path(target, kv_length: int = 256, cache_dir: Path | None = None)
     folder = (cache_dir or cache_root()) / "cost"
     # v3: draft runners' output layers run under the engine since (v2 curves overstate their cost);
     # v4: EAGLE heads over a reduced vocabulary take their log-softmax over it, not the whole vocabulary;
-    # v5: each sample is the second of two forwards of its size (v4 overpriced one-token forwards)
-    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v5.json"
+    # v5: each sample is the second of two forwards of its size (v4 overpriced one-token forwards);
+    # v6: measured at 3, 5, 6 and 12 rows too (linear from 4 to 8 rows overpriced 5-7 rows)
+    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v6.json"
 
 
 def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: Path | None = None) -> Path:

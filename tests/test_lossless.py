@@ -58,10 +58,12 @@ def test_lossless_tiny(any_tiny, pipeline):
             assert repetitive_tokens / repetitive_steps > 1.5, (repetitive_tokens, repetitive_steps)
 
 
+@pytest.mark.parametrize("cost_curve", ["measured", "online"])
 @pytest.mark.parametrize("pipeline", DRAFTING_PIPELINES)
-def test_lossless_tiny_measured_cost_curve(tiny_mixed, pipeline):
-    """The same with the measured cost curve (drafts cut to what pays on this machine)."""
-    pipe = tiny_mixed.pipeline(pipeline, cost_curve="measured")
+def test_lossless_tiny_measured_cost_curve(tiny_mixed, pipeline, cost_curve):
+    """The same with the measured cost curve (drafts cut to what pays on this machine), and with that
+    curve corrected by each step's own verify forward (tree sizes change while the sequence decodes)."""
+    pipe = tiny_mixed.pipeline(pipeline, cost_curve=cost_curve)
     for i, prompt in enumerate(random_prompts(12, seed=2)):
         n = (7, 40)[i % 2]
         tokens, _ = run_steps(pipe, prompt, n)
@@ -125,8 +127,9 @@ def test_lossless_embedded(embedded, pipeline):
 
 
 @pytest.mark.embedded
-def test_lossless_embedded_measured_cost_curve(embedded):
-    pipe = embedded.pipeline("lookahead_trie", cost_curve="measured")
+@pytest.mark.parametrize("cost_curve", ["measured", "online"])
+def test_lossless_embedded_measured_cost_curve(embedded, cost_curve):
+    pipe = embedded.pipeline("lookahead_trie", cost_curve=cost_curve)
     prompt_ids = pipe.encode(EMBEDDED_PROMPTS[-1])
     tokens, _ = run_steps(pipe, prompt_ids, 48)
     assert tokens == run_steps(embedded.pipeline("vanilla"), prompt_ids, 48)[0]

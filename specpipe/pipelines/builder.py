@@ -1,6 +1,7 @@
 """Builds a Pipeline from a composed Hydra config: the only place, with run.py, that sees config objects."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from specpipe.cost import CostCurve, cached_cost_curve
+from specpipe import distributed
+from specpipe.cost import CostCurve, OnlineCostCurve, cached_cost_curve
 from specpipe.engine.base import Engine
 from specpipe.engine.hf import HFEngine
 from specpipe.errors import ConfigError
@@ -22,6 +24,8 @@ from specpipe.pipelines.pipeline import Pipeline
 from specpipe.stages.base import Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
 from specpipe.types import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -110,10 +114,11 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         if not isinstance(drafter, StepDrafter):
             raise ConfigError(f"pipeline.drafters.{key} ({type(drafter).__name__}) cannot be expanded node by node: "
                               f"put it under pipeline.proposers instead")
-    tree_builder = None
+    tree_builder, cost_curve = None, None
     if (proposers or drafters) and pipeline_cfg.get("tree") is not None:
         make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
-        tree_builder = make_tree(cost_curve=_cost_curve(cfg, target))
+        cost_curve = _cost_curve(cfg, target)
+        tree_builder = make_tree(cost_curve=cost_curve)
         if cfg.get("cost_curve", "measured") == "measured":
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
                 if getattr(drafter, "runner", None) is not None:
@@ -130,7 +135,8 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
             f"only decodes greedily. Use sampling.temperature=0")
     augmenter = _instantiate_stage(pipeline_cfg.augment, "pipeline.augment") \
         if pipeline_cfg.get("augment") is not None else None
-    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters)
+    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters,
+                                 forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
                     system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter)
 
@@ -155,13 +161,21 @@ def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded
     return stage
 
 
-def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve:
+def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve | OnlineCostCurve:
     choice = cfg.get("cost_curve", "measured")
     if choice == "flat":
         return CostCurve.flat()
     if choice == "measured":
         return cached_cost_curve(target)
-    raise ConfigError(f"cost_curve must be 'measured' or 'flat', got {choice!r}")
+    if choice == "online":
+        curve = cached_cost_curve(target)
+        # Times taken on the host would miss a GPU's queued work; tensor-parallel ranks must size
+        # their trees alike, which their own timings would not: both keep the measured curve.
+        if target.device.type != "cpu" or distributed.active():
+            log.info("cost_curve=online corrects the curve on one CPU process only: using the measured curve")
+            return curve
+        return OnlineCostCurve(curve)
+    raise ConfigError(f"cost_curve must be 'measured', 'online' or 'flat', got {choice!r}")
 
 
 def _instantiate_stage(stage_cfg: DictConfig, where: str):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specpipe import distributed
+from specpipe.cost import OnlineCostCurve
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
@@ -36,13 +37,14 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
                  verifier: Verifier, committer: KVCompactCommit | None = None,
-                 drafters: list[StepDrafter] = ()) -> None:
+                 drafters: list[StepDrafter] = (), forward_costs: OnlineCostCurve | None = None) -> None:
         self.target = target
         self.proposers = list(proposers)
         self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
         self.tree_builder = tree_builder
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
+        self.forward_costs = forward_costs  # the tree builder's curve, taught each verify forward's time
 
     def decode(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
                documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
@@ -88,6 +90,8 @@ class SpeculativeDecoder:
             mark = clock()
             forward = self.target.forward_tree(state.tokens[-1], tree, cache, [rows for _, rows in riding])
             seconds["forward"] = clock() - mark
+            if self.forward_costs is not None:
+                self.forward_costs.observe(len(tree) + 1 + state.lookahead_rows, 1000.0 * seconds["forward"])
 
             mark = clock()
             for (branch, _), logits in zip(riding, forward.lookahead_logits):

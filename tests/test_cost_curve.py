@@ -1,0 +1,114 @@
+"""The cost curve decoding sizes its trees by: the measured one, and its online correction."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specpipe.cost import CostCurve, OnlineCostCurve, measure_cost_curve
+
+# a CPU curve shaped like the embedded model's in fp32 (ms per forward of q query rows)
+BASE = CostCurve((1, 2, 3, 4, 6, 8, 16, 64), (11.0, 11.5, 12.1, 12.8, 15.0, 18.0, 24.0, 62.0))
+
+
+def moment(alpha: float, beta: float):
+    """The costs of a machine whose one-row forward takes `alpha` ms and whose extra rows cost `beta`
+    times what BASE says."""
+    return lambda queries: alpha + beta * (BASE(queries) - BASE(1))
+
+
+def test_an_online_curve_that_has_seen_nothing_is_the_measured_one():
+    online = OnlineCostCurve(BASE)
+    assert [online(q) for q in range(1, 70)] == pytest.approx([BASE(q) for q in range(1, 70)])
+
+
+@pytest.mark.parametrize("alpha, beta", [(14.4, 0.55), (9.0, 1.4), (11.0, 1.0)])
+def test_the_online_curve_learns_the_moments_costs_from_noisy_forwards(alpha, beta):
+    """Decoding's tree sizes (mostly 1-5 rows, with 2% noise) teach it the whole curve within 3%."""
+    truth, rng = moment(alpha, beta), random.Random(0)
+    online = OnlineCostCurve(BASE)
+    for _ in range(400):
+        queries = rng.choice((1, 2, 2, 3, 4, 4, 4, 5))
+        online.observe(queries, truth(queries) * rng.gauss(1.0, 0.02))
+    for queries in (1, 2, 4, 6, 8, 16):
+        assert online(queries) == pytest.approx(truth(queries), rel=0.03), queries
+    # the old curve would misprice what 4 rows cost over one by more than the tolerance above
+    assert abs(BASE(4) / BASE(1) - truth(4) / truth(1)) > 0.03 or beta == 1.0
+
+
+def test_the_online_curve_follows_a_change_of_the_machine_within_its_memory():
+    online = OnlineCostCurve(BASE, memory=64)
+    slow, fast = moment(15.0, 0.6), moment(10.0, 1.2)
+    for step in range(300):
+        queries = 1 + step % 5
+        online.observe(queries, slow(queries))
+    assert online(4) == pytest.approx(slow(4), rel=0.02)
+    for step in range(300):  # ~5 memories later the slow moment is forgotten
+        queries = 1 + step % 5
+        online.observe(queries, fast(queries))
+    assert online(1) == pytest.approx(fast(1), rel=0.02) and online(4) == pytest.approx(fast(4), rel=0.02)
+
+
+def test_one_tree_size_alone_moves_the_level_and_leaves_the_shape_to_the_measured_curve():
+    """Vanilla steps (one row each) say nothing about extra rows: beta stays at the prior's 1."""
+    online = OnlineCostCurve(BASE)
+    for _ in range(200):
+        online.observe(1, 13.0)
+    assert online(1) == pytest.approx(13.0, rel=0.01)
+    assert online.beta == pytest.approx(1.0, abs=1e-6)
+    assert online(8) - online(1) == pytest.approx(BASE(8) - BASE(1), rel=1e-6)
+
+
+def test_a_stall_counts_at_most_clip_times_the_estimate():
+    online = OnlineCostCurve(BASE, memory=256, clip=1.5)
+    truth = moment(11.0, 1.0)
+    for step in range(200):
+        online.observe(1 + step % 4, truth(1 + step % 4))
+    before = online(1)
+    online.observe(1, 5000.0)  # the VM paused for five seconds
+    assert before < online(1) < before * 1.01
+    online.observe(1, 0.001)  # a clock that jumped back
+    assert online(1) > before * 0.99
+
+
+def test_the_online_curve_never_prices_a_larger_tree_below_a_smaller_one():
+    online = OnlineCostCurve(BASE)
+    for _ in range(300):  # forwards that cost less with more rows (a noisy, impossible machine)
+        online.observe(1, 12.0)
+        online.observe(8, 6.0)
+    costs = [online(q) for q in range(1, 65)]
+    assert all(later >= earlier for earlier, later in zip(costs, costs[1:]))
+    assert costs[0] > 0
+
+
+@pytest.mark.parametrize("settings", [dict(memory=0.5), dict(prior_weight=0.0), dict(clip=1.0)])
+def test_online_curve_refuses_bad_settings(settings):
+    with pytest.raises(ValueError, match="online cost curve"):
+        OnlineCostCurve(BASE, **settings)
+
+
+def test_a_measured_curve_never_falls_with_more_rows(tiny):
+    """A dip between two sizes is noise; kept, it would pin every tree at the cheaper size."""
+    target = tiny.pipeline("vanilla").decoder.target
+    curve = measure_cost_curve(target, queries=(1, 2, 3, 4, 5, 6), kv_length=8, rounds=1)
+    assert list(curve.milliseconds) == sorted(curve.milliseconds)
+
+
+def test_cost_curve_online_teaches_the_tree_builders_curve_each_verify_forward(tiny):
+    pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
+    online = pipe.decoder.forward_costs
+    assert isinstance(online, OnlineCostCurve) and pipe.decoder.tree_builder.cost_curve is online
+    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=12))
+    assert online.observations == len(steps) - 1  # every step after the prefill
+    assert online.alpha != online.base(1)  # the tiny model's forwards are not exactly the measured median
+
+
+def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, monkeypatch):
+    """Each rank would time its own forwards and size its trees apart from the others."""
+    from specpipe import distributed
+    from specpipe.pipelines import builder
+
+    monkeypatch.setattr(builder, "cached_cost_curve", lambda target: BASE)  # rank 0's curve, as broadcast
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
+    assert pipe.decoder.forward_costs is None and pipe.decoder.tree_builder.cost_curve is BASE
