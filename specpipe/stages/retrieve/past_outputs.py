@@ -21,12 +21,16 @@ class PastOutputsRetriever:
 
     def __init__(self, name: str = "past_outputs", max_tokens: int = 100_000, min_ngram: int = 2,
                  max_ngram: int = 4, max_matches: int = 8, max_length: int = 16, prior: float = 0.5,
-                 memory: float = float("inf"), learn: bool = True, path: str | None = None,
+                 memory: float = 4000.0, shared_calibration: bool = True, learn: bool = True,
+                 path: str | None = None,
                  store: PastOutputs | None = None, tokenizer=None, target=None) -> None:
         # `target` is what the pipeline builder hands every partial stage; this one needs only the tokenizer.
         if max_matches < 1 or max_length < 1:
             raise ValueError(f"{name}: max_matches and max_length must be >= 1")
-        AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
+        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
+        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.shared_calibration = calibration if shared_calibration else None
         self.name = name
         self.max_matches, self.max_length = max_matches, max_length
         self.prior, self.memory = prior, memory
@@ -41,7 +45,12 @@ class PastOutputsRetriever:
             self.store = PastOutputs(max_tokens, min_ngram, max_ngram, fingerprint)
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory))
+        state.stage_state[self] = TrieSequence(self._calibration())
+
+    def _calibration(self) -> AcceptanceCalibration:
+        if self.shared_calibration is not None:
+            return self.shared_calibration
+        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
 
     def propose(self, state: DecodeState) -> Proposal:
         trie = ContinuationTrie()

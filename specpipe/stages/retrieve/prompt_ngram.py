@@ -31,13 +31,16 @@ class PromptNgram:
 
     def __init__(self, name: str = "prompt_ngram", min_ngram: int = 1, max_ngram: int = 4,
                  max_matches: int = 1, max_length: int = 16, prior: float = 0.5,
-                 memory: float = float("inf"), text: str = "context") -> None:
+                 memory: float = 4000.0, shared_calibration: bool = True, text: str = "context") -> None:
         if max_matches < 1 or max_length < 1:
             raise ValueError(f"{name}: max_matches and max_length must be >= 1")
         if text not in TEXTS:
             raise ValueError(f"{name}: text must be one of {TEXTS}, got {text!r}")
         NgramIndex(min_ngram, max_ngram)  # checks the sizes now, not at the first request
-        AcceptanceCalibration(prior=prior, memory=memory)
+        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
+        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
+        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.shared_calibration = calibration if shared_calibration else None
         self.name = name
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_matches = max_matches
@@ -52,8 +55,12 @@ class PromptNgram:
         else:  # the documents, then the context's last tokens: the suffix to look up, and the output after it
             index.reset([t for document in state.documents for t in (*document, SEPARATOR)]
                         + list(state.tokens[-self.max_ngram:]))
-        state.stage_state[self] = NgramSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory),
-                                                index=index)
+        state.stage_state[self] = NgramSequence(self._calibration(), index=index)
+
+    def _calibration(self) -> AcceptanceCalibration:
+        if self.shared_calibration is not None:
+            return self.shared_calibration
+        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
 
     def propose(self, state: DecodeState) -> Proposal:
         sequence: NgramSequence = state.stage_state[self]

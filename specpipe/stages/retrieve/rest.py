@@ -33,7 +33,8 @@ class RestRetriever:
     def __init__(self, tokenizer=None, path: str | None = None, store: str = "tokens_from_files",
                  name: str = "token_datastore", max_span: int = 16, min_span: int = 2, max_candidates: int = 8,
                  max_length: int = 16, max_occurrences: int = 256, shorter_spans: int = 0, prior: float = 0.5,
-                 memory: float = float("inf"), verify_checksums: bool = False, native_lookup: bool = True,
+                 memory: float = 4000.0, shared_calibration: bool = True, verify_checksums: bool = False,
+                 native_lookup: bool = True,
                  datastore: TokenStore | None = None, corpus: str | None = None, ids_field: str = "answer_ids",
                  target=None) -> None:
         # `target` is what the pipeline builder hands every partial stage; REST has no use for it.
@@ -63,11 +64,19 @@ class RestRetriever:
         self.max_span, self.min_span = max_span, min_span
         self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
         self.shorter_spans = shorter_spans
-        AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
+        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
+        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.shared_calibration = calibration if shared_calibration else None
         self.prior, self.memory = prior, memory
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(AcceptanceCalibration(prior=self.prior, memory=self.memory))
+        state.stage_state[self] = TrieSequence(self._calibration())
+
+    def _calibration(self) -> AcceptanceCalibration:
+        if self.shared_calibration is not None:
+            return self.shared_calibration
+        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
 
     def propose(self, state: DecodeState) -> Proposal:
         context = state.tokens[-self.max_span:]
