@@ -32,3 +32,19 @@ class AcceptanceCalibration:
         key = (bucket, min(depth, self.max_depth))
         self._accepted[key] = self._accepted[key] * self._keep + float(accepted)
         self._predicted[key] = self._predicted[key] * self._keep + raw
+
+
+class CalibrationPolicy:
+    """Which calibration a retriever's requests learn in: one shared by every request (`shared`), or a
+    fresh one each. Shared, the estimates gather all requests' evidence (one request's ~50 steps leave
+    most buckets at the prior); apart, a request's tree sizes depend on it alone."""
+
+    def __init__(self, prior: float = 0.5, memory: float = 4000.0, shared: bool = True) -> None:
+        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
+        self.prior, self.memory = prior, memory
+        self.shared = calibration if shared else None
+
+    def for_request(self) -> AcceptanceCalibration:
+        if self.shared is not None:
+            return self.shared
+        return AcceptanceCalibration(prior=self.prior, memory=self.memory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpipe.stages.retrieve.calibration import AcceptanceCalibration
+from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import tokenizer_fingerprint
 from specpipe.stores.past_outputs import PastOutputs
@@ -27,13 +27,9 @@ class PastOutputsRetriever:
         # `target` is what the pipeline builder hands every partial stage; this one needs only the tokenizer.
         if max_matches < 1 or max_length < 1:
             raise ValueError(f"{name}: max_matches and max_length must be >= 1")
-        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
-        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
-        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
-        self.shared_calibration = calibration if shared_calibration else None
+        self.calibration = CalibrationPolicy(prior, memory, shared_calibration)
         self.name = name
         self.max_matches, self.max_length = max_matches, max_length
-        self.prior, self.memory = prior, memory
         self.learn = learn
         self.path = Path(path).expanduser() if path else None
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
@@ -45,12 +41,7 @@ class PastOutputsRetriever:
             self.store = PastOutputs(max_tokens, min_ngram, max_ngram, fingerprint)
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(self._calibration())
-
-    def _calibration(self) -> AcceptanceCalibration:
-        if self.shared_calibration is not None:
-            return self.shared_calibration
-        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
+        state.stage_state[self] = TrieSequence(self.calibration.for_request())
 
     def propose(self, state: DecodeState) -> Proposal:
         trie = ContinuationTrie()

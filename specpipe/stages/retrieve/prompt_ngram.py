@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specpipe.stages.retrieve.calibration import AcceptanceCalibration
+from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stages.retrieve.ngram_index import NgramIndex
 from specpipe.types import DecodeState, Proposal, VerifyResult
@@ -37,15 +37,11 @@ class PromptNgram:
         if text not in TEXTS:
             raise ValueError(f"{name}: text must be one of {TEXTS}, got {text!r}")
         NgramIndex(min_ngram, max_ngram)  # checks the sizes now, not at the first request
-        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
-        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
-        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
-        self.shared_calibration = calibration if shared_calibration else None
+        self.calibration = CalibrationPolicy(prior, memory, shared_calibration)
         self.name = name
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.max_matches = max_matches
         self.max_length = max_length
-        self.prior, self.memory = prior, memory
         self.text = text
 
     def reset(self, state: DecodeState) -> None:
@@ -55,12 +51,7 @@ class PromptNgram:
         else:  # the documents, then the context's last tokens: the suffix to look up, and the output after it
             index.reset([t for document in state.documents for t in (*document, SEPARATOR)]
                         + list(state.tokens[-self.max_ngram:]))
-        state.stage_state[self] = NgramSequence(self._calibration(), index=index)
-
-    def _calibration(self) -> AcceptanceCalibration:
-        if self.shared_calibration is not None:
-            return self.shared_calibration
-        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
+        state.stage_state[self] = NgramSequence(self.calibration.for_request(), index=index)
 
     def propose(self, state: DecodeState) -> Proposal:
         sequence: NgramSequence = state.stage_state[self]

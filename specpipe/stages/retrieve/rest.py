@@ -6,7 +6,7 @@ from pathlib import Path
 
 from specpipe import distributed
 from specpipe.errors import StoreError
-from specpipe.stages.retrieve.calibration import AcceptanceCalibration
+from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import sha256_file
 from specpipe.stores.token_datastore import DatastoreMatch, TokenDatastore, TokenStore, default_store_path
@@ -64,19 +64,10 @@ class RestRetriever:
         self.max_span, self.min_span = max_span, min_span
         self.max_candidates, self.max_length, self.max_occurrences = max_candidates, max_length, max_occurrences
         self.shorter_spans = shorter_spans
-        # one calibration for every request (a request's own ~50 steps leave most buckets at the prior),
-        # or one per request (`shared_calibration=false`: a request's tree sizes depend on it alone)
-        calibration = AcceptanceCalibration(prior=prior, memory=memory)  # checks the settings now
-        self.shared_calibration = calibration if shared_calibration else None
-        self.prior, self.memory = prior, memory
+        self.calibration = CalibrationPolicy(prior, memory, shared_calibration)
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(self._calibration())
-
-    def _calibration(self) -> AcceptanceCalibration:
-        if self.shared_calibration is not None:
-            return self.shared_calibration
-        return AcceptanceCalibration(prior=self.prior, memory=self.memory)
+        state.stage_state[self] = TrieSequence(self.calibration.for_request())
 
     def propose(self, state: DecodeState) -> Proposal:
         context = state.tokens[-self.max_span:]
