@@ -89,11 +89,13 @@ def test_bad_layer_choices_are_clear(three_layers):
             load_layer_skip(target, three_layers.tokenizer, layers)
 
 
-def test_a_measured_draft_cost_curve_runs_on_the_drafts_own_cache(three_layers, tmp_path, monkeypatch):
-    """cost_curve=measured also measures the drafter (its forwards are not free on a CPU), through
-    the layer subset's own cache (layer 2 of the target is row 1 there), and stays lossless."""
+@pytest.mark.parametrize("cost_curve", ["measured", "online"])
+def test_a_measured_draft_cost_curve_runs_on_the_drafts_own_cache(three_layers, tmp_path, monkeypatch, cost_curve):
+    """cost_curve=measured (and online, the target's curve then corrected as it decodes) also measures the
+    drafter (its forwards are not free on a CPU), through the layer subset's own cache (layer 2 of the
+    target is row 1 there), and stays lossless."""
     monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
-    pipe = build_pipeline(layer_skip_config("pipeline.drafters.skip.layers=[0,2]", "cost_curve=measured"))
+    pipe = build_pipeline(layer_skip_config("pipeline.drafters.skip.layers=[0,2]", f"cost_curve={cost_curve}"))
     drafter = pipe.decoder.drafters[0]
     assert drafter.cost_curve is not None and 0 < drafter.cost_curve(1) <= drafter.cost_curve(64)
     assert list((tmp_path / "cost").glob("*layer_skip-2L*V-*.json")), "the draft's curve is cached under its own shape"
