@@ -119,7 +119,7 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
         cost_curve = _cost_curve(cfg, target)
         tree_builder = make_tree(cost_curve=cost_curve)
-        if cfg.get("cost_curve", "measured") in ("measured", "online"):
+        if cfg.get("cost_curve", "measured") != "flat":  # _cost_curve refused any other unknown choice
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
                 if getattr(drafter, "runner", None) is not None:
                     drafter.cost_curve = cached_cost_curve(drafter.runner)
