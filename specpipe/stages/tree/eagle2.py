@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -9,6 +10,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids
+from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -24,7 +26,11 @@ class Eagle2TreeBuilder:
     children, in one draft forward. Expansion stops after `depth` levels, once no frontier node is
     at least `min_score` likely, or once even the best case of one more level (all of the
     frontier's probability accepted) cannot pay for its draft forward (the drafter's measured
-    `cost_curve`, where it has one) and the larger verify forward.
+    `cost_curve`, where it has one) and the larger verify forward. The other sources' proposals count
+    in that decision: where the retrievers already fill the best cut, a deeper level pays less.
+
+    Beside other sources (`gate_drafters`), a drafter drafts at all only where it is expected to pay:
+    see DrafterGate.
 
     Reranking: every drafted node, with the other sources' proposals, goes to the trie builder's
     selection: nodes best first (a child never outscores its parent, so every prefix of that
@@ -42,7 +48,8 @@ class Eagle2TreeBuilder:
     expands_drafters = True
 
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
-                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02) -> None:
+                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,
+                 gate_drafters: bool = True) -> None:
         if depth < 1 or top_k < 1 or children < 1:
             raise ValueError(f"tree=eagle2: depth, top_k and children must be >= 1, got {depth}, {top_k}, {children}")
         self.depth = depth
@@ -50,6 +57,7 @@ class Eagle2TreeBuilder:
         self.children = children
         self.min_score = min_score
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
+        self.gate = DrafterGate() if gate_drafters else None
 
     @property
     def cost_curve(self) -> CostCurve:
@@ -60,21 +68,50 @@ class Eagle2TreeBuilder:
         return self.selector.last_expected_tokens
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
-        grown, drafting_ms = [], 0.0
+        others = [proposal for proposal in proposals if len(proposal)]
+        # the other sources' node scores, best first: the cut the drafters' nodes must improve on
+        other_scores = sorted((score for proposal in others for score in proposal.scores.tolist()),
+                              reverse=True)[: self.selector.max_nodes]
+        gated = self.gate is not None and bool(others) and bool(drafters)
+        if self.gate is not None:
+            self.gate.learn(state)
+        if gated:
+            size, expected, rate = self.selector.best_cut(other_scores, extra_rows=state.lookahead_rows)
+            rows = 1 + state.lookahead_rows + size
+            top = max(float(proposal.scores[proposal.parents < 0].max()) for proposal in others)
+            bucket = self.gate.bucket(top)
+        grown, drafting_ms, drafted = [], 0.0, {}
         for drafter in drafters:
-            proposal, milliseconds = self.grow(state, drafter)
+            name = getattr(drafter, "name", "draft")
+            if gated and not self.gate.should_draft(
+                    name, bucket, rate, expected,
+                    lambda nodes, ms: self.cost_curve(rows + round(nodes)) + ms):
+                continue
+            started = time.perf_counter()
+            proposal, milliseconds = self.grow(state, drafter, other_scores)
             grown.append(proposal)
             drafting_ms += milliseconds
-        return self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
+            if gated:
+                # its wall time, Python included, where the drafter's forwards are priced at all (cost_curve=flat
+                # prices nothing, and the gate must not skip for a cost the tree never counts)
+                priced = getattr(drafter, "cost_curve", None) is not None
+                drafted[name] = (bucket, 1000.0 * (time.perf_counter() - started) if priced else 0.0)
+        tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
+        if gated:
+            self.gate.remember(state, tree, drafted)
+        return tree
 
-    def grow(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
+    def grow(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
+             ) -> tuple[Proposal, float]:
         """The drafter's expanded tree as one proposal (scores: cumulative draft probability), and the
-        estimated milliseconds its draft forwards took."""
+        estimated milliseconds its draft forwards took. `other_scores`: the other sources' node scores,
+        which the tree will hold too (whether one more level pays depends on them)."""
         if state.sampling.greedy:
-            return self._grow_top(state, drafter)
-        return self._grow_sampled(state, drafter)
+            return self._grow_top(state, drafter, other_scores)
+        return self._grow_sampled(state, drafter, other_scores)
 
-    def _grow_top(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
+    def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
+                  ) -> tuple[Proposal, float]:
         drafter.start(state)
         draft_cost = getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
@@ -86,7 +123,7 @@ class Eagle2TreeBuilder:
         for depth in range(self.depth):
             if depth > 0:
                 step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
-                if not self._worth_expanding([math.exp(s) for s in log_scores],
+                if not self._worth_expanding([*other_scores, *(math.exp(s) for s in log_scores)],
                                              [math.exp(s) for s in frontier_scores], drafting_ms, step_ms):
                     break
                 drafting_ms += step_ms
@@ -108,7 +145,8 @@ class Eagle2TreeBuilder:
                             scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
         return proposal, drafting_ms
 
-    def _grow_sampled(self, state: DecodeState, drafter: StepDrafter) -> tuple[Proposal, float]:
+    def _grow_sampled(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
+                      ) -> tuple[Proposal, float]:
         sampling = state.sampling
         draft_cost = getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)
@@ -131,7 +169,7 @@ class Eagle2TreeBuilder:
         for depth in range(self.depth):
             if depth > 0:
                 step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
-                if not self._worth_expanding(scores, frontier_scores, drafting_ms, step_ms):
+                if not self._worth_expanding([*other_scores, *scores], frontier_scores, drafting_ms, step_ms):
                     break
                 drafting_ms += step_ms
                 frontier_probs = target_probs(full_vocab(drafter.step(state, tokens, parents, frontier)),
