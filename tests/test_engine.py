@@ -631,6 +631,32 @@ def test_the_kernel_is_built_for_the_isa_aten_runs(monkeypatch):
 
 
 @needs_compiler
+def test_the_weight_prefetch_hint_is_a_build_of_its_own_that_computes_the_same(monkeypatch):
+    """engine.weight_prefetch only changes where the streamed weights are cached: each hint is its own build
+    (its own name, so cost curves are measured apart), and their products are bitwise equal."""
+    from specpipe.engine import cpu_kernel
+
+    assert cpu_kernel.build_name(weight_prefetch="nta") != cpu_kernel.build_name(weight_prefetch="t0")
+    kernels = {hint: cpu_kernel.CpuKernel(weight_prefetch=hint) for hint in cpu_kernel.WEIGHT_PREFETCH_HINTS}
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(300, 96, generator=generator).bfloat16()  # [out, in]
+    for rows in (1, 4, 13):
+        x = torch.randn(rows, 96, generator=generator)  # [rows, in]
+        products = [kernel.product(x, weight, None) for kernel in kernels.values()]
+        assert all(kernel.product is not None for kernel in kernels.values())
+        assert torch.equal(products[0], products[1])
+    built = []
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", lambda weight_prefetch="nta", **_: built.append(weight_prefetch)
+                        or kernels[weight_prefetch])
+    OneDNNEngine(weight_prefetch="t0").apply(fresh_tiny().to(torch.bfloat16))
+    assert built and set(built) == {"t0"}
+    with pytest.raises(ConfigError, match="engine.weight_prefetch must be one of"):
+        OneDNNEngine(weight_prefetch="l2")
+    with pytest.raises(ValueError, match="weight_prefetch must be one of"):
+        cpu_kernel.build_name(weight_prefetch="T0")
+
+
+@needs_compiler
 def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_another_order():
     from specpipe.engine import cpu_kernel
 
@@ -814,7 +840,7 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
 
     without_native_bf16(monkeypatch)
 
-    def no_ninja(build_dir, isa):
+    def no_ninja(build_dir, isa, weight_prefetch):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_ninja)

@@ -193,6 +193,9 @@ class OneDNNEngine:
     # lean_model.KERNEL_ATTENTION_MAX_ROWS query rows) run their attention in the same extension
     # (fp32 sums; checked against SDPA when it loads) instead of SDPA over folded heads
     kernel_attention: bool = True
+    # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
+    # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
+    weight_prefetch: str = "nta"
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -204,6 +207,11 @@ class OneDNNEngine:
             rows = getattr(self, name)
             if rows != "auto" and not (isinstance(rows, int) and rows >= 0):
                 raise ConfigError(f"engine.{name} must be 'auto' or a row count >= 0, got {rows!r}")
+        from specpipe.engine.cpu_kernel import WEIGHT_PREFETCH_HINTS
+
+        if self.weight_prefetch not in WEIGHT_PREFETCH_HINTS:
+            raise ConfigError(f"engine.weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got "
+                              f"{self.weight_prefetch!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -274,7 +282,7 @@ class OneDNNEngine:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        kernel = CpuKernel()
+        kernel = CpuKernel(weight_prefetch=self.weight_prefetch)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
         reason = f"{path.reason}; {why}" if why else path.reason
@@ -286,7 +294,7 @@ class OneDNNEngine:
             return None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        return CpuKernel()
+        return CpuKernel(weight_prefetch=self.weight_prefetch)
 
     def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
         """The extension's RMSNorm for the lean forward, and what the log line says about it."""
