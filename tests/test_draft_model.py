@@ -17,7 +17,7 @@ from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.draft.draft_model import ROOT, DraftModelDrafter, load_drafter
 from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
 from specpipe.target import TargetModel
-from specpipe.types import DecodeState
+from specpipe.types import DecodeState, Proposal
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,22 @@ def test_eagle2_stops_expanding_below_min_score():
     builder = Eagle2TreeBuilder(CostCurve.flat(), depth=3, top_k=2, children=2, min_score=0.1)
     builder.grow(DecodeState(tokens=[0], prompt_length=1), drafter)
     assert len(drafter.expanded) == 2  # depth 2's best path (0.04) is below 0.1: no third expansion
+
+
+def test_eagle2_expands_less_where_the_other_sources_already_fill_the_tree():
+    """A level costs 1 ms of drafting on a 10 ms + 0.5 ms/row verify: alone, a drafter 90% sure at every
+    depth is expanded three levels deep; beside a retrieved chain of eight near-certain nodes, which the
+    tree takes anyway, one more of its levels cannot pay and it stops after the first."""
+    def expansions(others):
+        drafter = ScriptedDrafter([{1: 0.9}, {2: 0.9}, {3: 0.9}])
+        drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0))
+        builder = Eagle2TreeBuilder(CostCurve((1, 64), (10.0, 41.5)), depth=3, top_k=1, children=1, min_score=0.0)
+        builder.build(DecodeState(tokens=[0], prompt_length=1), others, [drafter])
+        return len(drafter.expanded)
+
+    retrieved = Proposal.chain([5, 6, 7, 8, 9, 10, 11, 12], [0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92], "ngram")
+    assert expansions([]) == 3
+    assert expansions([retrieved]) == 1
 
 
 def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from torch import Tensor
@@ -10,7 +9,6 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids
-from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -29,9 +27,6 @@ class Eagle2TreeBuilder:
     `cost_curve`, where it has one) and the larger verify forward. The other sources' proposals count
     in that decision: where the retrievers already fill the best cut, a deeper level pays less.
 
-    Beside other sources (`gate_drafters`), a drafter drafts at all only where it is expected to pay:
-    see DrafterGate.
-
     Reranking: every drafted node, with the other sources' proposals, goes to the trie builder's
     selection: nodes best first (a child never outscores its parent, so every prefix of that
     order is a tree closed under ancestors), as many as maximise expected tokens per
@@ -48,8 +43,7 @@ class Eagle2TreeBuilder:
     expands_drafters = True
 
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
-                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,
-                 gate_drafters: bool = True) -> None:
+                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02) -> None:
         if depth < 1 or top_k < 1 or children < 1:
             raise ValueError(f"tree=eagle2: depth, top_k and children must be >= 1, got {depth}, {top_k}, {children}")
         self.depth = depth
@@ -57,7 +51,6 @@ class Eagle2TreeBuilder:
         self.children = children
         self.min_score = min_score
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
-        self.gate = DrafterGate() if gate_drafters else None
 
     @property
     def cost_curve(self) -> CostCurve:
@@ -68,38 +61,15 @@ class Eagle2TreeBuilder:
         return self.selector.last_expected_tokens
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
-        others = [proposal for proposal in proposals if len(proposal)]
         # the other sources' node scores, best first: the cut the drafters' nodes must improve on
-        other_scores = sorted((score for proposal in others for score in proposal.scores.tolist()),
+        other_scores = sorted((score for proposal in proposals for score in proposal.scores.tolist()),
                               reverse=True)[: self.selector.max_nodes]
-        gated = self.gate is not None and bool(others) and bool(drafters)
-        if self.gate is not None:
-            self.gate.learn(state)
-        if gated:
-            size, expected, rate = self.selector.best_cut(other_scores, extra_rows=state.lookahead_rows)
-            rows = 1 + state.lookahead_rows + size
-            top = max(float(proposal.scores[proposal.parents < 0].max()) for proposal in others)
-            bucket = self.gate.bucket(top)
-        grown, drafting_ms, drafted = [], 0.0, {}
+        grown, drafting_ms = [], 0.0
         for drafter in drafters:
-            name = getattr(drafter, "name", "draft")
-            if gated and not self.gate.should_draft(
-                    name, bucket, rate, expected,
-                    lambda nodes, ms: self.cost_curve(rows + round(nodes)) + ms):
-                continue
-            started = time.perf_counter()
             proposal, milliseconds = self.grow(state, drafter, other_scores)
             grown.append(proposal)
             drafting_ms += milliseconds
-            if gated:
-                # its wall time, Python included, where the drafter's forwards are priced at all (cost_curve=flat
-                # prices nothing, and the gate must not skip for a cost the tree never counts)
-                priced = getattr(drafter, "cost_curve", None) is not None
-                drafted[name] = (bucket, 1000.0 * (time.perf_counter() - started) if priced else 0.0)
-        tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
-        if gated:
-            self.gate.remember(state, tree, drafted)
-        return tree
+        return self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
 
     def grow(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
              ) -> tuple[Proposal, float]:
