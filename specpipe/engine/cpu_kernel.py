@@ -245,8 +245,8 @@ constexpr int64_t kPrefetchRows = 2;
 // The prefetch's cache hint (set by the build's flags: engine.weight_prefetch). A weight is read once per
 // forward, and _MM_HINT_T0 let the ~270 MB a SmolLM2-135M forward streams evict everything else from L2
 // and L3: the KV cache, the activations, a draft head's weights, the interpreter's own data. With
-// _MM_HINT_NTA they stay (2-core Zen 5 EPYC, bf16: a one-token forward 8.5 -> 7.6 ms, an EAGLE head's
-// draft levels 1.9 -> 1.2 ms per step).
+// _MM_HINT_NTA they stay (2-core Zen 5 EPYC, decoding interleaved with the other hint: one-token steps
+// +2% in bf16, +8% in fp32; REST +2-5% and +8%).
 #ifndef SPECPIPE_WEIGHT_HINT
 #define SPECPIPE_WEIGHT_HINT _MM_HINT_NTA
 #endif
