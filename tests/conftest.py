@@ -50,6 +50,8 @@ PIPELINES = config_options("pipeline")
 # that hold the text (tests/test_token_datastore.py, test_rest_drafts_a_stored_answer).
 CORPUS_PIPELINES = ["rest"]
 DRAFTING_PIPELINES = [name for name in PIPELINES if name != "vanilla" and name not in CORPUS_PIPELINES]
+# Pipelines whose store of past outputs learns every answer by default (frozen where tests compare runs).
+PAST_OUTPUT_PIPELINES = ("rag_lookahead", "chat_lookahead")
 # Pipelines with a draft model: their default draft is the one distilled for the embedded model, so
 # on the tiny models they run a tiny draft of the same vocabulary (`draft_overrides`).
 DRAFT_MODEL_PIPELINES = ["draft_model", "specinfer_mix"]
@@ -250,7 +252,7 @@ class ModelUnderTest:
     def config(self, pipeline: str = "vanilla", *overrides: str, cost_curve: str = "flat"):
         # The store of past outputs makes a pipeline's later runs draft from its earlier answers, by
         # design; tests that compare the steps of repeated runs freeze it (test_rag.py tests it learning).
-        frozen = ["pipeline.proposers.past.learn=false"] if pipeline == "rag_lookahead" else []
+        frozen = ["pipeline.proposers.past.learn=false"] if pipeline in PAST_OUTPUT_PIPELINES else []
         drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
             else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
