@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
+
+from stage_profile import build as build_method  # bench/ is on the path of a script run from it
 
 from specpipe.pipelines.pipeline import Pipeline
 from specpipe.tasks.bench import read_questions, resolve_prompts_path, select_questions
@@ -46,8 +47,7 @@ def record(args: argparse.Namespace) -> None:
 
 
 def build(method: str, dtype: str) -> Pipeline:
-    pipeline, *own = re.split(r"(?<!\+)\+", method)  # '++x' adds the override '+x'
-    built = Pipeline.from_config([f"pipeline={pipeline}", f"model.dtype={dtype}", *[o for o in own if o]])
+    built = build_method(method, dtype, [])  # stage_profile's method syntax: pipeline[+override...]
     if built.decoder.drafters or built.augmenter is not None:
         raise SystemExit(f"{method}: only retrieval pipelines without an augmenter replay (no drafters, no RAG)")
     return built
