@@ -892,7 +892,6 @@ class CpuKernel:
         self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel (or another ISA's build) is not reused
-        self.weight_prefetch = weight_prefetch
         self.build = build_name(self.isa, weight_prefetch)
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"

@@ -61,9 +61,10 @@ class Eagle2TreeBuilder:
         return self.selector.last_expected_tokens
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
-        # the other sources' node scores, best first: the cut the drafters' nodes must improve on
+        # the other sources' node scores, best first: the cut the drafters' nodes must improve on (only
+        # drafters read them, and a step with none skips the sort)
         other_scores = sorted((score for proposal in proposals for score in proposal.scores.tolist()),
-                              reverse=True)[: self.selector.max_nodes]
+                              reverse=True)[: self.selector.max_nodes] if drafters else []
         grown, drafting_ms = [], 0.0
         for drafter in drafters:
             proposal, milliseconds = self.grow(state, drafter, other_scores)
