@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,9 @@ class OnlineCostCurve:
     `prior_weight` forwards, so a curve that has seen nothing, or only one tree size, stays near it.
     An observation further than `clip` times from the current estimate counts as that bound (a
     page fault, a pause of the VM must not bend the curve).
+
+    Requests decoded in parallel threads share one curve: an update holds a lock, and a reader gets
+    alpha and beta of the same fit.
     """
 
     def __init__(self, base: CostCurve, memory: float = 256.0, prior_weight: float = 2.0,
@@ -95,7 +99,8 @@ class OnlineCostCurve:
         self._alpha_prior = prior_weight
         self._beta_prior = prior_weight * spread * spread
         self._sums = [0.0] * 5  # decayed sums of w, w*x, w*y, w*x*x, w*x*y
-        self.alpha, self.beta = self._one_row, 1.0
+        self._fit = (self._one_row, 1.0)  # (alpha, beta), replaced as one
+        self._lock = threading.Lock()
         self.observations = 0
         # the tree builders price ~30 sizes per step: the base curve's interpolation read from a table
         self._extra = [0.0] + [base(q) - self._one_row for q in range(1, 257)]
@@ -106,13 +111,28 @@ class OnlineCostCurve:
             return self._extra[queries]
         return self.base(queries) - self._one_row
 
+    @property
+    def alpha(self) -> float:
+        """The one-row forward's cost now (ms)."""
+        return self._fit[0]
+
+    @property
+    def beta(self) -> float:
+        """What extra rows cost now, relative to the measured curve."""
+        return self._fit[1]
+
     def __call__(self, queries: int) -> float:
-        return self.alpha + self.beta * self.extra(queries)
+        alpha, beta = self._fit
+        return alpha + beta * self.extra(queries)
 
     def observe(self, queries: int, milliseconds: float) -> None:
         """One verify forward of `queries` query rows took `milliseconds`."""
-        x = self.extra(queries)
-        predicted = self.alpha + self.beta * x
+        with self._lock:
+            self._observe(self.extra(queries), milliseconds)
+
+    def _observe(self, x: float, milliseconds: float) -> None:
+        alpha, beta = self._fit
+        predicted = alpha + beta * x
         y = min(max(milliseconds, predicted / self.clip), predicted * self.clip)
         keep = self._keep
         sums = self._sums
@@ -127,8 +147,7 @@ class OnlineCostCurve:
         alpha = (b1 * a22 - a12 * b2) / determinant
         beta = (a11 * b2 - a12 * b1) / determinant
         # a tree never costs less than its root, nor an extra row less than a twentieth of the measured one
-        self.beta = max(beta, 0.05)
-        self.alpha = max(alpha, 0.05 * self._one_row)
+        self._fit = (max(alpha, 0.05 * self._one_row), max(beta, 0.05))
 
 
 def random_chain(queries: int, vocab: int, generator: torch.Generator) -> DraftTree:

@@ -112,3 +112,35 @@ def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, 
     monkeypatch.setattr(distributed, "active", lambda: True)
     pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
     assert pipe.decoder.forward_costs is None and pipe.decoder.tree_builder.cost_curve is BASE
+
+
+
+def test_requests_in_parallel_threads_update_the_shared_curve_one_at_a_time():
+    """An update reads the decayed sums and the fit, then writes both: two at once would lose one."""
+    import threading
+    import time
+
+    shared = OnlineCostCurve(BASE)
+    inside, overlaps = [], []
+    update = shared._observe
+
+    def slow_update(x: float, milliseconds: float) -> None:  # an update long enough for threads to meet in it
+        overlaps.extend(inside)
+        inside.append(threading.get_ident())
+        time.sleep(0.002)
+        update(x, milliseconds)
+        inside.remove(threading.get_ident())
+
+    shared._observe = slow_update
+
+    def decode() -> None:
+        for queries in (1, 2, 3, 4, 5):
+            shared.observe(queries, BASE(queries) * 1.2)
+
+    workers = [threading.Thread(target=decode) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not overlaps and shared.observations == 20
+    assert shared(1) > BASE(1)  # the slower forwards were learned
