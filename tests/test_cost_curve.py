@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 
@@ -114,12 +116,8 @@ def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, 
     assert pipe.decoder.forward_costs is None and pipe.decoder.tree_builder.cost_curve is BASE
 
 
-
 def test_requests_in_parallel_threads_update_the_shared_curve_one_at_a_time():
     """An update reads the decayed sums and the fit, then writes both: two at once would lose one."""
-    import threading
-    import time
-
     shared = OnlineCostCurve(BASE)
     inside, overlaps = [], []
     update = shared._observe
