@@ -478,13 +478,15 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
     cpu_kernel._self_check(product)
     kernel = SimpleNamespace(product=product)
     generator = torch.Generator().manual_seed(5)
-    # a vector tail (75, 9, 600); every group size (1-8 rows) and rows split into groups of up to 8 (9 = 5 + 4,
-    # 13 = 7 + 6, 19 = 7 + 6 + 6); output features spanning several tiles of weight rows (96 at 576 inputs
-    # is 4 tiles of up to 28), the last rows' prefetches past the weight's end
+    # a vector tail (75, 9, 600); every group size (1-8 rows, and 9-12 for bf16 pairs, two output features at
+    # a time) and rows split into groups (up to 8: 9 = 5 + 4, 13 = 7 + 6, 19 = 7 + 6 + 6; pairs, up to 12:
+    # 13 = 7 + 6, 19 = 10 + 9, 25 = 9 + 8 + 8); output features spanning several tiles of weight rows (96 at
+    # 576 inputs is 4 tiles of up to 28), an odd count (37, 1: a last feature outside the pairs of features),
+    # the last rows' prefetches past the weight's end
     for in_features in (9, 75, 576, 600):
         for out_features in (1, 37, 96):
             weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
-            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 19):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 19, 25):
                 x = torch.randn(rows, in_features, generator=generator)  # [rows, in]
                 fp32_out = kernel.product(x, weight, None)  # [rows, out] fp32
                 torch.testing.assert_close(fp32_out, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
@@ -783,7 +785,7 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     assert rows(fp32, fp32, "brg_matmul:avx512_core") == cpu.AUTO_KERNEL_ROWS_AVX512 == 8
     assert rows(fp32, fp32, "brg_matmul:avx512_core", "avx512_bf16") == 8  # pairs are for bf16 weights
     assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16") == 8
-    assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16", "avx512_bf16") == cpu.AUTO_BF16_PAIR_KERNEL_ROWS == 12
+    assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16", "avx512_bf16") == cpu.AUTO_BF16_PAIR_KERNEL_ROWS == 24
     assert rows(fp32, fp32, "brgemm:avx512_core_amx") == 0
     assert rows(bf16, bf16, "brgemm:avx512_core_amx_bf16", "avx512_bf16") == 0
     assert rows(bf16, bf16, "brg_matmul:avx2_vnni_2", "avx2") == 0

@@ -57,7 +57,12 @@ AUTO_KERNEL_ROWS_AVX512 = 8
 # - bf16 weights where the kernel's build multiplies bf16 pairs (AVX512_BF16; the same CPU, another run):
 #     bf16  12.4  13.2  13.4  13.1  14.1  15.6  17.3  18.4
 #        ->  9.7   9.8  10.2  10.3  11.0  12.1  14.8  19.4
-AUTO_BF16_PAIR_KERNEL_ROWS = 12
+#   and since the pair product takes 9-12 rows in one pass (run 30, bench/engine_ab.py, 20 rounds, q <= 14
+#   and q >= 16 from two runs):
+#     q        1     8    10    12    14    16    20    24    28    32
+#     bf16   9.5  13.8  14.3  14.9  16.0  16.5  18.3  20.0  21.7  23.7
+#        ->  7.3  10.1  11.3  12.2  14.4  15.5  16.6  18.4  21.6  23.9
+AUTO_BF16_PAIR_KERNEL_ROWS = 24
 
 
 def onednn_available() -> bool:
@@ -134,7 +139,7 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
     `kernel_isa`, specpipe.engine.cpu_kernel.kernel_isa) serves for a model whose linears take `path` on
     this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
     kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
-    AVX-512 (12 bf16 rows where the kernel multiplies bf16 pairs), and 0 on AMX CPUs, under oneDNN's
+    AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs), and 0 on AMX CPUs, under oneDNN's
     other bf16 kernels and off x86, where the kernel was not measured against oneDNN (or does not exist)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0

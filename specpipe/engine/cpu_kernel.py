@@ -52,7 +52,9 @@ interleaved rounds, ms (run 24, docs/BENCHMARKS.md):
 
 On CPUs with AVX512_BF16 the AVX-512 build multiplies bf16 rows by bf16 weights in pairs (`vdpbf16ps`, 32
 values per instruction, no widened copy of x), which keeps a product of up to 8 rows near the memory's
-speed.
+speed, and takes 9-12 rows in one pass, two output features at a time (`RowGroups`): a bf16 verify of
+8-12 rows ran 9-13% faster than in passes of up to 8 rows, and beats oneDNN's AVX-512 bf16 kernel up to
+~28 rows (run 30, docs/BENCHMARKS.md).
 
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
@@ -254,80 +256,125 @@ constexpr int64_t kPrefetchRows = 2;
 // out[r, o] = sum_k x[r, k] * w[o, k] for R rows of x and output features [begin, end), Step::kValues
 // values of k per step. Each output feature streams its weight row once; U accumulators per row over
 // interleaved slices of k keep R * U independent chains in flight (the latency of a multiply-add, not the
-// memory, limits one chain).
-template <typename Step, int R, int U, typename W, typename Out>
+// memory, limits one chain). O output features at a time share each load of x: with many rows the loads
+// of x, not the multiply-adds, fill the cycle.
+template <typename Step, int R, int U, int O, typename W, typename Out>
 void product_block(const typename Step::X* x, const W* w, const float* bias, Out* out, int64_t in,
                    int64_t out_stride, int64_t begin, int64_t end) {
   constexpr int kValues = Step::kValues;
   const int64_t unrolled_end = in - in % (kValues * U);
   const int64_t vector_end = in - in % kValues;
-  for (int64_t o = begin; o < end; ++o) {
-    const W* row = w + o * in;
+  int64_t o = begin;
+  for (; o + O <= end; o += O) {
+    const W* rows = w + o * in;  // O weight rows, one after another
     // past the weight's last row near the end: a prefetch never faults, and its line is only not used
-    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * in);
-    Lanes acc[U][R];
+    const char* ahead = reinterpret_cast<const char*>(rows + kPrefetchRows * O * in);
+    Lanes acc[O][U][R];
 #pragma GCC unroll 16
-    for (int u = 0; u < U; ++u)
+    for (int p = 0; p < O; ++p)
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[u][r] = lanes_zero();
+      for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[p][u][r] = lanes_zero();
     for (int64_t k = 0; k < unrolled_end; k += kValues * U) {
 #pragma GCC unroll 16
       for (int u = 0; u < U; ++u) {
-        const auto weights = Step::weights(row + k + kValues * u);
-        _mm_prefetch(ahead + (k + kValues * u) * sizeof(W), SPECPIPE_WEIGHT_HINT);
+        decltype(Step::weights(rows)) weights[O];
+#pragma GCC unroll 16
+        for (int p = 0; p < O; ++p) {
+          weights[p] = Step::weights(rows + p * in + k + kValues * u);
+          _mm_prefetch(ahead + (p * in + k + kValues * u) * sizeof(W), SPECPIPE_WEIGHT_HINT);
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          acc[u][r] = Step::multiply_add(acc[u][r], weights, x + r * in + k + kValues * u);
+#pragma GCC unroll 16
+          for (int p = 0; p < O; ++p)
+            acc[p][u][r] = Step::multiply_add(acc[p][u][r], weights[p], x + r * in + k + kValues * u);
       }
     }
-    for (int64_t k = unrolled_end; k < vector_end; k += kValues) {
-      const auto weights = Step::weights(row + k);
-      _mm_prefetch(ahead + k * sizeof(W), SPECPIPE_WEIGHT_HINT);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[0][r] = Step::multiply_add(acc[0][r], weights, x + r * in + k);
+    for (int p = 0; p < O; ++p) {
+      const W* row = rows + p * in;
+      for (int64_t k = unrolled_end; k < vector_end; k += kValues) {
+        const auto weights = Step::weights(row + k);
+        _mm_prefetch(ahead + (p * in + k) * sizeof(W), SPECPIPE_WEIGHT_HINT);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[p][0][r] = Step::multiply_add(acc[p][0][r], weights, x + r * in + k);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        Lanes total = acc[p][0][r];
+#pragma GCC unroll 16
+        for (int u = 1; u < U; ++u) total = lanes_add(total, acc[p][u][r]);
+        float sum = lanes_sum(total);
+        for (int64_t k = vector_end; k < in; ++k) sum += as_float(x[r * in + k]) * as_float(row[k]);
+        if (bias != nullptr) sum += bias[o + p];
+        // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
+        // the fp32 product afterwards would round it
+        out[r * out_stride + o + p] = static_cast<Out>(sum);
+      }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      Lanes total = acc[0][r];
-#pragma GCC unroll 16
-      for (int u = 1; u < U; ++u) total = lanes_add(total, acc[u][r]);
-      float sum = lanes_sum(total);
-      for (int64_t k = vector_end; k < in; ++k) sum += as_float(x[r * in + k]) * as_float(row[k]);
-      if (bias != nullptr) sum += bias[o];
-      // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
-      // the fp32 product afterwards would round it
-      out[r * out_stride + o] = static_cast<Out>(sum);
-    }
+  }
+  if constexpr (O > 1) {  // the last features, fewer than O
+    if (o < end) product_block<Step, R, U, 1>(x, w, bias, out, in, out_stride, o, end);
   }
 }
 
-// Accumulators per row for a group of R rows: at least 8 independent FMA chains (two FMA units, 4 cycles
-// of latency) where the registers hold them beside the U weight vectors: 8, 4, 2 for 1, 2, 3-6 rows and
-// 1 from 7 in 16 registers (AVX2); 2 up to 8 rows in 32 (AVX-512).
-template <int R>
-constexpr int accumulators_per_row() {
-  if (R == 1) return 8;
-  if (R == 2) return 4;
-  return R <= (kRegisters == 32 ? 8 : 6) ? 2 : 1;
-}
+// How a group of R rows runs: U accumulators per row and O output features at a time (product_block),
+// and the most rows one pass over a tile takes (more rows run in balanced groups, one pass each).
+// Widened steps: at least 8 independent FMA chains (two FMA units, 4 cycles of latency) where the
+// registers hold them beside the U weight vectors: U = 8, 4, 2 for 1, 2, 3-6 rows and 1 from 7 in 16
+// registers (AVX2); 2 up to 8 rows in 32 (AVX-512); groups of up to 8 rows (AVX-512: groups of 16
+// measured slower than two of 8).
+template <typename Step>
+struct RowGroups {
+  static constexpr int64_t kMaxRows = 8;
+  template <int R>
+  static constexpr int accumulators() {
+    if (R == 1) return 8;
+    if (R == 2) return 4;
+    return R <= (kRegisters == 32 ? 8 : 6) ? 2 : 1;
+  }
+  template <int R>
+  static constexpr int outputs() { return 1; }
+};
 
-// The most rows one pass over a tile runs (AVX-512: groups of 16 measured slower than two of 8)
-constexpr int64_t kMaxGroupRows = 8;
+#ifdef __AVX512BF16__
+// Pairs: 9-12 rows in one pass, two output features at a time and one accumulator per row and feature
+// (18-24 of the 32 registers), where two passes of 5-6 rows each loaded x once per feature and re-read
+// the tile. Over SmolLM2-135M's linears and output layer (2-core Zen 5 EPYC, min of 10 interleaved rounds,
+// ms), groups of up to 8 rows -> this:
+//   rows   4     7     8     9     10    11    12    13    16
+//        5.71  6.30  6.87  7.83  8.31  8.49  8.93  9.23  13.13
+//     -> 5.74  6.19  6.15  7.07  6.97  6.95  7.51  9.27  10.67
+// Three features at a time made a single pass of 7-8 rows slower (7.9 and 7.8 ms), and one pass of
+// 13-16 rows slower than two.
+template <>
+struct RowGroups<PairStep> {
+  static constexpr int64_t kMaxRows = 12;
+  template <int R>
+  static constexpr int accumulators() { return R == 1 ? 8 : R == 2 ? 4 : R <= 8 ? 2 : 1; }
+  template <int R>
+  static constexpr int outputs() { return R <= 8 ? 1 : 2; }
+};
+#endif
 
-// Rows [x, x + count) of the product for output features [begin, end), count <= kMaxGroupRows.
+// Rows [x, x + count) of the product for output features [begin, end), count <= RowGroups<Step>::kMaxRows.
 template <typename Step, int R = 1, typename W, typename Out>
 void product_rows(int64_t count, const typename Step::X* x, const W* w, const float* bias, Out* out, int64_t in,
                   int64_t out_stride, int64_t begin, int64_t end) {
-  if constexpr (R < kMaxGroupRows) {
+  using Groups = RowGroups<Step>;
+  if constexpr (R < Groups::kMaxRows) {
     if (count != R) return product_rows<Step, R + 1>(count, x, w, bias, out, in, out_stride, begin, end);
   }
-  product_block<Step, R, accumulators_per_row<R>()>(x, w, bias, out, in, out_stride, begin, end);
+  product_block<Step, R, Groups::template accumulators<R>(), Groups::template outputs<R>()>(
+      x, w, bias, out, in, out_stride, begin, end);
 }
 
 constexpr int64_t kTileBytes = 32768;
 
 // The weight streams from memory once for all rows: each thread walks its output features in tiles of
-// ~32 KB of weight rows and runs every group of up to kMaxGroupRows rows over a tile while it is in L1/L2.
+// ~32 KB of weight rows and runs every group of rows (RowGroups) over a tile while it is in L1/L2.
 // Groups are balanced (AVX2, 11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
 template <typename Step, typename W, typename Out>
 void product(const typename Step::X* xs, const W* w, const float* bias, Out* os, int64_t rows, int64_t in,
@@ -338,7 +385,7 @@ void product(const typename Step::X* xs, const W* w, const float* bias, Out* os,
     for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
       const int64_t tile_end = std::min(end, tile_begin + tile);
       for (int64_t first = 0, count = 0; first < rows; first += count) {
-        const int64_t left = rows - first, groups = (left + kMaxGroupRows - 1) / kMaxGroupRows;
+        const int64_t left = rows - first, most = RowGroups<Step>::kMaxRows, groups = (left + most - 1) / most;
         count = (left + groups - 1) / groups;
         product_rows<Step>(count, xs + first * in, w, bias, os + first * out_features, in, out_features,
                            tile_begin, tile_end);
