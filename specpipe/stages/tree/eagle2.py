@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -9,6 +10,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids
+from specpipe.stages.tree.drafter_gate import DrafterGate, best_score
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -38,12 +40,16 @@ class Eagle2TreeBuilder:
     frontier node gets is decided before drawing them, from the same expected-tokens-per-
     millisecond rule, and every drawn node is kept: a node kept or dropped for its own token
     would bias the output.
+
+    With `gate` (a DrafterGate), in greedy steps with other sources' proposals, a drafter is grown
+    only where, judged by what its nodes added in earlier steps like this one, it pays for its time.
     """
 
     expands_drafters = True
 
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
-                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02) -> None:
+                 max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,
+                 gate: DrafterGate | None = None) -> None:
         if depth < 1 or top_k < 1 or children < 1:
             raise ValueError(f"tree=eagle2: depth, top_k and children must be >= 1, got {depth}, {top_k}, {children}")
         self.depth = depth
@@ -51,6 +57,7 @@ class Eagle2TreeBuilder:
         self.children = children
         self.min_score = min_score
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
+        self.gate = gate
 
     @property
     def cost_curve(self) -> CostCurve:
@@ -65,12 +72,29 @@ class Eagle2TreeBuilder:
         # drafters read them, and a step with none skips the sort)
         other_scores = sorted((score for proposal in proposals for score in proposal.scores.tolist()),
                               reverse=True)[: self.selector.max_nodes] if drafters else []
-        grown, drafting_ms = [], 0.0
+        # greedy steps only: a sampled tree keeps the drafter's nodes beside equal ones of other sources,
+        # so the committed tokens do not tell whose node was accepted
+        gated = self.gate is not None and bool(other_scores) and state.sampling.greedy
+        if self.gate is not None:
+            self.gate.learn_last_step(state)  # the step before this one only
+        if gated:
+            bucket = self.gate.bucket(best_score(proposals))
+            other_rate = self.selector.best_cut(other_scores)[2]
+        grown, drafting_ms, timed = [], 0.0, {}
         for drafter in drafters:
+            name = getattr(drafter, "name", "draft")
+            if gated and not self.gate.should_grow(name, bucket, other_rate):
+                continue
+            started = time.perf_counter()
             proposal, milliseconds = self.grow(state, drafter, other_scores)
+            if gated:
+                timed[name] = (bucket, 1000.0 * (time.perf_counter() - started))
             grown.append(proposal)
             drafting_ms += milliseconds
-        return self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
+        tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
+        if gated:
+            self.gate.remember_step(state, tree.tokens.tolist(), tree.parents.tolist(), list(tree.sources), timed)
+        return tree
 
     def grow(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
              ) -> tuple[Proposal, float]:
