@@ -1,0 +1,93 @@
+"""specpipe's CPU weight product over the embedded model's linears, by row count; optionally against the
+kernel source of another commit, interleaved in one process.
+
+A verify forward's cost above a few rows is mostly the products' arithmetic, and how the kernel groups
+rows decides it. This times `weight_product` alone over SmolLM2-135M's 210 linears and its output layer
+(random rows, min over rounds, ms per pass), for the kernel in the working tree and, with `--before REV`,
+for the kernel source at git revision REV, built beside it under another name (each source builds once
+into the specpipe cache). Rows of one table compare; runs on this VM drift by 15-25%.
+
+    chrt -f 1 .venv/bin/python bench/kernel_rows.py --dtype bf16 --rows 1 4 8 12 16 --before HEAD~1
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from specpipe.engine import cpu_kernel
+from specpipe.models import cache_root
+
+KERNEL_FILE = "specpipe/engine/cpu_kernel.py"
+
+
+def source_at(revision: str) -> str:
+    """The kernel's C++ source (`_SOURCE`) in specpipe/engine/cpu_kernel.py at a git revision."""
+    text = subprocess.run(["git", "show", f"{revision}:{KERNEL_FILE}"], check=True, capture_output=True,
+                          text=True).stdout
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel_before.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location("kernel_before", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module._SOURCE
+
+
+def build_product(source: str):
+    """weight_product of the kernel built from `source` (this CPU's ISA, the default prefetch hint)."""
+    kept = cpu_kernel._SOURCE
+    cpu_kernel._SOURCE = source  # the build's name hashes the source, so another source builds apart
+    try:
+        return cpu_kernel._build(None, cpu_kernel.kernel_isa()).weight_product
+    finally:
+        cpu_kernel._SOURCE = kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 16])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--before", help="a git revision whose kernel source to time beside the working tree's")
+    parser.add_argument("--model", default=str(cache_root() / "models" / "smollm2_135m" / "model.safetensors"),
+                        help="a safetensors file of a Llama model (default: the converted embedded model)")
+    args = parser.parse_args()
+    if not Path(args.model).is_file():
+        sys.exit(f"{args.model} not found: run `make demo` (or any pipeline) once to convert the embedded "
+                 f"model, or name a model's safetensors file with --model")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    state = load_file(args.model)
+    weights = [tensor.to(dtype).contiguous() for name, tensor in state.items() if tensor.dim() == 2]  # [out, in]
+    variants = {"working tree": build_product(cpu_kernel._SOURCE)}
+    if args.before:
+        variants[args.before] = build_product(source_at(args.before))
+    generator = torch.Generator().manual_seed(0)
+    inputs = {rows: [torch.randn(rows, weight.shape[1], generator=generator).to(dtype) for weight in weights]
+              for rows in args.rows}  # [rows, in] per weight
+    best = {(name, rows): float("inf") for name in variants for rows in args.rows}
+    for _ in tqdm(range(args.rounds), desc="rounds"):
+        for rows in args.rows:
+            for name, product in variants.items():  # the variants take turns within each row count
+                started = time.perf_counter()
+                for x, weight in zip(inputs[rows], weights):
+                    product(x, weight, None)
+                best[name, rows] = min(best[name, rows], 1000.0 * (time.perf_counter() - started))
+    print(f"\n{args.dtype} weight products over {len(weights)} weights ({sum(w.numel() for w in weights) / 1e6:.1f}M "
+          f"values), {torch.get_num_threads()} threads, min of {args.rounds} interleaved rounds, ms per pass")
+    print("| kernel | " + " | ".join(str(rows) for rows in args.rows) + " |")
+    print("|---|" + "---:|" * len(args.rows))
+    for name in variants:
+        print(f"| {name} | " + " | ".join(f"{best[name, rows]:.2f}" for rows in args.rows) + " |")
+
+
+if __name__ == "__main__":
+    main()
