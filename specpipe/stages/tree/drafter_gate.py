@@ -50,6 +50,9 @@ class _LastStep:
 
 
 class DrafterGate:
+    """Per drafter and bucket of the other sources' best score: decayed means of the tokens its nodes
+    added and of its milliseconds, and the decision to grow it (see the module doc)."""
+
     def __init__(self, buckets: int = 5, warmup: int = 4, explore_every: int = 8, decay: float = 0.97) -> None:
         if buckets < 1 or warmup < 1 or explore_every < 1 or not 0.0 < decay <= 1.0:
             raise ValueError(f"drafter gate: buckets, warmup and explore_every must be >= 1 and decay in (0, 1], "
