@@ -20,7 +20,9 @@ bucket's estimate follows the text. Which tree is verified never changes the out
 sampled): only which tokens are drafted.
 
 The statistics are shared by the requests a pipeline decodes (they describe the drafter, not one
-answer) and guarded by a lock; what one request drafted last step is kept in its DecodeState.
+answer) and guarded by a lock; what one request drafted last step is kept in its DecodeState. As the
+decisions follow measured times, two runs of one prompt give the same tokens but may split them into
+different steps; `pipeline.tree.gate=null` makes the steps repeat too.
 """
 from __future__ import annotations
 
