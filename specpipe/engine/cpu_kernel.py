@@ -52,9 +52,9 @@ interleaved rounds, ms (run 24, docs/BENCHMARKS.md):
 
 On CPUs with AVX512_BF16 the AVX-512 build multiplies bf16 rows by bf16 weights in pairs (`vdpbf16ps`, 32
 values per instruction, no widened copy of x), which keeps a product of up to 8 rows near the memory's
-speed, and takes 9-12 rows in one pass, two output features at a time (`RowGroups`): a bf16 verify of
-8-12 rows ran 9-13% faster than in passes of up to 8 rows, and beats oneDNN's AVX-512 bf16 kernel up to
-~28 rows (run 30, docs/BENCHMARKS.md).
+speed, and takes 9-12 rows in one pass, two output features at a time (`RowGroups`): the products of an
+8-12-row bf16 verify ran 10-18% faster than in passes of up to 8 rows (a whole 9-11-row verify forward
+9-12%), and a bf16 forward beats oneDNN's AVX-512 bf16 kernel up to ~28 rows (run 30, docs/BENCHMARKS.md).
 
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per

@@ -124,9 +124,11 @@ class DrafterGate:
             others = next((depth for depth, node in enumerate(path) if last.sources[node] == drafter), len(path))
             self.observe(drafter, bucket, len(path) - others, milliseconds)
 
-    def remember_step(self, state: DecodeState, proposal_tokens: list[int], parents: list[int], sources: list[str],
+    def remember_step(self, state: DecodeState, tree_tokens: list[int], parents: list[int], sources: list[str],
                       grown: dict[str, tuple[int, float]]) -> None:
-        state.stage_state[self] = _LastStep(len(state.tokens), proposal_tokens, parents, sources, grown)
+        """Keeps this step's tree (its nodes' tokens, parents and sources) and the drafters grown for it
+        (name -> (bucket, milliseconds)) in the request's state, for the next step's `learn_last_step`."""
+        state.stage_state[self] = _LastStep(len(state.tokens), tree_tokens, parents, sources, grown)
 
 
 def best_score(proposals: list[Proposal]) -> float:
