@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from specpipe.types import DecodeState, Proposal
+from specpipe.types import DecodeState
 
 
 @dataclass
@@ -130,7 +130,3 @@ class DrafterGate:
         (name -> (bucket, milliseconds)) in the request's state, for the next step's `learn_last_step`."""
         state.stage_state[self] = _LastStep(len(state.tokens), tree_tokens, parents, sources, grown)
 
-
-def best_score(proposals: list[Proposal]) -> float:
-    """The highest node score of the proposals (0 with none)."""
-    return max((float(proposal.scores.max()) for proposal in proposals if len(proposal.scores)), default=0.0)

@@ -10,7 +10,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids
-from specpipe.stages.tree.drafter_gate import DrafterGate, best_score
+from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -78,7 +78,7 @@ class Eagle2TreeBuilder:
         if self.gate is not None:
             self.gate.learn_last_step(state)  # the step before this one only
         if gated:
-            bucket = self.gate.bucket(best_score(proposals))
+            bucket = self.gate.bucket(other_scores[0])  # the other sources' best node score
             other_rate = self.selector.best_cut(other_scores)[2]
         grown, drafting_ms, timed = [], 0.0, {}
         for drafter in drafters:
