@@ -27,7 +27,10 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
 
 
 def sample(probs: Tensor, rng: torch.Generator | None) -> int:
-    """One token from probs [vocab]."""
+    """One token from probs [vocab]. A seeded generator lives on the CPU (the decoder makes it there, so
+    a seed gives the same draws whatever device the model is on): GPU probabilities are copied to it."""
+    if rng is not None and probs.device != rng.device:
+        probs = probs.to(rng.device)
     return int(torch.multinomial(probs, 1, generator=rng))
 
 

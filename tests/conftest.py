@@ -315,7 +315,7 @@ class ModelUnderTest:
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int],
               pad_token_id: int | None) -> list[int]:
     """Plain greedy decoding of `model` with HF `generate(do_sample=False)`: the new tokens."""
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=eos_token_ids,

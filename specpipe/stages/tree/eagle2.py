@@ -125,7 +125,7 @@ class Eagle2TreeBuilder:
             logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
             chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
-            cumulative = torch.tensor(frontier_scores)[:, None] + top.values  # [m, c]
+            cumulative = torch.tensor(frontier_scores, device=top.values.device)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
             for row, node in enumerate(frontier):
                 tokens.extend(chosen[row].tolist())
@@ -187,7 +187,7 @@ class Eagle2TreeBuilder:
         vocab = frontier_probs.shape[-1]
         proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
                             scores=torch.tensor(scores, dtype=torch.float32), source=getattr(drafter, "name", "draft"),
-                            draft_probs=torch.stack(draft_probs) if draft_probs else torch.empty(0, vocab))
+                            draft_probs=torch.stack(draft_probs) if draft_probs else frontier_probs.new_empty(0, vocab))
         return proposal, drafting_ms
 
     def _allot_children(self, probs: Tensor, frontier_scores: list[float], expected: float, nodes: int,
@@ -198,7 +198,7 @@ class Eagle2TreeBuilder:
         drafting (path probability): slots are taken best first while they raise expected tokens
         per millisecond. Returns the counts [m] and the expected tokens with them."""
         top = probs.topk(min(self.children, probs.shape[-1]), dim=-1).values  # [m, c]
-        values = torch.tensor(frontier_scores)[:, None] * top  # [m, c]
+        values = torch.tensor(frontier_scores, device=top.device)[:, None] * top  # [m, c]
         counts = [0] * len(frontier_scores)
         for flat in values.flatten().argsort(descending=True).tolist():
             value = float(values.flatten()[flat])

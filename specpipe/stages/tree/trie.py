@@ -50,9 +50,10 @@ class TrieTreeBuilder:
         all_tokens = torch.tensor(fixed_tokens + [tokens[i] for i in kept], dtype=torch.long)  # [n]
         draft_probs = None
         if sampled:
-            deterministic = torch.zeros(len(kept), sampled[0].draft_probs.shape[1])  # [kept, vocab] one-hot
-            deterministic[torch.arange(len(kept)), all_tokens[offset:]] = 1.0
-            draft_probs = torch.cat([*(proposal.draft_probs.float() for proposal in sampled), deterministic])
+            device = sampled[0].draft_probs.device  # the drafters' (the target's) device
+            deterministic = torch.zeros(len(kept), sampled[0].draft_probs.shape[1], device=device)  # [kept, vocab]
+            deterministic[torch.arange(len(kept)), all_tokens[offset:]] = 1.0  # one-hot
+            draft_probs = torch.cat([*(proposal.draft_probs.float().to(device) for proposal in sampled), deterministic])
         return DraftTree.from_parents(
             all_tokens,
             torch.tensor(fixed_parents + [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept],

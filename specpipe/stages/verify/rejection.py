@@ -29,6 +29,7 @@ class RejectionSamplingVerifier:
         if sampling is None or sampling.greedy:
             return greedy_accept(tree, logits)
         probs = target_probs(logits, sampling)  # [n + 1, vocab]
+        draft_probs = None if tree.draft_probs is None else tree.draft_probs.to(probs.device)  # [n, vocab]
         tokens = tree.tokens.tolist()
         children = tree.children()
         accepted: list[int] = []
@@ -37,7 +38,7 @@ class RejectionSamplingVerifier:
             residual = probs[node + 1]  # [vocab]
             for child in children.get(node, ()):
                 token = tokens[child]
-                q = tree.draft_probs[child] if tree.draft_probs is not None else None  # [vocab] or one-hot
+                q = draft_probs[child] if draft_probs is not None else None  # [vocab] or one-hot
                 q_token = float(q[token]) if q is not None else 1.0
                 if q_token > 0 and uniform(rng) < min(1.0, float(residual[token]) / q_token):
                     accepted.append(child)
