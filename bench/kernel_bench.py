@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take a while)")
     parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: time the kernel's tuning overrides (upcast, num_splits, num_warps) per shape")
     return parser.parse_args(argv)
 
 
@@ -116,6 +118,38 @@ def bench_case(cache_len: int, n: int, args, tree_attention, tree_attention_refe
     return row
 
 
+SWEEP = [dict(upcast=upcast, num_splits=splits, num_warps=warps)
+         for upcast in (True, False) for splits in (None, 1, 16) for warps in (None, 8)]
+
+
+def sweep_case(cache_len: int, n: int, args, tree_attention, tree_attention_reference, do_bench,
+               device: str = "cuda") -> list[str]:
+    """Table rows: the kernel's time under each tuning override of SWEEP (checked against the reference)."""
+    generator = torch.Generator().manual_seed(args.seed + 1000 * n + cache_len)
+    dtype, device = DTYPES[args.dtype], torch.device(device)
+    query = torch.randn(1, args.heads, n, args.head_dim, generator=generator).to(device, dtype)  # [1, H, q, D]
+    key = torch.randn(1, args.kv_heads, cache_len + n, args.head_dim, generator=generator).to(device, dtype)
+    value = torch.randn(1, args.kv_heads, cache_len + n, args.head_dim, generator=generator).to(device, dtype)
+    tree_mask = random_tree_mask(n, generator)[None].to(device)  # [1, q, q]
+    cache_lens = torch.tensor([cache_len], dtype=torch.int32, device=device)
+    expected = tree_attention_reference(query, key, value, tree_mask, cache_lens.cpu()).float()
+    tolerance = 2e-2 if dtype != torch.float32 else 1e-3
+    rows = []
+    for options in SWEEP:
+        def run():
+            return tree_attention(query, key, value, tree_mask, cache_lens, **options)
+        try:
+            error = (run().float() - expected).abs().max().item()
+            time = "MISMATCH" if error > tolerance * (1 + expected.abs().max().item()) else \
+                f"{do_bench(run, warmup=25, rep=100, return_mode='median') * 1000.0:.1f}"
+        except Exception as failure:
+            error, time = float("nan"), f"n/a ({type(failure).__name__})"
+        label = ", ".join(f"{k}={'auto' if v is None else v}" for k, v in options.items())
+        rows.append(f"| {cache_len} | {n} | {label} | {time} | {error:.2g} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def cell(value) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
@@ -151,6 +185,19 @@ def main(argv=None) -> int:
     for limit in ("recompile_limit", "cache_size_limit"):  # one FlexAttention compile per shape
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 1024)
+    if args.sweep:
+        lines = [f"Kernel tuning sweep: {args.heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "
+                 f"{args.dtype}. {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+                 f"{triton.__version__}. Median microseconds; max abs error against the reference.", "",
+                 "| cache | tree | overrides | us | max error |", "|---|---|---|---|---|"]
+        print("\n".join(lines), flush=True)
+        for cache_len in args.cache_lens:
+            for n in args.tree_sizes:
+                lines += sweep_case(cache_len, n, args, tree_attention, tree_attention_reference, do_bench)
+        if args.out:
+            with open(args.out, "w") as file:
+                file.write("\n".join(lines) + "\n")
+        return 0
     columns = ["triton", "sdpa"] + ([] if args.no_flex else ["flex"])
     lines = [
         f"Tree attention, one layer: {args.heads} heads, {args.kv_heads} kv heads, head_dim {args.head_dim}, "

@@ -354,6 +354,17 @@ def test_kernel_bench_row_on_cpu(kernel):
     assert row == {"cache": 19, "tree": 8, "triton": 1000.0, "sdpa": 1000.0}
 
 
+def test_kernel_bench_sweep_rows_on_cpu(kernel):
+    """--sweep runs every tuning override and checks each against the reference (interpreted here, where
+    upcast=False still upcasts: only a GPU times the 16-bit dots)."""
+    bench = _kernel_bench()
+    args = bench.parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "bf16", "--sweep"])
+    rows = bench.sweep_case(40, 6, args, kernel.tree_attention, tree_attention_reference,
+                            lambda fn, **_: 0.002, device="cpu")
+    assert len(rows) == len(bench.SWEEP)
+    assert all(row.startswith("| 40 | 6 | upcast=") and "| 2.0 |" in row for row in rows), rows
+
+
 COMPILE_SCRIPT = r'''
 import torch
 from triton.backends.compiler import GPUTarget
@@ -380,13 +391,15 @@ def signature(fn, dtype, causal, constexprs):
     return {name: kind(name) for name in fn.arg_names}
 
 
-# (arch, dtype, group * q rows, head_dim, splits, causal): a Llama-like verify, a prefill, odd heads, fp32
-for arch, dtype, rows, head_dim, splits, causal in [
-        (90, torch.bfloat16, 4 * 8, 128, 8, False), (80, torch.bfloat16, 4 * 200, 128, 1, True),
-        (90, torch.float16, 3 * 33, 64, 1, False), (90, torch.float32, 4 * 16, 128, 2, False)]:
+# (arch, dtype, group * q rows, head_dim, splits, causal, upcast): a Llama-like verify (16-bit dots and
+# upcast ones), a prefill, odd heads, fp32
+for arch, dtype, rows, head_dim, splits, causal, upcast in [
+        (90, torch.bfloat16, 4 * 8, 128, 8, False, True), (90, torch.bfloat16, 4 * 64, 128, 4, False, False),
+        (80, torch.bfloat16, 4 * 200, 128, 1, True, True), (80, torch.float16, 4 * 16, 128, 2, False, False),
+        (90, torch.float16, 3 * 33, 64, 1, False, True), (90, torch.float32, 4 * 16, 128, 2, False, True)]:
     block_m, block_n, block_d, num_warps = ta._launch_config(rows, head_dim, dtype)
     constexprs = dict(GROUP=4, NUM_SPLITS=splits, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_D=block_d, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                      BLOCK_D=block_d, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=upcast)
     source = ASTSource(ta._tree_attention_kernel, signature(ta._tree_attention_kernel, dtype, causal, constexprs),
                        constexprs)
     kernel = compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=2))

@@ -17,10 +17,12 @@ How the work is laid out (why it looks like this):
   and sum, and a second small kernel merges them.
 - The cache part needs no mask (only bounds); the tree mask is read only for the q tree
   keys. A causal chain (prefill, one-token steps) needs no mask tensor at all.
-- Everything is upcast to fp32 right after tl.load (Triton's interpreter computes bf16
-  wrongly, and fp32 softmax state is needed anyway). 16-bit inputs are exact in tf32, so
-  their dots run as tf32 on tensor cores without losing anything of the inputs; fp32
-  inputs use "ieee" dots so fp32 models stay exact.
+- 16-bit q/k/v stay 16-bit for the two dots (fp32 accumulation; the softmax weights are
+  rounded to the inputs' dtype for the second one, as flash attention does): on an H100 this
+  was 2.5-3x faster for 64-128-node trees than upcasting them to fp32 and running tf32 dots
+  (docs/BENCHMARKS.md, the GPU run). Softmax state is fp32. fp32 inputs use "ieee" dots so
+  fp32 models stay exact. Triton's interpreter computes bf16 wrongly, so there everything is
+  upcast right after tl.load (`upcast=True` does the same on a GPU).
 
 Importing this module imports Triton and registers the attention function under
 TRITON_TREE_ATTENTION; specpipe imports it only when `attention=triton` is chosen.
@@ -47,14 +49,15 @@ LOG2E = 1.4426950408889634  # softmax runs in base 2 (exp2 is the native instruc
 @triton.jit
 def _online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
     """One key block of online softmax. s [BLOCK_M, BLOCK_N] fp32 log2-scaled scores (-inf = hidden),
-    v [BLOCK_N, BLOCK_D] fp32; m_i, l_i [BLOCK_M] running max and sum; acc [BLOCK_M, BLOCK_D]."""
+    v [BLOCK_N, BLOCK_D] fp32 (or the inputs' 16-bit dtype: then p is rounded to it for the dot);
+    m_i, l_i [BLOCK_M] running max and sum; acc [BLOCK_M, BLOCK_D] fp32."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
     # A row that has seen no key yet has max -inf; subtracting it would give NaN (-inf - -inf).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # [BLOCK_M]
     alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]: rescales what was accumulated under the old max
     p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]; hidden keys give exp2(-inf) = 0
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -70,6 +73,7 @@ def _tree_attention_kernel(
     kv_heads, q_len, head_dim, scale_log2,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)  # block of packed (group head, node) rows
     pid_bh = tl.program_id(1)  # batch * kv_heads + kv head
@@ -87,7 +91,9 @@ def _tree_attention_kernel(
     d_ok = d < head_dim
 
     q_ptrs = q_ptr + b * stride_qb + head[:, None] * stride_qh + node[:, None] * stride_qm + d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # [BLOCK_M] running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running sum of exp2
@@ -104,11 +110,15 @@ def _tree_attention_kernel(
         cols = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         col_ok = cols < hi
         k = tl.load(k_base + cols[None, :] * stride_kn + d[:, None] * stride_kd,
-                    mask=d_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
+                    mask=d_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(col_ok[None, :], s, float("-inf"))
         v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            v = v.to(tl.float32)
         m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     # The tree nodes, in the last split only. A causal block never needs nodes past its own last
@@ -129,11 +139,15 @@ def _tree_attention_kernel(
             visible = tl.load(m_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0) != 0  # [BLOCK_M, BLOCK_N]
         visible = visible & col_ok[None, :]
         k = tl.load(k_base + cols[None, :] * stride_kn + d[:, None] * stride_kd,
-                    mask=d_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
+                    mask=d_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where(visible, s, float("-inf"))
         v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :] * stride_vd,
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            v = v.to(tl.float32)
         m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
@@ -219,7 +233,8 @@ def _launch_config(n_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[int,
 
 def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree_mask: Tensor | None, cache_lens: Tensor,
                    scale: float | None = None, *, num_splits: int | None = None, block_m: int | None = None,
-                   block_n: int | None = None, precision: str | None = None) -> Tensor:
+                   block_n: int | None = None, precision: str | None = None, num_warps: int | None = None,
+                   upcast: bool = False) -> Tensor:
     """Attention of q tree-node queries over [cache | tree nodes] keys, with the Triton kernel.
 
     query      [batch, heads, q, head_dim] fp32/fp16/bf16, any strides
@@ -227,8 +242,9 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree_mask: Tensor 
     tree_mask  [batch, q, q] bool: node i sees node j. None = causal chain (prefill, one-token steps)
     cache_lens [batch] int, on query's device: where each sequence's tree nodes start among its keys
     scale      softmax scale; None = 1/sqrt(head_dim)
-    num_splits, block_m, block_n, precision: tuning overrides (None = chosen here); block sizes are
-               powers of two >= 16, precision a tl.dot input_precision ("ieee", "tf32", ...)
+    num_splits, block_m, block_n, precision, num_warps, upcast: tuning overrides (None = chosen here);
+               block sizes are powers of two >= 16, precision a tl.dot input_precision ("ieee", "tf32",
+               ...); upcast=True runs 16-bit q/k/v as fp32 (tf32) dots instead of 16-bit ones
     returns    [batch, heads, q, head_dim] in query's dtype, a view of a contiguous [batch, q, heads, head_dim]
                buffer (what transformers wants back); a query that sees no key gets zeros
     """
@@ -250,8 +266,10 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree_mask: Tensor 
         return out_bhqd
 
     n_rows = group * q
-    default_m, default_n, block_d, num_warps = _launch_config(n_rows, head_dim, query.dtype)
-    block_m, block_n = block_m or default_m, block_n or default_n
+    default_m, default_n, block_d, default_warps = _launch_config(n_rows, head_dim, query.dtype)
+    block_m, block_n, num_warps = block_m or default_m, block_n or default_n, num_warps or default_warps
+    # The interpreter computes bf16 wrongly, so it always upcasts.
+    upcast = True if INTERPRETED or query.dtype == torch.float32 else bool(upcast)
     m_blocks = triton.cdiv(n_rows, block_m)
     splits = num_splits or _default_num_splits(query.device, m_blocks * batch * kv_heads, kv - q, block_n)
     precision = precision or ("ieee" if query.dtype == torch.float32 else "tf32")
@@ -274,7 +292,7 @@ def tree_attention(query: Tensor, key: Tensor, value: Tensor, tree_mask: Tensor 
         *query.stride(), *key.stride(), *value.stride(), *out_bhqd.stride(), *mask_strides,
         kv_heads, q, head_dim, scale * LOG2E,
         GROUP=group, NUM_SPLITS=splits, CAUSAL=causal,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,
     )
     if splits > 1:
