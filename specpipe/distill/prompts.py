@@ -538,7 +538,7 @@ def build_prompt_source(seed: int = DEFAULT_SEED, dev_files: Sequence[Path] | No
     dropped_texts = {text for text, _, _ in dropped}
     prompts = [p for p in candidates if p.text not in dropped_texts]
     random.Random(f"{seed}:order").shuffle(prompts)
-    return PromptSource(prompts, dropped, [_display_path(Path(f)) for f in dev_files], seed)
+    return PromptSource(prompts, dropped, [display_path(Path(f)) for f in dev_files], seed)
 
 
 FOLLOW_UP_SOURCE = "follow_up"
@@ -565,7 +565,7 @@ def follow_up_prompts(first_turns: Sequence[tuple[ChatPrompt, str]], seed: int =
     return follow_ups
 
 
-def _display_path(path: Path) -> str:
+def display_path(path: Path) -> str:
     """Repository files by their relative path (metadata must not depend on the checkout's location)."""
     path = path.resolve()
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)

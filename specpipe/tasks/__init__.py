@@ -24,6 +24,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "distill_draft": ("specpipe.tasks.distill_draft", "run_distill_draft"),
     "search_layers": ("specpipe.tasks.search_layers", "run_search_layers"),
     "train_heads": ("specpipe.tasks.train_heads", "run_train_heads"),
+    "calibrate_tree": ("specpipe.tasks.calibrate_tree", "run_calibrate_tree"),
     "plan": ("specpipe.tasks.plan", "run_plan"),
 }
 

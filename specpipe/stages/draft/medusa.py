@@ -131,10 +131,11 @@ class MedusaDrafter:
     as a Proposer (`tree=trie`)."""
 
     def __init__(self, target: TargetModel, heads: MedusaHeads | HydraHeads, outputs: list[nn.Module],
-                 name: str = "medusa") -> None:
+                 name: str = "medusa", folder: Path | None = None) -> None:
         if len(outputs) != len(heads):
             raise ConfigError(f"{name}: {len(heads)} heads need as many output layers, got {len(outputs)}")
         self.name = name
+        self.folder = folder  # where the checkpoint was read (task=calibrate_tree writes its tree there)
         self.target = target
         self.heads = heads.to(device=target.device, dtype=target.dtype).eval()
         self.outputs = outputs  # [K] modules hidden -> logits [vocab] (the head's own, reduced, or the target's)
@@ -198,6 +199,33 @@ class MedusaDrafter:
         return torch.stack(rows)
 
     @torch.inference_mode()
+    def true_path_ranks(self, hidden: Tensor, following: Tensor) -> Tensor:
+        """Where the target's own continuation ranks among each head's guesses (task=calibrate_tree).
+
+        hidden [n, hidden]: the target's last hidden states at n positions; following [n, K + 1]: the
+        tokens after each position, the root first. Returns [n, K] int64 on the CPU: head k's rank of
+        following[:, k + 1] (0 = its top guess; ties count for the token), or -1 where that token is
+        outside the heads' reduced vocabulary. A Hydra head reads the true tokens before its guess:
+        what it reads whenever the path up to it was accepted."""
+        hidden = hidden.to(device=self.target.device, dtype=self.target.dtype)
+        following = following.to(self.target.device)
+        to_column = None
+        if self.draft_vocab is not None:  # target id -> column of the reduced vocabulary, -1 outside it
+            to_column = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=following.device)
+            to_column[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=following.device)
+        embed = self.target.model.get_input_embeddings()
+        ranks = []
+        for k in range(len(self.heads)):
+            prefix = embed(following[:, : k + 1]) if self.heads.hydra else None  # [n, k + 1, hidden]
+            logprobs = head_logprobs(self.outputs[k], self.heads.run(k, hidden, prefix),
+                                     reduced=to_column is not None)  # [n, vocab] or [n, k]
+            column = following[:, k + 1] if to_column is None else to_column[following[:, k + 1]]  # [n]
+            truth = logprobs.gather(1, column.clamp_min(0)[:, None])  # [n, 1]
+            rank = (logprobs > truth).sum(dim=1)  # [n]
+            ranks.append(torch.where(column >= 0, rank, -1))
+        return torch.stack(ranks, dim=1).cpu()
+
+    @torch.inference_mode()
     def _hydra_logprobs(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
         """Hydra: head d reads the hidden state and the embeddings of the root and of the d tokens on
         the node's path; nodes of one depth run as one batch, each once per step."""
@@ -212,7 +240,7 @@ class MedusaDrafter:
         for depth, nodes in by_depth.items():
             if depth >= len(self.heads):
                 for node in nodes:
-                    known[node] = torch.full((width,), -math.inf)
+                    known[node] = torch.full((width,), -math.inf, device=hidden.device)
                 continue
             ids = torch.tensor([[state.tokens[-1]] + [tokens[n] for n in paths[node]] for node in nodes])
             prefix = embed(ids.to(self.target.device))  # [m, depth + 1, hidden]
@@ -331,4 +359,4 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
     else:
         shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
         outputs = [shared] * len(module)
-    return MedusaDrafter(target, module, outputs, name=name)
+    return MedusaDrafter(target, module, outputs, name=name, folder=folder)
