@@ -59,10 +59,10 @@ def write_calibration(path: Path, paths: Sequence[Sequence[int]], probabilities:
     """The calibration file: the ranked paths and probabilities, with `info` (where they were measured)."""
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, **info,
                 "paths": [list(p) for p in paths], "probabilities": [round(float(p), 6) for p in probabilities]}
+    from specpipe.distill.corpus import write_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(document, indent=1) + "\n")
-    temporary.replace(path)
+    write_atomically(path, lambda temporary: Path(temporary).write_text(json.dumps(document, indent=1) + "\n"))
 
 
 def read_calibration(path: Path) -> tuple[list[tuple[int, ...]], list[float]]:
