@@ -106,7 +106,7 @@ def gpu_mixed():
     return _make("gpu_mixed", ("model=tiny_random", "model.device=cuda"), mix=100.0)
 
 
-GREEDY_PIPELINES = ["vanilla", "prompt_lookup", "lookahead_trie", "jacobi", "draft_model", "eagle"]
+GREEDY_PIPELINES = ["vanilla", "prompt_lookup", "lookahead_trie", "jacobi", "draft_model", "eagle", "medusa", "hydra"]
 
 
 @pytest.mark.parametrize("attention", ["triton", "sdpa"])
