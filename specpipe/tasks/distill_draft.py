@@ -20,8 +20,8 @@ d. export: `save_draft` to `out` (bf16 layers + JSON sidecar with the command an
 The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar (on the
 1221-answer corpus the file had then, from git). Run from scratch, it took ~11 min of teacher logits
 and 59 min of training (3519 s, 2400 steps) on a 2-core AVX-512 EPYC. Training is deterministic on
-one machine: a second run matched the first's loss at every logged step and its evals through
-step 400 (docs/BENCHMARKS.md, run 32). Run it niced and in the background:
+one machine: a second run, stopped and resumed once, matched the first's log to the end and
+exported the same bytes (docs/BENCHMARKS.md, run 32). Run it niced and in the background:
 
     OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft \\
         >> ~/.cache/specpipe/distill_draft/smollm2_135m/train.log 2>&1 &
