@@ -266,3 +266,14 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     draft = load_draft(loaded.model, loaded.tokenizer, out)
     assert len(draft.model.layers) == 1
+
+
+def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
+    """Every task that reads the corpus (distill_draft, train_heads, search_layers, calibrate_tree) checks
+    the tokenizer it records; a corpus that records none is taken."""
+    from specpipe.distill.corpus import check_corpus_tokenizer
+
+    check_corpus_tokenizer(tmp_path / "c.parquet", {"tokenizer": {"vocab_sha256": "abc"}}, "abc", "m")
+    check_corpus_tokenizer(tmp_path / "c.parquet", {}, "abc", "m")
+    with pytest.raises(ConfigError, match=r"holds token ids of another tokenizer than model=m's"):
+        check_corpus_tokenizer(tmp_path / "c.parquet", {"tokenizer": {"vocab_sha256": "xyz"}}, "abc", "m")

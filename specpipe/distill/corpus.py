@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.distill.prompts import ChatPrompt
-from specpipe.errors import SpecpipeError
+from specpipe.errors import ConfigError, SpecpipeError
 
 SHARD_SCHEMA = pa.schema([
     ("prompt_id", pa.string()),
@@ -245,6 +245,13 @@ def with_history(table: pa.Table) -> pa.Table:
         return table
     filled = pa.array([turns or [] for turns in column.to_pylist()], pa.list_(pa.string()))
     return table.set_column(table.column_names.index("history"), "history", filled)
+
+
+def check_corpus_tokenizer(corpus: Path, metadata: dict, vocab_sha256: str, model_name: str) -> None:
+    """Refuses a corpus whose metadata records another tokenizer than the model's (`vocab_sha256` of
+    tokenizer_fingerprint); a corpus that records none is taken as it is."""
+    if metadata.get("tokenizer", {}).get("vocab_sha256", vocab_sha256) != vocab_sha256:
+        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={model_name}'s")
 
 
 def write_atomically(path: Path, write: Callable[[str], None]) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from specpipe.distill.corpus import read_corpus_metadata
+from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata
 from specpipe.distill.prompts import display_path
 from specpipe.distill.training import progress_bar
 from specpipe.errors import ConfigError
@@ -60,8 +60,7 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
     corpus = repo_path(c.corpus)
     metadata = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    if metadata.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
-        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than the target's")
+    check_corpus_tokenizer(corpus, metadata, fingerprint["vocab_sha256"], cfg.model.name)
     examples = load_examples(corpus, tokenizer, int(c.max_seq_len), metadata.get("system_prompt", cfg.get("system_prompt")))
     held_out = [e for e in examples if is_eval(e.split_id, float(c.eval_fraction))]
     if c.get("answers"):

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.distill.corpus import chat_prompt_ids, read_corpus, read_corpus_metadata
+from specpipe.distill.corpus import chat_prompt_ids, check_corpus_tokenizer, read_corpus, read_corpus_metadata
 from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.distill.training import (ExampleShards, ResumableTrainer, lock_folder, progress_bar, token_batches,
@@ -352,8 +352,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     corpus = repo_path(d.corpus)
     corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
-        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
+    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
     system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
     examples = load_examples(corpus, tokenizer, int(d.max_seq_len), system_prompt)
     if d.get("limit"):

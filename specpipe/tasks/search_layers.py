@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specpipe.distill.corpus import read_corpus_metadata, write_atomically
+from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata, write_atomically
 from specpipe.distill.layer_search import (FORMAT, AgreementProbe, ProbeSequence, agreement_interval,
                                            backward_elimination, elimination_forwards, searched_layers_path)
 from specpipe.errors import ConfigError
@@ -76,8 +76,7 @@ def run_search_layers(cfg: DictConfig) -> dict:
                           f"search_layers.corpus")
     fingerprint = tokenizer_fingerprint(tokenizer)
     corpus_info = read_corpus_metadata(corpus)
-    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
-        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
+    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
     system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
     examples = [e for e in load_examples(corpus, tokenizer, int(s.max_seq_len), system_prompt)
                 if is_eval(e.split_id, float(s.eval_fraction))]

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from transformers import LlamaConfig
 
-from specpipe.distill.corpus import read_corpus_metadata
+from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
@@ -568,8 +568,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     corpus = repo_path(h.corpus)
     corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    if corpus_info.get("tokenizer", {}).get("vocab_sha256", fingerprint["vocab_sha256"]) != fingerprint["vocab_sha256"]:
-        raise ConfigError(f"the corpus {corpus} holds token ids of another tokenizer than model={loaded.name}'s")
+    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
     system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
     examples = [e for e in load_examples(corpus, tokenizer, int(h.max_seq_len), system_prompt) if e.n_pred >= 2]
     if h.get("limit"):
