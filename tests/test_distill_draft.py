@@ -219,6 +219,15 @@ def test_examples_carry_a_second_turns_history(tmp_path):
     assert load_examples(old, tokenizer, 512, None)[1].tokens.tolist() == chat_prompt_ids(tokenizer, second.text) + [8]
 
 
+def assert_pins_the_corpus_ranking(path: Path, corpus: Path) -> None:
+    """The exported ranking of draft tokens counts the training corpus's answer tokens."""
+    import pyarrow.parquet as pq
+
+    answers = pq.read_table(corpus, columns=["answer_ids"]).column("answer_ids").combine_chunks().values.to_numpy()
+    with np.load(path, allow_pickle=False) as pinned:
+        assert pinned["counts"].tolist() == np.bincount(answers, minlength=len(pinned["counts"])).tolist()
+
+
 def test_distill_task_trains_resumes_and_exports(tmp_path):
     from specpipe.tasks import TASKS
 
@@ -263,6 +272,7 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
     assert sidecar["training"]["steps"] == 8 and sidecar["target_layers"] == [1]
     assert sidecar["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
     assert sidecar["command"].startswith("python run.py task=distill_draft")
+    assert_pins_the_corpus_ranking(out.with_suffix(".vocab.npz"), corpus)
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     draft = load_draft(loaded.model, loaded.tokenizer, out)
     assert len(draft.model.layers) == 1

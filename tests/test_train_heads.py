@@ -16,7 +16,7 @@ from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.tasks.distill_draft import Example
 from specpipe.tasks.train_heads import HeadBatch, run_train_heads
-from test_distill_draft import write_corpus
+from test_distill_draft import assert_pins_the_corpus_ranking, write_corpus
 
 
 def assert_greedy(pipe) -> None:
@@ -85,6 +85,7 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     assert [exported["training"][key] for key in ("max_seq_len", "vocab_top_k", "seed")] == \
         [settings.max_seq_len, 2000, settings.seed]
     assert exported["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
+    assert_pins_the_corpus_ranking(out / "draft_vocab.npz", corpus)
 
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle", "cost_curve=flat",

@@ -45,6 +45,8 @@ from omegaconf import DictConfig, OmegaConf
 from specpipe.distill.corpus import chat_prompt_ids, check_corpus_tokenizer, read_corpus, read_corpus_metadata
 from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
+from specpipe.stages.draft.draft_model import corpus_ranking
+from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.distill.training import (ExampleShards, ResumableTrainer, lock_folder, progress_bar, token_batches,
                                        write_json)
 from specpipe.errors import ConfigError
@@ -422,6 +424,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                 "eval": {k: result[k] for k in ("top1_teacher", "top1_corpus", "kl", "acceptance_per_depth",
                                                 "mean_accepted_per_chain", "chains", "positions")},
             })
+            # The tokens it drafts over with drafter.vocab_top_k: those of the answers it learned from.
+            write_ranking(pinned_vocab_path(out), corpus_ranking(str(corpus), loaded.tokenizer))
             _log(f"exported the draft at step {trainer.step} to {out} ({sidecar['bytes'] / 1e6:.1f} MB)")
         return result
 

@@ -59,7 +59,7 @@ from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
-from specpipe.stages.draft.draft_model import frequent_tokens, output_weight
+from specpipe.stages.draft.draft_model import corpus_ranking, output_weight
 from specpipe.stages.draft.eagle import EagleNet, read_eagle_net, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
@@ -608,7 +608,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     top_k = int(h.vocab_top_k)
     if not 0 < top_k <= vocab:
         raise ConfigError(f"train_heads.vocab_top_k must be between 1 and {vocab}, got {top_k}")
-    reduced_ids = torch.arange(vocab) if top_k == vocab else frequent_tokens(str(corpus), tokenizer, top_k)[0]
+    ranking = corpus_ranking(str(corpus), tokenizer)  # exported beside the head: the tokens it drafts over
+    reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
     to_reduced = torch.full((vocab,), -1, dtype=torch.long)
     to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
     head_weight = output_weight(target, "train_heads").detach().float()[reduced_ids]  # [K, H]
@@ -667,6 +668,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
                               f"distribution over the {top_k}-token draft vocabulary",
                     "medusa": f"sum over heads of {h.medusa_decay}^k x CE from the target's distribution, top "
                               f"{top_k} tokens"}[h.kind if h.kind != "hydra" else "medusa"]
+            pinned = {"ranking": ranking} if h.kind != "eagle3" else {}  # EAGLE-3 carries its own vocabulary
             save(net, out, {
                 "target": loaded.name, "vocab_sha256": fingerprint["vocab_sha256"], "feature_dtype": dtype,
                 "command": task_command("train_heads"),
@@ -681,7 +683,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
                              "feature_noise": float(h.feature_noise)},
                 "eval": {k: result[k] for k in ("top1", "vocab_miss_rate", "loss", "acceptance_per_depth",
                                                 "mean_accepted_per_chain", "chains", "positions")},
-            })
+            }, **pinned)
             _log(f"exported the {h.kind} head(s) at step {trainer.step} to {out}")
         return result
 

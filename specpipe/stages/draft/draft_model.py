@@ -27,6 +27,7 @@ from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.sampling import sample, target_probs
 from specpipe.target import TargetModel
+from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -78,12 +79,16 @@ def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int)
     """The `count` most frequent token ids of a corpus Parquet of the target's answers (column
     answer_ids) and the share of the corpus's tokens they cover. A corpus of another tokenizer is
     refused."""
-    import numpy as np
+    return corpus_ranking(corpus, tokenizer).top(count, f"vocab_counts={corpus}")
+
+
+def corpus_ranking(corpus: str, tokenizer: PreTrainedTokenizerBase) -> TokenRanking:
+    """The tokens of a corpus Parquet of the target's answers (column answer_ids) ranked by count."""
     import pyarrow.parquet as pq
 
     from specpipe.distill.corpus import CorpusError, read_corpus_metadata
     from specpipe.pipelines.builder import CONFIG_DIR
-    from specpipe.stores.manifest import tokenizer_fingerprint
+    from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 
     source = Path(corpus).expanduser()
     if not source.is_absolute() and not source.exists():
@@ -95,14 +100,33 @@ def frequent_tokens(corpus: str, tokenizer: PreTrainedTokenizerBase, count: int)
         recorded = read_corpus_metadata(source).get("tokenizer")
     except CorpusError:
         recorded = None
-    if isinstance(recorded, dict) and recorded.get("vocab_sha256") != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
+    fingerprint = tokenizer_fingerprint(tokenizer)["vocab_sha256"]
+    if isinstance(recorded, dict) and recorded.get("vocab_sha256") != fingerprint:
         raise ConfigError(f"drafter.vocab_counts={corpus} holds token ids of another tokenizer "
                           f"({recorded.get('tokenizer')}): count this model's own answers, or set drafter.vocab_top_k=0")
     column = pq.read_table(source, columns=["answer_ids"]).column("answer_ids").combine_chunks()
-    counts = np.bincount(column.values.to_numpy(), minlength=len(tokenizer))  # [vocab]
-    ids = np.argsort(-counts, kind="stable")[:count]
-    coverage = float(counts[ids].sum() / max(1, counts.sum()))
-    return torch.from_numpy(np.sort(ids)).long(), coverage
+    return rank_tokens(column.values.to_numpy(), len(tokenizer), f"{corpus} (sha256 {sha256_file(source)[:16]})",
+                       fingerprint)
+
+
+def reduced_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, count: int, corpus: str | None,
+                pinned: Path | None, name: str) -> tuple[Tensor, float, str] | None:
+    """The `count` most frequent ids, their coverage and where they were counted: in `corpus` when
+    given; else the ranking pinned beside the weights (`pinned`, where it exists); else the shipped
+    chat corpus where it is this tokenizer's. None (logged) when none of these applies."""
+    if not 0 < count < vocab_size:
+        raise ConfigError(f"{name}: vocab_top_k must be between 1 and the vocabulary size {vocab_size} (0 = off), "
+                          f"got {count}")
+    if corpus is None and pinned is not None and pinned.is_file():
+        ranking = read_ranking(pinned, tokenizer, vocab_size, name)
+        return (*ranking.top(count, name), f"the ranking pinned in {pinned.name} ({ranking.source})")
+    try:
+        return (*frequent_tokens(corpus or DEFAULT_VOCAB_COUNTS, tokenizer, count), corpus or DEFAULT_VOCAB_COUNTS)
+    except ConfigError as error:
+        if corpus is not None:
+            raise
+        log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+        return None
 
 
 def causal_rows(cached: int, q: int) -> Tensor:
@@ -305,45 +329,37 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
     None for the draft distilled for the embedded model (data/draft/). Never downloads.
 
     `vocab_top_k` > 0 drafts over that many most frequent tokens only (ReducedVocabHead), counted
-    in `vocab_counts` (a Parquet of the target's answers); None = the shipped chat corpus when it
-    is this tokenizer's, else the full vocabulary (logged)."""
+    in `vocab_counts` (a Parquet of the target's answers); None = the ranking pinned beside the draft
+    (`pinned_vocab_path`), else the shipped chat corpus when it is this tokenizer's, else the full
+    vocabulary (logged)."""
     if path is None or Path(path).suffix == ".safetensors":
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH, load_draft
 
-        draft = load_draft(target.model, tokenizer, Path(path) if path else DEFAULT_DRAFT_PATH)
-        draft_tokenizer = None
+        file = Path(path) if path else DEFAULT_DRAFT_PATH
+        draft = load_draft(target.model, tokenizer, file)
+        draft_tokenizer, pinned = None, pinned_vocab_path(file)
     else:
-        draft, draft_tokenizer = _load_local(path, target, name)
-    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
+        (draft, draft_tokenizer), pinned = _load_local(path, target, name), pinned_vocab_path(Path(path))
+    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned)
     return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
                              min_score=min_score)
 
 
 def reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int,
-                      corpus: str | None, name: str) -> None:
+                      corpus: str | None, name: str, pinned: Path | None = None) -> None:
     """With `count` > 0, swaps the draft's output layer for a ReducedVocabHead over the `count` most
-    frequent tokens of `corpus`; None = the shipped chat corpus where it is this tokenizer's, else
-    the full vocabulary stays (logged)."""
+    frequent tokens (`reduced_ids`: of `corpus`, else of the ranking `pinned` beside the draft, else of
+    the shipped chat corpus); the full vocabulary stays where none applies (logged)."""
     if not count:
         return
-    try:
-        _reduce_vocabulary(draft, tokenizer, count, corpus or DEFAULT_VOCAB_COUNTS, name)
-    except ConfigError as error:
-        if corpus is not None:
-            raise
-        log.warning("%s: drafting over the full vocabulary (%s)", name, error)
-
-
-def _reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, corpus: str,
-                       name: str) -> None:
     vocab = int(draft.config.vocab_size)
-    if not 0 < count < vocab:
-        raise ConfigError(f"{name}: vocab_top_k must be between 1 and the vocabulary size {vocab} (0 = off), got {count}")
-    weight = output_weight(draft, name)
-    ids, coverage = frequent_tokens(corpus, tokenizer, count)
-    draft.set_output_embeddings(ReducedVocabHead(weight, ids, vocab))
+    found = reduced_ids(tokenizer, vocab, count, corpus, pinned, name)
+    if found is None:
+        return
+    ids, coverage, source = found
+    draft.set_output_embeddings(ReducedVocabHead(output_weight(draft, name), ids, vocab))
     log.info("%s: drafting over the %d most frequent tokens of %s (%.1f%% of its tokens; the rest are never "
-             "drafted)", name, count, corpus, 100 * coverage)
+             "drafted)", name, count, source, 100 * coverage)
 
 
 def output_weight(model: PreTrainedModel, name: str) -> Tensor:

@@ -36,8 +36,9 @@ from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.base import draft_token_ids
-from specpipe.stages.draft.draft_model import (DEFAULT_VOCAB_COUNTS, ReducedVocabHead, causal_rows, frequent_tokens,
-                                               head_logprobs, output_weight, tree_rows, unfed_ancestors_first)
+from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
+                                               tree_rows, unfed_ancestors_first)
+from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
 from specpipe.target import TargetModel
@@ -316,41 +317,40 @@ def read_eagle_net(folder: Path, tokenizer: PreTrainedTokenizerBase, hidden: int
     return build_eagle_net(config, tensors, hidden, vocab_size, name)
 
 
-def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors)."""
+def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+               ranking: TokenRanking | None = None) -> None:
+    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors), with the
+    ranking of draft tokens it was trained over (`draft_vocab.npz`) where given."""
     config = net.config.to_dict()
     for key in ("_attn_implementation_autoset", "transformers_version", "torch_dtype", "dtype"):
         config.pop(key, None)
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", bias=net.fc.bias is not None,
                   specpipe=extra or {})
-    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in net.state_dict().items()})
+    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in net.state_dict().items()},
+                      ranking)
 
 
 def frequent_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, vocab_top_k: int, vocab_counts: str | None,
-                 name: str) -> Tensor | None:
-    """The `vocab_top_k` most frequent token ids (counted in `vocab_counts`; None = the shipped chat
-    corpus where it is this tokenizer's, else None with a warning: the full vocabulary); None for 0."""
+                 name: str, pinned: Path | None = None) -> Tensor | None:
+    """The `vocab_top_k` most frequent token ids (`reduced_ids`: counted in `vocab_counts`; None = the
+    ranking `pinned` beside the head where it exists, else the shipped chat corpus where it is this
+    tokenizer's, else None with a warning: the full vocabulary); None for 0."""
     if not vocab_top_k:
         return None
-    if not 0 < vocab_top_k < vocab_size:
-        raise ConfigError(f"{name}: vocab_top_k must be between 1 and {vocab_size} (0 = off), got {vocab_top_k}")
-    try:
-        ids, coverage = frequent_tokens(vocab_counts or DEFAULT_VOCAB_COUNTS, tokenizer, vocab_top_k)
-    except ConfigError as error:
-        if vocab_counts is not None:
-            raise
-        log.warning("%s: drafting over the full vocabulary (%s)", name, error)
+    found = reduced_ids(tokenizer, vocab_size, vocab_top_k, vocab_counts, pinned, name)
+    if found is None:
         return None
-    log.info("%s: drafting over the %d most frequent tokens (%.1f%% of the counted answers' tokens)", name,
-             vocab_top_k, 100 * coverage)
+    ids, coverage, source = found
+    log.info("%s: drafting over the %d most frequent tokens of %s (%.1f%% of its tokens)", name, vocab_top_k,
+             source, 100 * coverage)
     return ids
 
 
 def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_top_k: int, vocab_counts: str | None,
-                name: str) -> nn.Module:
+                name: str, pinned: Path | None = None) -> nn.Module:
     """The target's output layer, or with `vocab_top_k` > 0 a ReducedVocabHead over its most frequent tokens."""
     model: PreTrainedModel = target.model
-    ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name)
+    ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name, pinned)
     if ids is None:
         return model.get_output_embeddings()
     return ReducedVocabHead(output_weight(model, name), ids, target.vocab_size)
@@ -375,5 +375,5 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
     target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
     folder = head_folder(path, default_eagle_dir(target.dtype), name, "EAGLE head", "python run.py task=train_heads")
     net = read_eagle_net(folder, tokenizer, int(target.model.config.hidden_size), target.vocab_size, name)
-    head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
+    head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
     return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from specpipe.errors import ConfigError
+from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, write_ranking
 
 # Weight files of the released layouts, first found wins (Medusa's own repository names its file
 # medusa_lm_head.*).
@@ -73,9 +74,10 @@ def check_tokenizer(config: dict, tokenizer, folder: Path, name: str) -> None:
                           f"({(config.get('specpipe') or {}).get('target')}): they would draft other text")
 
 
-def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor]) -> None:
-    """config.json + model.safetensors into `folder`, replacing what was there as a whole: both files
-    are written to a staging folder first, so a reader never sees new weights with an old config."""
+def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor], ranking: TokenRanking | None = None) -> None:
+    """config.json + model.safetensors (+ the `ranking` of draft tokens, `draft_vocab.npz`) into `folder`,
+    replacing what was there as a whole: the files are written to a staging folder first, so a reader
+    never sees new weights with an old config."""
     import os
     import shutil
 
@@ -88,6 +90,8 @@ def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor]) ->
     staging.mkdir()
     save_file({key: value.contiguous() for key, value in tensors.items()}, str(staging / "model.safetensors"))
     (staging / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    if ranking is not None:
+        write_ranking(pinned_vocab_path(staging), ranking)
     previous = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
         folder.rename(previous)

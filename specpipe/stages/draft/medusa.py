@@ -34,6 +34,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.errors import ConfigError
 from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
+from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.eagle import frequent_ids, output_head
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
@@ -319,11 +320,14 @@ def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetM
     return module
 
 
-def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Writes the heads in Medusa's released layout (config.json + model.safetensors)."""
+def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16,
+                ranking: TokenRanking | None = None) -> None:
+    """Writes the heads in Medusa's released layout (config.json + model.safetensors), with the ranking
+    of draft tokens they were trained over (`draft_vocab.npz`) where given."""
     config = {"medusa_num_heads": len(module), "medusa_num_layers": module.layers, "hidden_size": module.hidden,
               "shared_output_layer": not module.own_outputs(), "hydra": module.hydra, "specpipe": extra or {}}
-    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in module.state_dict().items()})
+    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in module.state_dict().items()},
+                      ranking)
 
 
 def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
@@ -351,12 +355,12 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
         for head in module:
             del head[layers]  # the output layers are applied by the drafter (reduced or not)
         module.vocab = 0
-        ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name)
+        ids = frequent_ids(tokenizer, target.vocab_size, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
         if ids is not None:
             outputs = [ReducedVocabHead(linear.weight.to(target.dtype), ids, target.vocab_size) for linear in own]
         else:
             outputs = [nn.Sequential(linear.to(target.dtype)) for linear in own]  # a parent the engine can swap it in
     else:
-        shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name)
+        shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
         outputs = [shared] * len(module)
     return MedusaDrafter(target, module, outputs, name=name, folder=folder)

@@ -1,0 +1,116 @@
+"""The reduced draft vocabulary pinned beside a head or a draft (`draft_vocab.npz`, `<draft>.vocab.npz`):
+the loaders draft over it instead of counting the shipped corpus, an explicit `vocab_counts` still
+wins, the training tasks write it, and a bad file is refused with a message."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import eagle_head_dir, medusa_head_dir, random_prompts, tiny_draft_dir
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline
+from specpipe.stages.draft.draft_model import ReducedVocabHead
+from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, read_ranking, write_ranking
+from specpipe.stores.manifest import tokenizer_fingerprint
+from test_draft_model import write_answer_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def favourite_tokens(model, count: int) -> list[int]:
+    """`count` tokens the tiny model's greedy answers use (so their drafts are sometimes accepted)."""
+    prompts = random_prompts(4, seed=41)
+    return sorted({t for p in prompts for t in model.greedy_hf(p, 16)})[:count]
+
+
+def pin(artifact: Path, tokenizer, favourite: list[int], vocab_size: int) -> None:
+    """A ranking whose most frequent tokens are `favourite`, written beside `artifact`."""
+    counts = np.zeros(vocab_size, np.int64)
+    counts[favourite] = 100 + np.arange(len(favourite))
+    counts[np.arange(vocab_size) % 7 == 0] += 1  # a tail, which the top-k must leave out
+    write_ranking(pinned_vocab_path(artifact), TokenRanking(
+        counts, "a test ranking", tokenizer_fingerprint(tokenizer)["vocab_sha256"]))
+
+
+def test_a_ranking_round_trips_and_ranks_by_count_then_id(tiny_mixed, tmp_path):
+    from specpipe.stages.draft.draft_vocab import rank_tokens
+
+    fingerprint = tokenizer_fingerprint(tiny_mixed.tokenizer)["vocab_sha256"]
+    ranking = rank_tokens(np.array([9, 5, 5, 9, 700, 3]), 1000, "five answers", fingerprint)
+    assert ranking.ids[:4].tolist() == [5, 9, 3, 700]  # ties (3 and 700, once each) by id, then the unused ids
+    ids, coverage = ranking.top(3, "test")
+    assert ids.tolist() == [3, 5, 9] and coverage == pytest.approx(5 / 6)
+    path = tmp_path / "draft_vocab.npz"
+    write_ranking(path, ranking)
+    back = read_ranking(path, tiny_mixed.tokenizer, 1000, "test")
+    assert back.counts.tolist() == ranking.counts.tolist() and back.source == "five answers"
+    with pytest.raises(ConfigError, match="vocab_top_k must be between 1 and the 1000 tokens"):
+        ranking.top(1001, "test")
+
+
+@pytest.mark.parametrize("pipeline", ["eagle", "medusa", "draft_model"])
+def test_a_draft_drafts_over_the_ranking_pinned_beside_it(tiny_mixed, tmp_path, pipeline):
+    vocab = tiny_mixed.loaded.model.config.vocab_size
+    favourite = favourite_tokens(tiny_mixed, 24)
+    source = {"eagle": lambda: eagle_head_dir(tiny_mixed.loaded.model.config, "random"),
+              "medusa": lambda: medusa_head_dir(tiny_mixed.loaded.model.config, "random"),
+              "draft_model": lambda: tiny_draft_dir()}[pipeline]()
+    artifact = tmp_path / "artifact"
+    shutil.copytree(source, artifact)
+    pin(artifact, tiny_mixed.tokenizer, favourite, vocab)
+    key = {"eagle": "eagle", "medusa": "medusa", "draft_model": "model"}[pipeline]
+    overrides = [f"pipeline.drafters.{key}.path={artifact}", f"pipeline.drafters.{key}.vocab_top_k={len(favourite)}"]
+
+    def output_layer(pipe):
+        drafter = pipe.decoder.drafters[0] if pipe.decoder.drafters else pipe.decoder.proposers[0]
+        return {"eagle": lambda: drafter.head, "medusa": lambda: drafter.outputs[0],
+                "draft_model": lambda: drafter.runner.model.get_output_embeddings()}[pipeline]()
+
+    pipe = build_pipeline(tiny_mixed.config(pipeline, *overrides), loaded=tiny_mixed.loaded)
+    head = output_layer(pipe)
+    assert isinstance(head, ReducedVocabHead) and head.ids.tolist() == favourite
+    for prompt in random_prompts(2, seed=42):
+        assert pipe.generate(prompt, max_new_tokens=12).token_ids == tiny_mixed.greedy_hf(prompt, 12)
+
+    # An explicit corpus is counted instead of the pinned ranking.
+    corpus = tmp_path / "answers.parquet"
+    others = [t for t in range(10, 10 + 3 * len(favourite)) if t not in favourite][: len(favourite)]
+    write_answer_corpus(corpus, [others * 2])
+    counted = build_pipeline(tiny_mixed.config(pipeline, *overrides, f"pipeline.drafters.{key}.vocab_counts={corpus}"),
+                             loaded=tiny_mixed.loaded)
+    assert output_layer(counted).ids.tolist() == sorted(others)
+
+
+def test_a_bad_pinned_ranking_is_refused_with_a_message(tiny_mixed, tmp_path):
+    vocab = tiny_mixed.loaded.model.config.vocab_size
+    folder = tmp_path / "head"
+    shutil.copytree(eagle_head_dir(tiny_mixed.loaded.model.config, "random"), folder)
+    overrides = (f"pipeline.drafters.eagle.path={folder}", "pipeline.drafters.eagle.vocab_top_k=16")
+    path = pinned_vocab_path(folder)
+
+    write_ranking(path, TokenRanking(np.ones(vocab, np.int64), "another model's answers", "0" * 32))
+    with pytest.raises(ConfigError, match="counted with another tokenizer"):
+        build_pipeline(tiny_mixed.config("eagle", *overrides), loaded=tiny_mixed.loaded)
+    fingerprint = tokenizer_fingerprint(tiny_mixed.tokenizer)["vocab_sha256"]
+    write_ranking(path, TokenRanking(np.ones(vocab + 1, np.int64), "a longer vocabulary", fingerprint))
+    with pytest.raises(ConfigError, match=f"malformed: at most {vocab} non-negative counts expected"):
+        build_pipeline(tiny_mixed.config("eagle", *overrides), loaded=tiny_mixed.loaded)
+    path.write_bytes(b"not an npz")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        build_pipeline(tiny_mixed.config("eagle", *overrides), loaded=tiny_mixed.loaded)
+    with pytest.raises(ConfigError, match="vocab_top_k must be between 1 and the vocabulary size"):
+        build_pipeline(tiny_mixed.config("eagle", f"pipeline.drafters.eagle.path={folder}",
+                                         f"pipeline.drafters.eagle.vocab_top_k={vocab}"), loaded=tiny_mixed.loaded)
+
+
+@pytest.mark.parametrize("artifact", ["data/eagle/smollm2_135m", "data/eagle/smollm2_135m_bf16", "data/medusa/smollm2_135m",
+                                      "data/hydra/smollm2_135m", "data/draft/smollm2_135m_draft.safetensors"])
+def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact):
+    """What the shipped artifacts draft over no longer moves with the chat corpus: each carries the
+    ranking it has been served with since run 18 (the 2.08M-token corpus, sha256 37ac3012...)."""
+    with np.load(pinned_vocab_path(REPO / artifact), allow_pickle=False) as data:
+        counts, source = data["counts"], str(data["source"])
+    assert counts.shape == (49152,) and counts.sum() == 2_076_540 and "37ac301229ebb209" in source
