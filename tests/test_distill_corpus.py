@@ -355,6 +355,25 @@ def test_prompt_source_is_large_varied_and_deterministic(source):
     assert [p.prompt_id for p in build_prompt_source(seed=1).prompts] != [p.prompt_id for p in prompts]
 
 
+def test_growing_the_source_keeps_every_prompt_already_answered(source):
+    """Session 31 raised some builders' counts and added `*_2` builders: a larger count extends a
+    builder's seeded draw, so the source before (its counts below) is a subset of today's, and every
+    first turn the shipped corpus answered is still a prompt of the source (nothing answered is orphaned)."""
+    import pyarrow.parquet as pq
+
+    before = {"writing": 700, "review": 32, "email": 78, "advice": 90, "roleplay": 300, "roleplay_situation": 400,
+              "coding": 700, "coding_concept": 150, "sql": 10, "stem": 500, "stem_compare": 40, "humanities": 400,
+              "humanities_question": 22, "math": 800, "reasoning": 600, "extraction": 500, "pydoc": 500,
+              "stdlib_module": 400, "stdlib_function": 400}
+    now = {p.prompt_id for p in source.prompts}
+    earlier = {p.prompt_id for p in build_prompt_source(counts=before).prompts}
+    assert len(earlier) == 6453 and earlier < now
+    rows = pq.read_table(REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet",
+                         columns=["prompt_id", "history"]).to_pylist()
+    answered = {row["prompt_id"] for row in rows if not row["history"]}
+    assert answered and answered <= now
+
+
 def test_prompt_source_shares_nothing_with_dev_prompts(source):
     files = dev_prompt_files()
     assert {path.name for path in files} >= {"dev_prompts.jsonl", "dev_chat_prompts.jsonl"}

@@ -38,11 +38,16 @@ DEV_PROMPT_GLOB = "bench/*.jsonl"
 
 # How many prompts each builder contributes (fewer where its pool is smaller).
 SOURCE_COUNTS: dict[str, int] = {
-    "writing": 700, "review": 32, "email": 78, "advice": 90, "roleplay": 300, "roleplay_situation": 400,
-    "coding": 700, "coding_concept": 150, "sql": 10, "stem": 500, "stem_compare": 40,
-    "humanities": 400, "humanities_question": 22, "math": 800, "reasoning": 600, "extraction": 500,
+    "writing": 715, "review": 32, "email": 78, "advice": 90, "roleplay": 300, "roleplay_situation": 500,
+    "coding": 1770, "coding_concept": 150, "sql": 10, "stem": 600, "stem_compare": 40,
+    "humanities": 444, "humanities_question": 22, "math": 1600, "reasoning": 1200, "extraction": 1000,
     "pydoc": 500, "stdlib_module": 400, "stdlib_function": 400,
+    "writing_2": 660, "roleplay_2": 240, "roleplay_situation_2": 400, "stem_2": 420, "humanities_2": 360,
+    "advice_2": 120,
 }
+# Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
+# builder's draw (its first prompts stay the same; `test_prompts.py` checks the old source is a subset),
+# and the `*_2` builders draw from a second set of subjects.
 
 # Near-duplicate rule (on normalised text): a shared run of this many words, or a word-trigram
 # Jaccard similarity at least this high, or a whole dev turn (of at least MIN_CONTAINED words)
@@ -150,7 +155,7 @@ def _coding(rng: random.Random, count: int) -> list[str]:
     return _sample(rng, pool, count)
 
 
-def _roleplay_situations(rng: random.Random, count: int) -> list[str]:
+def _roleplay_situations(rng: random.Random, count: int, personas: Sequence[str]) -> list[str]:
     situations = [
         "A customer is angry because something went wrong. Calm them down.",
         "Someone asks you for directions to the nearest train station. Answer in character.",
@@ -163,7 +168,7 @@ def _roleplay_situations(rng: random.Random, count: int) -> list[str]:
         "You must explain a mistake you made to your boss.",
         "You are teaching an apprentice the first lesson of your craft.",
     ]
-    pool = [f"You are {persona}. {situation}" for persona in S.ROLEPLAY_PERSONAS for situation in situations]
+    pool = [f"You are {persona}. {situation}" for persona in personas for situation in situations]
     return _sample(rng, pool, count)
 
 
@@ -481,7 +486,7 @@ BUILDERS: dict[str, tuple[str, Callable[[random.Random, int], list[str]]]] = {
     "email": ("writing", lambda rng, n: _sample(rng, _product(S.EMAIL_TEMPLATES, S.EMAIL_SUBJECTS), n)),
     "advice": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS), n)),
     "roleplay": ("roleplay", lambda rng, n: _sample(rng, _product(S.ROLEPLAY_TEMPLATES, S.ROLEPLAY_PERSONAS), n)),
-    "roleplay_situation": ("roleplay", _roleplay_situations),
+    "roleplay_situation": ("roleplay", lambda rng, n: _roleplay_situations(rng, n, S.ROLEPLAY_PERSONAS)),
     "coding": ("coding", _coding),
     "coding_concept": ("coding", lambda rng, n: _sample(
         rng, _product(S.CODING_CONCEPT_TEMPLATES, S.CODING_CONCEPTS), n)),
@@ -496,6 +501,12 @@ BUILDERS: dict[str, tuple[str, Callable[[random.Random, int], list[str]]]] = {
     "pydoc": ("coding", _pydoc),
     "stdlib_module": ("coding", _stdlib_module),
     "stdlib_function": ("coding", _stdlib_function),
+    "writing_2": ("writing", lambda rng, n: _sample(rng, _product(S.WRITING_TEMPLATES, S.WRITING_SUBJECTS_2), n)),
+    "roleplay_2": ("roleplay", lambda rng, n: _sample(rng, _product(S.ROLEPLAY_TEMPLATES, S.ROLEPLAY_PERSONAS_2), n)),
+    "roleplay_situation_2": ("roleplay", lambda rng, n: _roleplay_situations(rng, n, S.ROLEPLAY_PERSONAS_2)),
+    "stem_2": ("stem", lambda rng, n: _sample(rng, _product(S.STEM_TEMPLATES, S.STEM_CONCEPTS_2), n)),
+    "humanities_2": ("humanities", lambda rng, n: _sample(rng, _product(S.HUMANITIES_TEMPLATES, S.HUMANITIES_TOPICS_2), n)),
+    "advice_2": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS_2), n)),
 }
 
 

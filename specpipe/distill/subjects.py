@@ -266,6 +266,90 @@ ADVICE_TOPICS = [
     "baking bread", "managing stress",
 ]
 
+# ---- a second set of subjects (session 31) ---------------------------------------------------
+# Own lists with their own builders (`*_2` in specpipe.distill.prompts.BUILDERS): appending to the
+# lists above would reorder their template x subject products and change every prompt already drawn.
+WRITING_SUBJECTS_2 = [
+    "an empty playground at dusk", "a broken-down car on a country road", "the first cup of tea of the day",
+    "a child's lost teddy bear", "a crowded night market", "a postcard from a stranger", "an old typewriter",
+    "a rooftop garden in the city", "a fox crossing a motorway bridge", "the sound of rain on a tin roof",
+    "a ferry crossing in fog", "a grandfather teaching chess", "a market stall selling spices",
+    "a repair shop for old clocks", "a dog waiting at the station", "the night before an exam",
+    "a swimming pool in winter", "a mural painted by a whole street", "a kitchen after a big family dinner",
+    "a stargazing night in the desert", "a village without mobile signal", "a paper boat in a gutter",
+    "a forgotten voicemail", "a queue at the post office", "a bakery that opens at four in the morning",
+    "a band's first concert", "a canoe trip on a quiet lake", "a library book returned forty years late",
+    "a heatwave in a northern town", "the last tram of the night", "a community choir",
+    "a beach after a storm", "an orchard at harvest time", "a wind farm on a hill",
+    "moving out of a childhood home", "a rescue horse", "a lost hiker finding the path",
+    "a garage turned into a studio", "a family photo album", "a snowed-in mountain cabin",
+    "an argument between two robots", "a bicycle courier's busy day", "a tiny island with one shop",
+    "a museum at night", "a letter to your future self", "a balloon that escaped a birthday party",
+    "a nurse's first day on a ward", "a storm over a harbour", "a cat that rides the bus",
+    "a town that celebrates the first frost", "learning to swim as an adult", "a rainy school sports day",
+    "a street food vendor", "an astronaut's last night on Earth", "the smell of old books",
+    "a carpenter's workshop", "a garden gnome that moves at night", "a bridge between two villages",
+    "a teenager's first paycheck", "a year without the internet",
+]
+ROLEPLAY_PERSONAS_2 = [
+    "a lighthouse cat", "a ship's cook on a long voyage", "a ballet teacher", "a train conductor on a night train",
+    "a stage manager on opening night", "a desert nomad guide", "a museum security guard",
+    "a polar researcher", "a hotel concierge", "a village postmaster", "a clockmaker",
+    "a radio DJ at 3 a.m.", "a veterinary nurse", "a mountain hut keeper", "a court jester",
+    "an airline pilot", "a florist on Valentine's Day", "a volcano scientist", "a toy shop owner",
+    "a city bus driver", "a lifeguard", "a puppeteer", "a hot air balloon pilot", "a bookshop cat",
+    "a shepherd", "an archaeologist at a dig", "a sushi chef", "a deep-sea diver",
+    "a sports commentator", "a librarian on a mobile library bus", "a robot learning to cook",
+    "a snow plough driver", "a street artist", "a bicycle mechanic", "a ghost tour guide",
+    "a tailor", "a marathon volunteer", "a kite maker", "an elderly village storyteller",
+    "a customs officer at a small airport",
+]
+STEM_CONCEPTS_2 = [
+    "buoyancy", "surface tension", "air pressure", "the water table", "erosion", "glaciers",
+    "the rock cycle", "fossils", "coral reefs", "photosynthesis in algae", "pollination", "seed dispersal",
+    "migration of birds", "hibernation", "camouflage in animals", "the human eye", "hearing",
+    "muscles and bones", "the lungs", "the kidneys", "blood pressure", "cholesterol", "allergies",
+    "fever", "the placebo effect", "circadian rhythms", "nutrition labels", "fermentation", "yeast",
+    "catalysts", "oxidation and rust", "polymers", "plastics recycling", "desalination",
+    "hydroelectric power", "geothermal energy", "electric cars", "hydrogen fuel", "power grids",
+    "smartphone touchscreens", "Wi-Fi", "Bluetooth", "cloud computing", "compression of files",
+    "binary numbers", "algorithms", "sorting", "databases", "computer viruses", "passwords and hashing",
+    "satellites", "the International Space Station", "the Moon landing", "Mars rovers", "meteor showers",
+    "eclipses", "the northern lights", "telescopes", "microscopes", "the metric system",
+    "significant figures", "percentages", "fractions", "negative numbers", "the golden ratio",
+    "symmetry", "graphs of functions", "simple interest", "random sampling", "the bell curve",
+]
+HUMANITIES_TOPICS_2 = [
+    "the Han dynasty", "the Maurya Empire", "ancient Mesopotamia", "the Phoenicians", "the Byzantine Empire",
+    "the Crusades", "the Hundred Years' War", "the Spanish Armada", "the Dutch Golden Age",
+    "the French Revolution", "the Napoleonic Wars", "the unification of Italy", "the abolition of slavery",
+    "the Irish potato famine", "the California gold rush", "the Russian Revolution", "the Weimar Republic",
+    "the partition of India", "the Marshall Plan", "the Apollo programme", "apartheid in South Africa",
+    "the European Union", "the Arab Spring", "the history of vaccination", "the history of the bicycle",
+    "the history of chocolate", "the history of tea", "the history of maps", "the history of timekeeping",
+    "the history of libraries", "Impressionism", "Surrealism", "the Bauhaus", "Art Nouveau",
+    "classical music of the Romantic era", "the blues", "hip hop culture", "folk tales",
+    "Norse mythology", "epic poetry", "the sonnet", "science fiction as a genre", "detective novels",
+    "the theatre of ancient Greece", "Japanese haiku", "calligraphy", "stoicism in daily life",
+    "virtue ethics", "the philosophy of Socrates", "the idea of progress", "nationalism",
+    "democracy and its critics", "the rule of law", "taxation", "trade unions", "consumerism",
+    "tourism and its effects", "the history of advertising", "the origins of the calendar",
+    "oral history",
+]
+ADVICE_TOPICS_2 = [
+    "learning to swim", "budgeting for a holiday", "preparing for a first marathon", "learning to knit",
+    "writing a short story", "starting a podcast", "keeping a journal", "eating more vegetables",
+    "waking up earlier", "learning to touch type", "organising a small event", "caring for an elderly parent",
+    "moving house", "learning to drive", "starting a vegetable patch", "making a good first impression",
+    "speaking up in meetings", "learning chess", "buying a used car", "cycling to work",
+    "cooking for a large group", "reducing food waste", "keeping a tidy desk", "learning to paint with watercolours",
+    "preparing for a long flight", "looking after a new kitten", "practising gratitude", "learning to sing",
+    "studying maths", "writing better emails", "teaching a child to read", "planning a road trip",
+    "running a book club", "learning sign language", "making a budget spreadsheet", "starting to do yoga",
+    "preparing for a job fair", "dealing with a difficult neighbour", "learning to juggle",
+    "becoming a volunteer",
+]
+
 # ---- extraction: pieces for synthetic documents -------------------------------------------
 FIRST_NAMES = [
     "Anna", "Bruno", "Chen", "Dalia", "Emil", "Fatima", "Gustav", "Hana", "Ivan", "Julia", "Kofi",
