@@ -26,8 +26,8 @@ from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.sampling import sample, target_probs
-from specpipe.target import TargetModel
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
+from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)

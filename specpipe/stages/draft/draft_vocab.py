@@ -9,7 +9,6 @@ draft file), and the loaders read it before counting any corpus.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
 
-log = logging.getLogger(__name__)
 VOCAB_FILE = "draft_vocab.npz"  # in a head folder
 DRAFT_FILE_SUFFIX = ".vocab.npz"  # beside a draft file: smollm2_135m_draft.vocab.npz
 
