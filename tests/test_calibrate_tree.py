@@ -159,3 +159,16 @@ def test_calibrate_tree_task_writes_a_tree_the_pipeline_reads(tiny_mixed, tmp_pa
     assert calibrated.decoder.tree_builder.ranked == paths
     assert listed.decoder.tree_builder.probabilities is None
     assert len(listed.decoder.tree_builder.choices) == len(compose_config(["pipeline=medusa"]).pipeline.tree.choices)
+
+    # Other weights copied in beside the calibration: it does not describe them, so the listed choices serve.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(heads, swapped)
+    identity = medusa_head_dir(tiny_mixed.loaded.model.config, "identity")
+    for weights in identity.glob("*.safetensors"):
+        shutil.copy(weights, swapped / weights.name)
+    stale = build_pipeline(tiny_mixed.config("medusa", f"pipeline.drafters.medusa.path={swapped}",
+                                             "pipeline.drafters.medusa.vocab_top_k=0"), loaded=tiny_mixed.loaded)
+    prompt = random_prompts(1, seed=10)[0]
+    assert run_steps(stale, prompt, 16)[0] == tiny_mixed.greedy_hf(prompt, 16)
+    assert stale.decoder.tree_builder.probabilities is None
+    assert stale.decoder.tree_builder.choices == listed.decoder.tree_builder.choices

@@ -65,6 +65,19 @@ def write_calibration(path: Path, paths: Sequence[Sequence[int]], probabilities:
     write_atomically(path, lambda temporary: Path(temporary).write_text(json.dumps(document, indent=1) + "\n"))
 
 
+def fits_heads(path: Path, folder: Path) -> bool:
+    """Whether the calibration at `path` was measured on the heads in `folder` (the SHA-256 that
+    task=calibrate_tree recorded, of the folder's first .safetensors file); True where it recorded none."""
+    from specpipe.stores.manifest import sha256_file
+
+    try:
+        recorded = json.loads(path.read_text()).get("heads_sha256")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return True  # read_calibration reports what is wrong with the file
+    weights = sorted(folder.glob("*.safetensors"))
+    return recorded is None or not weights or sha256_file(weights[0]) == recorded
+
+
 def read_calibration(path: Path) -> tuple[list[tuple[int, ...]], list[float]]:
     """(paths, probabilities) from a calibration file, checked: most likely first, closed under prefixes."""
     if not path.is_file():

@@ -11,7 +11,7 @@ import torch
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.stages.base import StepDrafter, draft_token_ids
-from specpipe.stages.tree.calibration import best_size, read_calibration
+from specpipe.stages.tree.calibration import best_size, fits_heads, read_calibration
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
 
@@ -78,6 +78,10 @@ class StaticTreeBuilder:
             self._auto = False
             folders = [getattr(d, "folder", None) for d in drafters]
             found = [f / self.CALIBRATION_FILE for f in folders if f is not None and (f / self.CALIBRATION_FILE).is_file()]
+            if found and not fits_heads(found[0], found[0].parent):
+                log.warning("tree=static: %s was measured on other heads than those beside it; drafting along "
+                            "pipeline.tree.choices instead (measure it again with task=calibrate_tree)", found[0])
+                found = []
             if found:
                 self._calibrate(found[0])
             elif not self.choices:
