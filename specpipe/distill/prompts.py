@@ -46,7 +46,7 @@ SOURCE_COUNTS: dict[str, int] = {
     "advice_2": 120,
 }
 # Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
-# builder's draw (its first prompts stay the same; `test_prompts.py` checks the old source is a subset),
+# builder's draw (its first prompts stay the same; tests/test_distill_corpus.py checks the old source is a subset),
 # and the `*_2` builders draw from a second set of subjects.
 
 # Near-duplicate rule (on normalised text): a shared run of this many words, or a word-trigram

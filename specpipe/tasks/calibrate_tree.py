@@ -21,7 +21,7 @@ from specpipe.distill.prompts import display_path
 from specpipe.distill.training import progress_bar
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
-from specpipe.stages.tree.calibration import best_size, count_paths, ranked_paths, write_calibration
+from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import Example, is_eval, load_examples
@@ -87,9 +87,8 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
         out = folder / "tree.json"
     else:
         raise ConfigError("calibrate_tree.out: where to write the tree (the drafter has no checkpoint folder)")
-    weights = sorted(folder.glob("*.safetensors")) if folder is not None else []
     info = {
-        "drafter": drafter.name, "heads": display_path(folder) if folder is not None else None, "heads_sha256": sha256_file(weights[0]) if weights else None,
+        "drafter": drafter.name, "heads": display_path(folder) if folder is not None else None, "heads_sha256": heads_sha256(folder),
         "target": cfg.model.name, "dtype": str(cfg.model.dtype), "command": task_command("calibrate_tree"),
         "corpus": {"file": str(c.corpus), "sha256": sha256_file(corpus), "held_out_answers": len(held_out),
                    "eval_fraction": float(c.eval_fraction)},

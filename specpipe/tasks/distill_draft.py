@@ -400,6 +400,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
     out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
+    ranking = corpus_ranking(str(corpus), loaded.tokenizer)  # exported beside the draft
 
     def run_eval(export: bool) -> dict:
         result = evaluate(draft, held_out, teacher, d, pad_id, bool(d.progress))
@@ -425,7 +426,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                                                 "mean_accepted_per_chain", "chains", "positions")},
             })
             # The tokens it drafts over with drafter.vocab_top_k: those of the answers it learned from.
-            write_ranking(pinned_vocab_path(out), corpus_ranking(str(corpus), loaded.tokenizer))
+            write_ranking(pinned_vocab_path(out), ranking)
             _log(f"exported the draft at step {trainer.step} to {out} ({sidecar['bytes'] / 1e6:.1f} MB)")
         return result
 

@@ -65,17 +65,24 @@ def write_calibration(path: Path, paths: Sequence[Sequence[int]], probabilities:
     write_atomically(path, lambda temporary: Path(temporary).write_text(json.dumps(document, indent=1) + "\n"))
 
 
-def fits_heads(path: Path, folder: Path) -> bool:
-    """Whether the calibration at `path` was measured on the heads in `folder` (the SHA-256 that
-    task=calibrate_tree recorded, of the folder's first .safetensors file); True where it recorded none."""
+def heads_sha256(folder: Path | None) -> str | None:
+    """What a calibration records of the heads it was measured on: the SHA-256 of the folder's first
+    .safetensors file (None without one)."""
     from specpipe.stores.manifest import sha256_file
 
+    weights = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    return sha256_file(weights[0]) if weights else None
+
+
+def fits_heads(path: Path, folder: Path) -> bool:
+    """Whether the calibration at `path` was measured on the heads in `folder` (`heads_sha256`); True
+    where either side has no hash to compare."""
     try:
         recorded = json.loads(path.read_text()).get("heads_sha256")
     except (OSError, json.JSONDecodeError, AttributeError):
         return True  # read_calibration reports what is wrong with the file
-    weights = sorted(folder.glob("*.safetensors"))
-    return recorded is None or not weights or sha256_file(weights[0]) == recorded
+    current = heads_sha256(folder)
+    return recorded is None or current is None or current == recorded
 
 
 def read_calibration(path: Path) -> tuple[list[tuple[int, ...]], list[float]]:
