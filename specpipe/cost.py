@@ -239,16 +239,85 @@ def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: 
 def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve:
     """The curve for this machine/model/engine/dtype: measured once (a few seconds), then read from disk.
 
-    Under tensor parallel every rank measures (each forward is a collective) but all use rank 0's
-    curve, read or measured there: tree sizes drawn from per-rank timings would differ and the
-    ranks' verify forwards would no longer match.
+    A curve measured while other processes competed for this process's CPUs is used by this run
+    only and measured again by the next (see `OtherProcessesLoad`). Under tensor parallel every rank
+    measures (each forward is a collective) but all use rank 0's curve, read or measured there: tree
+    sizes drawn from per-rank timings would differ and the ranks' verify forwards would no longer match.
     """
     curve = distributed.broadcast_from_main(read_cost_curve(target, kv_length, cache_dir))
     if curve is None:
-        curve = distributed.broadcast_from_main(measure_cost_curve(target, kv_length=kv_length))
-        if distributed.is_main_process():
+        with OtherProcessesLoad() as load:
+            measured = measure_cost_curve(target, kv_length=kv_length)
+        curve = distributed.broadcast_from_main(measured)
+        # the other ranks are other processes on these CPUs: under tensor parallel the load says nothing
+        if not distributed.active() and load.competed(torch.get_num_threads()):
+            log.warning("the cost curve of %s (%s) is not cached: other processes kept %.1f of the %d CPUs this "
+                        "process may use busy while it was measured (one-token forward %.1f ms then). This run "
+                        "sizes its trees by it; the next run measures it again.", target.name, target.dtype,
+                        load.cores, load.cpus, curve(1))
+        elif distributed.is_main_process():
             store_cost_curve(target, curve, kv_length, cache_dir)
     return curve
+
+
+class OtherProcessesLoad:
+    """How many CPUs other processes kept busy while a block ran, counted on the CPUs this process may
+    run on (its affinity), the hypervisor's steal time included; Linux's /proc/stat, and nothing
+    (`cores` None) where it cannot be read.
+
+    Why: a cost curve measured while another job competed for the cores prices every tree by that
+    moment. Measured beside a two-thread training job on the 2-core dev VM, one row cost 1172 ms
+    instead of 11, flat up to 16 rows; cached, it made every later fp32 run build trees of 4+ nodes
+    it believed free (lookahead_trie fell from ~1.3x to 1.05x `vanilla`)."""
+
+    def __init__(self, stat_path: Path = Path("/proc/stat"), cpus: set[int] | None = None,
+                 margin: float = 0.25) -> None:
+        self.stat_path = stat_path
+        self.cpu_ids = cpus if cpus is not None else _affinity()
+        self.margin = margin  # an idle VM's daemons keep ~0.02 of a CPU busy
+        self.cores: float | None = None  # CPUs kept busy by others, on average over the block
+
+    @property
+    def cpus(self) -> int:
+        return len(self.cpu_ids)
+
+    def __enter__(self) -> "OtherProcessesLoad":
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        end = self._sample()
+        if self._start is not None and end is not None:
+            (wall0, busy0, own0), (wall1, busy1, own1) = self._start, end
+            self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
+
+    def competed(self, threads: int) -> bool:
+        """Whether others used more CPUs than those the block's `threads` left free."""
+        return self.cores is not None and self.cores > max(self.cpus - threads, 0) + self.margin
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall s, busy CPU s on our CPUs by everyone, this process's CPU s)"""
+        try:
+            ticks_per_second = os.sysconf("SC_CLK_TCK")
+            busy = 0
+            for line in self.stat_path.read_text().splitlines():
+                fields = line.split()
+                # cpuN user nice system idle iowait irq softirq steal ...: guest time is inside user
+                if fields and fields[0].startswith("cpu") and fields[0][3:].isdigit() \
+                        and int(fields[0][3:]) in self.cpu_ids:
+                    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
+                    busy += user + nice + system + irq + softirq + steal
+        except (OSError, ValueError, AttributeError):
+            return None
+        own = os.times()
+        return time.monotonic(), busy / ticks_per_second, own.user + own.system
+
+
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux: /proc/stat is not read either
+        return set(range(os.cpu_count() or 1))
 
 
 def read_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = None) -> CostCurve | None:

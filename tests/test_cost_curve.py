@@ -1,13 +1,19 @@
 """The cost curve decoding sizes its trees by: the measured one, and its online correction."""
 from __future__ import annotations
 
+import logging
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from specpipe.cost import CostCurve, OnlineCostCurve, measure_cost_curve
+from specpipe.cost import (CostCurve, OnlineCostCurve, OtherProcessesLoad, cached_cost_curve, cost_curve_path,
+                           measure_cost_curve)
 
 # a CPU curve shaped like the embedded model's in fp32 (ms per forward of q query rows)
 BASE = CostCurve((1, 2, 3, 4, 6, 8, 16, 64), (11.0, 11.5, 12.1, 12.8, 15.0, 18.0, 24.0, 62.0))
@@ -142,3 +148,91 @@ def test_requests_in_parallel_threads_update_the_shared_curve_one_at_a_time():
         worker.join()
     assert not overlaps and shared.observations == 20
     assert shared(1) > BASE(1)  # the slower forwards were learned
+
+
+def stat_lines(busy_ticks: dict[int, int]) -> str:
+    """/proc/stat with these busy ticks per CPU, split over user, nice, system, irq, softirq and steal."""
+    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+    for cpu, ticks in sorted(busy_ticks.items()):
+        share = ticks // 6
+        user = ticks - 5 * share
+        lines.append(f"cpu{cpu} {user} {share} {share} 1000 7 {share} {share} {share} 0 0")
+    return "\n".join(lines + ["intr 1 2 3", "ctxt 99"]) + "\n"
+
+
+def test_the_load_counts_other_processes_busy_time_on_this_process_cpus_only(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text(stat_lines({0: 500, 1: 500, 5: 500}))
+    with OtherProcessesLoad(stat, cpus={0, 1}) as load:
+        time.sleep(0.2)
+        stat.write_text(stat_lines({0: 560, 1: 540, 5: 5000}))  # +1 CPU-second on ours; cpu5 is not ours
+    assert load.cpus == 2
+    assert 1.0 / 0.5 < load.cores <= 1.0 / 0.2  # one CPU-second over a block of 0.2 s (and some)
+    assert load.competed(threads=2) and load.competed(threads=1)
+
+    with OtherProcessesLoad(stat, cpus={0, 1}) as quiet:
+        time.sleep(0.05)
+        stat.write_text(stat_lines({0: 560, 1: 541, 5: 9000}))  # one tick on ours, everything else elsewhere
+    assert quiet.cores < 0.25 and not quiet.competed(threads=2)
+
+
+def test_this_process_own_busy_time_is_not_the_others_load(tmp_path):
+    """The block itself keeps a CPU busy (a measurement does): that is not competition."""
+    stat = tmp_path / "stat"
+    stat.write_text(stat_lines({0: 0}))
+    started = os.times()
+    with OtherProcessesLoad(stat, cpus={0}) as load:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:  # busy here, in this process
+            pass
+        own = os.times()
+        own_ticks = round((own.user + own.system - started.user - started.system) * os.sysconf("SC_CLK_TCK"))
+        stat.write_text(stat_lines({0: own_ticks}))  # all the CPU's busy time was ours
+    assert own_ticks >= 15
+    assert load.cores < 0.25 and not load.competed(threads=1)
+
+
+def test_a_load_that_leaves_the_blocks_threads_their_cpus_is_no_competition(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text(stat_lines({cpu: 0 for cpu in range(8)}))
+    with OtherProcessesLoad(stat, cpus=set(range(8))) as load:
+        time.sleep(0.1)
+        stat.write_text(stat_lines({cpu: 10 if cpu < 3 else 0 for cpu in range(8)}))  # 0.3 CPU-s: ~3 CPUs busy
+    assert 2.0 < load.cores < 4.5
+    assert not load.competed(threads=4)  # 4 of 8 CPUs were left to others
+    assert load.competed(threads=6)
+
+
+def test_an_unreadable_stat_file_measures_no_load(tmp_path):
+    with OtherProcessesLoad(tmp_path / "missing", cpus={0}) as load:
+        pass
+    assert load.cores is None and not load.competed(threads=1)
+    (tmp_path / "odd").write_text("cpu0 1 2 three\n")
+    with OtherProcessesLoad(tmp_path / "odd", cpus={0}) as odd:
+        pass
+    assert odd.cores is None and not odd.competed(threads=1)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the load is read from Linux's /proc/stat")
+def test_a_busy_process_beside_the_block_is_seen():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        with OtherProcessesLoad() as load:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert load.cores > 0.5, load.cores  # one spinning process keeps about one CPU busy
+    assert load.competed(threads=load.cpus)
+
+
+@pytest.mark.parametrize("competed", [True, False])
+def test_a_curve_measured_on_a_busy_machine_is_not_cached(tiny, tmp_path, monkeypatch, caplog, competed):
+    target = tiny.pipeline("vanilla").target
+    monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads: competed)
+    with caplog.at_level(logging.WARNING):
+        curve = cached_cost_curve(target, kv_length=8, cache_dir=tmp_path)
+    assert isinstance(curve, CostCurve) and min(curve.milliseconds) > 0  # the run goes on with it
+    assert cost_curve_path(target, kv_length=8, cache_dir=tmp_path).is_file() is not competed
+    assert ("is not cached: other processes kept" in caplog.text) is competed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from specpipe.cost import measure_cost_curves, measure_read_bandwidth, store_cost_curve, streamed_weight_bytes
+from specpipe.cost import (OtherProcessesLoad, measure_cost_curves, measure_read_bandwidth, store_cost_curve,
+                           streamed_weight_bytes)
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
 from specpipe.tasks.bench import output_dir
@@ -36,6 +38,8 @@ from specpipe.pipelines.builder import CONFIG_DIR, compose_config, load_model
 from specpipe.tasks.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel
 from specpipe.types import DraftTree
+
+log = logging.getLogger(__name__)
 
 STOCK = "transformers"
 POLICY_KV_LENGTH = 256  # the KV length `cached_cost_curve` measures at
@@ -161,12 +165,18 @@ def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[d
                         for label, runner in by_label.items()]
             for kv_length in settings.kv_lengths:
                 progress.set_postfix_str(f"{dtype} kv={kv_length}")
-                curves = measure_cost_curves(list(by_label.values()), settings.queries, kv_length=kv_length,
-                                             rounds=settings.rounds)
+                with OtherProcessesLoad() as load:
+                    curves = measure_cost_curves(list(by_label.values()), settings.queries, kv_length=kv_length,
+                                                 rounds=settings.rounds)
+                competed = load.competed(torch.get_num_threads())
+                if competed:
+                    log.warning("bench_cost: other processes kept %.1f of the %d CPUs busy while %s kv=%d was "
+                                "measured: these rows are that moment's, and the decoding curve is not cached",
+                                load.cores, load.cpus, dtype, kv_length)
                 for (label, runner), curve in zip(by_label.items(), curves):
                     rows += [{"engine": label, "dtype": dtype, "kv_length": kv_length, "queries": q, "ms": ms}
                              for q, ms in zip(curve.queries, curve.milliseconds)]
-                    if isinstance(runner, TargetModel) and kv_length == POLICY_KV_LENGTH:
+                    if isinstance(runner, TargetModel) and kv_length == POLICY_KV_LENGTH and not competed:
                         store_cost_curve(runner, curve, kv_length)
                 progress.update()
             if settings.profile_queries:
