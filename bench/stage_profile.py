@@ -13,7 +13,9 @@ A method is a pipeline name, `+override` for each config override of its own (`+
 an override that starts with `+`, e.g. `rag_lookahead++retriever@pipeline.proposers.rest=token_datastore`),
 and optionally `@full_vocab`: its drafters hand the tree builder log-probs over the whole vocabulary even where
 their head scores a reduced one (how EAGLE drafted before run 16). `vanilla` (the first pipeline
-without drafting) is always added. First turns only; each question is a new request.
+without drafting) is always added. First turns only; each question is a new request. Stages that learn
+from finished answers (the store of past outputs) learn nothing here: the second round would draft from
+the first round's answer to the same question. `task=bench` measures them learning across questions.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import re
 import time
 
 from specpipe.pipelines.pipeline import Pipeline
-from specpipe.tasks.bench import read_questions, resolve_prompts_path, select_questions
+from specpipe.tasks.bench import learning_paused, read_questions, resolve_prompts_path, select_questions
 
 STAGES = ("propose", "tree", "forward", "verify", "commit")
 
@@ -43,6 +45,25 @@ def build(method: str, dtype: str, overrides: list[str]) -> Pipeline:
     return built
 
 
+def run_rounds(order: list[tuple[str, Pipeline]], questions: list, max_new_tokens: int,
+               totals: dict[str, dict[str, collections.Counter]]) -> None:
+    """Two rounds, the second in reverse order, each question through every method in turn."""
+    for round_order in (order, order[::-1]):
+        for question in questions:
+            for method, pipeline in round_order:
+                sums = totals[method][question.category]
+                started = time.perf_counter()
+                for step in pipeline.steps([{"role": "user", "content": question.turns[0]}],
+                                           max_new_tokens=max_new_tokens):
+                    if "prefill" in step.stats.seconds:
+                        continue
+                    sums["steps"] += 1
+                    sums["tokens"] += len(step.tokens)
+                    sums["nodes"] += step.stats.tree_size
+                    sums.update(step.stats.seconds)
+                sums["seconds"] += time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("methods", nargs="+")
@@ -58,20 +79,8 @@ def main() -> None:
     pipelines["vanilla"] = next(iter(pipelines.values())).without_drafting()
     totals = {method: collections.defaultdict(collections.Counter) for method in pipelines}  # method -> category -> sums
     order = list(pipelines.items())
-    for round_order in (order, order[::-1]):
-        for question in questions:
-            for method, pipeline in round_order:
-                sums = totals[method][question.category]
-                started = time.perf_counter()
-                for step in pipeline.steps([{"role": "user", "content": question.turns[0]}],
-                                           max_new_tokens=args.max_new_tokens):
-                    if "prefill" in step.stats.seconds:
-                        continue
-                    sums["steps"] += 1
-                    sums["tokens"] += len(step.tokens)
-                    sums["nodes"] += step.stats.tree_size
-                    sums.update(step.stats.seconds)
-                sums["seconds"] += time.perf_counter() - started
+    with learning_paused(*pipelines.values()):
+        run_rounds(order, questions, args.max_new_tokens, totals)
 
     def rate(sums: collections.Counter) -> float:
         return sums["tokens"] / sums["seconds"]
