@@ -117,6 +117,18 @@ def test_markdown_summary_and_plot_are_written(bench_run):
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_report_says_how_busy_other_processes_kept_the_cpus(bench_run):
+    """Timings taken while another job competed are that job's as much as the method's: the report says so."""
+    out, summary = bench_run
+    machine = summary["meta"]["machine"]
+    if not Path("/proc/stat").is_file():
+        assert machine["other_processes_cpus"] is None
+        return
+    assert 0.0 <= machine["other_processes_cpus"] <= machine["cpus"] + 0.5
+    assert f"other processes kept {machine['other_processes_cpus']:.2f} of the {machine['cpus']} CPUs busy" \
+        in (out / "summary.md").read_text()
+
+
 def test_each_turn_carries_the_methods_own_previous_answer():
     class StubPipeline:
         def __init__(self):

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from specpipe import distributed
+from specpipe.cost import OtherProcessesLoad
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
 from specpipe.pipelines.builder import CONFIG_DIR, assemble_pipeline, build_target, load_model, with_pipeline
@@ -501,7 +502,11 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
           f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
           f"warm-up {settings.warmup}", file=sys.stderr)
     load_before = os.getloadavg()[0]
-    runs = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup)
+    with OtherProcessesLoad() as others:
+        runs = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup)
+    if others.competed(torch.get_num_threads()) and not distributed.active():  # ranks are other processes
+        print(f"bench: warning: other processes kept {others.cores:.1f} of the {others.cpus} CPUs busy during "
+              f"the runs: the timings are that contention's, not this machine's", file=sys.stderr)
     if not runs:
         raise InvalidRequest("the benchmark produced no results")
     meta = {
@@ -525,7 +530,8 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
         "config": OmegaConf.to_container(cfg, resolve=True),
         **hydra_job_info(),
         "machine": {**bench_report.machine_info(), "load_avg_before": load_before,
-                    "load_avg_after": os.getloadavg()[0]},
+                    "load_avg_after": os.getloadavg()[0], "other_processes_cpus": others.cores,
+                    "cpus": others.cpus},
     }
     if not distributed.is_main_process():  # tensor parallel: every rank ran the same decoding; rank 0 reports
         return {**bench_report.summarize(bench_report.run_records(runs, settings.group_categories), meta["methods"]),

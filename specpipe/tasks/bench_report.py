@@ -289,7 +289,9 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         f"- machine: {machine_line(machine)}, python {machine['python']}; 1-min load average "
         f"{machine.get('load_avg_before', float('nan')):.2f} before the runs, "
         f"{machine.get('load_avg_after', float('nan')):.2f} after (the run itself adds about its thread count; "
-        f"more means other processes shared the CPU and the timings are noisy)",
+        f"more means other processes shared the CPU and the timings are noisy)"
+        + (f"; other processes kept {machine['other_processes_cpus']:.2f} of the {machine['cpus']} CPUs busy "
+           f"during the runs (/proc/stat)" if machine.get("other_processes_cpus") is not None else ""),
         f"- dtype: {meta['dtype']}",
         f"- command: `{meta['command']}`",
     ]
