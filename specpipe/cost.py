@@ -249,8 +249,7 @@ def cached_cost_curve(target, kv_length: int = 256, cache_dir: Path | None = Non
         with OtherProcessesLoad() as load:
             measured = measure_cost_curve(target, kv_length=kv_length)
         curve = distributed.broadcast_from_main(measured)
-        # the other ranks are other processes on these CPUs: under tensor parallel the load says nothing
-        if not distributed.active() and load.competed(torch.get_num_threads()):
+        if load.competed():
             log.warning("the cost curve of %s (%s) is not cached: other processes kept %.1f of the %d CPUs this "
                         "process may use busy while it was measured (one-token forward %.1f ms then). This run "
                         "sizes its trees by it; the next run measures it again.", target.name, target.dtype,
@@ -291,9 +290,13 @@ class OtherProcessesLoad:
             (wall0, busy0, own0), (wall1, busy1, own1) = self._start, end
             self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
 
-    def competed(self, threads: int) -> bool:
-        """Whether others used more CPUs than those the block's `threads` left free."""
-        return self.cores is not None and self.cores > max(self.cpus - threads, 0) + self.margin
+    def competed(self, threads: int | None = None) -> bool:
+        """Whether others used more CPUs than those the block's `threads` (None: torch's) left free. Never
+        under tensor parallel: the other ranks are other processes on these CPUs, by design."""
+        if self.cores is None or distributed.active():
+            return False
+        threads = torch.get_num_threads() if threads is None else threads
+        return self.cores > max(self.cpus - threads, 0) + self.margin
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(wall s, busy CPU s on our CPUs by everyone, this process's CPU s)"""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specpipe import distributed
 from specpipe.cost import (CostCurve, OnlineCostCurve, OtherProcessesLoad, cached_cost_curve, cost_curve_path,
                            measure_cost_curve)
 
@@ -160,7 +161,7 @@ def stat_lines(busy_ticks: dict[int, int]) -> str:
     return "\n".join(lines + ["intr 1 2 3", "ctxt 99"]) + "\n"
 
 
-def test_the_load_counts_other_processes_busy_time_on_this_process_cpus_only(tmp_path):
+def test_the_load_counts_other_processes_busy_time_on_this_process_cpus_only(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
     stat.write_text(stat_lines({0: 500, 1: 500, 5: 500}))
     with OtherProcessesLoad(stat, cpus={0, 1}) as load:
@@ -169,6 +170,9 @@ def test_the_load_counts_other_processes_busy_time_on_this_process_cpus_only(tmp
     assert load.cpus == 2
     assert 1.0 / 0.5 < load.cores <= 1.0 / 0.2  # one CPU-second over a block of 0.2 s (and some)
     assert load.competed(threads=2) and load.competed(threads=1)
+    with monkeypatch.context() as tensor_parallel:  # the other ranks are the other processes there
+        tensor_parallel.setattr(distributed, "active", lambda: True)
+        assert not load.competed(threads=2)
 
     with OtherProcessesLoad(stat, cpus={0, 1}) as quiet:
         time.sleep(0.05)
@@ -230,7 +234,7 @@ def test_a_busy_process_beside_the_block_is_seen():
 @pytest.mark.parametrize("competed", [True, False])
 def test_a_curve_measured_on_a_busy_machine_is_not_cached(tiny, tmp_path, monkeypatch, caplog, competed):
     target = tiny.pipeline("vanilla").target
-    monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads: competed)
+    monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads=None: competed)
     with caplog.at_level(logging.WARNING):
         curve = cached_cost_curve(target, kv_length=8, cache_dir=tmp_path)
     assert isinstance(curve, CostCurve) and min(curve.milliseconds) > 0  # the run goes on with it

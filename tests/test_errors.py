@@ -329,7 +329,8 @@ def test_an_unreadable_cost_curve_cache_is_measured_again_with_a_warning(tiny, t
 
     from specpipe.cost import CostCurve, OtherProcessesLoad, cached_cost_curve, cost_curve_path
 
-    monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads: False)  # cached even on a busy machine
+    # cached even when measured on a busy machine
+    monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads=None: False)
     target = tiny.pipeline("vanilla").target
     path = cost_curve_path(target, kv_length=8, cache_dir=tmp_path)
     path.parent.mkdir(parents=True)

@@ -504,7 +504,7 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
     load_before = os.getloadavg()[0]
     with OtherProcessesLoad() as others:
         runs = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup)
-    if others.competed(torch.get_num_threads()) and not distributed.active():  # ranks are other processes
+    if others.competed():
         print(f"bench: warning: other processes kept {others.cores:.1f} of the {others.cpus} CPUs busy during "
               f"the runs: the timings are that contention's, not this machine's", file=sys.stderr)
     if not runs:

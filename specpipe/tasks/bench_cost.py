@@ -168,7 +168,7 @@ def measure(cfg: DictConfig, settings: CostSettings) -> tuple[list[dict], list[d
                 with OtherProcessesLoad() as load:
                     curves = measure_cost_curves(list(by_label.values()), settings.queries, kv_length=kv_length,
                                                  rounds=settings.rounds)
-                competed = load.competed(torch.get_num_threads())
+                competed = load.competed()
                 if competed:
                     log.warning("bench_cost: other processes kept %.1f of the %d CPUs busy while %s kv=%d was "
                                 "measured: these rows are that moment's, and the decoding curve is not cached",
