@@ -144,6 +144,9 @@ def test_calibrate_tree_task_writes_a_tree_the_pipeline_reads(tiny_mixed, tmp_pa
     assert [list(p) for p in result["paths"]] == document["paths"]
     assert result["chosen"] == len(paths)  # a flat cost curve pays for every path
 
+    with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set calibrate_tree.corpus"):
+        run_calibrate_tree(compose_config(["task=calibrate_tree", "model=tiny_random", "pipeline=medusa", *drafter,
+                                           f"calibrate_tree.corpus={tmp_path / 'nothing.parquet'}"]))
     with pytest.raises(ConfigError, match="calibrates Medusa or Hydra heads"):
         run_calibrate_tree(compose_config(["task=calibrate_tree", "model=tiny_random", "pipeline=lookahead_trie",
                                            f"calibrate_tree.corpus={corpus}", "calibrate_tree.progress=false"]))

@@ -244,6 +244,9 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
                                "distill_draft.teacher_top_k=8", "distill_draft.eval_chains=10",
                                "distill_draft.progress=false"])
 
+    with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set distill_draft.corpus"):
+        run_distill_draft(compose_config(["task=distill_draft", "model=tiny_random", "distill_draft.layers=[1]",
+                                          f"distill_draft.corpus={tmp_path / 'nothing.parquet'}"]))
     first = run_distill_draft(config(6))
     assert first["step"] == 6
     losses = [entry["loss"] for entry in first["train_log"]]
@@ -279,11 +282,36 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
 
 
 def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
-    """Every task that reads the corpus (distill_draft, train_heads, search_layers, calibrate_tree) checks
-    the tokenizer it records; a corpus that records none is taken."""
-    from specpipe.distill.corpus import check_corpus_tokenizer
+    """Every task that reads the corpus (distill_draft, train_heads, search_layers, calibrate_tree) reads it
+    through read_task_corpus: the tokenizer it records is checked (a corpus that records none is taken),
+    the system prompt it was generated under wins over the config's, and a missing corpus names the
+    task's own option."""
+    import pyarrow.parquet as pq
 
-    check_corpus_tokenizer(tmp_path / "c.parquet", {"tokenizer": {"vocab_sha256": "abc"}}, "abc", "m")
-    check_corpus_tokenizer(tmp_path / "c.parquet", {}, "abc", "m")
+    from specpipe.distill.corpus import METADATA_KEY, read_corpus_metadata
+    from specpipe.tasks.distill_draft import read_task_corpus
+
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    vocab_sha256 = tokenizer_fingerprint(loaded.tokenizer)["vocab_sha256"]
+    corpus = tmp_path / "corpus.parquet"
+    write_corpus(corpus)
+    examples, system_prompt = read_task_corpus(corpus, "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, "ignored")
+    assert len(examples) == len(PROMPT_TEXTS) and system_prompt is None  # the corpus records None
+
+    table = pq.read_table(corpus)
+    recorded = read_corpus_metadata(corpus)
+
+    def record(**fields) -> None:  # the corpus again, its metadata changed
+        document = json.dumps({**recorded, **fields}).encode()
+        pq.write_table(table.replace_schema_metadata({**table.schema.metadata, METADATA_KEY: document}), corpus)
+
+    record(system_prompt="Be brief.")
+    assert read_task_corpus(corpus, "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, "from config")[1] == "Be brief."
+    record(tokenizer={})  # an older corpus: no tokenizer recorded, taken as it is
+    assert len(read_task_corpus(corpus, "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, None)[0]) == len(examples)
+    record(tokenizer={"vocab_sha256": "another"})
     with pytest.raises(ConfigError, match=r"holds token ids of another tokenizer than model=m's"):
-        check_corpus_tokenizer(tmp_path / "c.parquet", {"tokenizer": {"vocab_sha256": "xyz"}}, "abc", "m")
+        read_task_corpus(corpus, "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, None)
+    with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: build it with `python run.py "
+                                          r"task=distill_corpus`, or set x.corpus"):
+        read_task_corpus(tmp_path / "nothing.parquet", "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, None)

@@ -107,6 +107,9 @@ def test_the_task_writes_a_search_the_drafter_reads(tmp_path):
                           f"search_layers.out={out}", "search_layers.eval_fraction=1.0", "search_layers.min_layers=1",
                           "search_layers.positions=100", "search_layers.vocab_top_k=0", "search_layers.progress=false"])
     result = run_search_layers(cfg)
+    with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set search_layers.corpus"):
+        run_search_layers(compose_config(["task=search_layers", "model=tiny_random",
+                                          f"search_layers.corpus={tmp_path / 'nothing.parquet'}"]))
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     assert [row["kept"] for row in written["rows"]] == [2, 1] and 0 < written["positions"] <= 100

@@ -69,6 +69,8 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     assert feature_shards
     with pytest.raises(ConfigError, match="train_heads.kind"):
         run_train_heads(config(8, "train_heads.kind=bogus"))
+    with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set train_heads.corpus"):
+        run_train_heads(config(8, f"train_heads.corpus={tmp_path / 'nothing.parquet'}"))
 
     second = run_train_heads(config(8))  # resumes at step 6; the features are not extracted again
     assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]

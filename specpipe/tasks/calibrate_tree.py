@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata
 from specpipe.distill.prompts import display_path
 from specpipe.distill.training import progress_bar
 from specpipe.errors import ConfigError
@@ -24,7 +23,7 @@ from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
-from specpipe.tasks.distill_draft import Example, is_eval, load_examples
+from specpipe.tasks.distill_draft import Example, read_task_corpus, split_held_out
 
 TABLE_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -58,11 +57,10 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
                           f"none under pipeline.drafters (use pipeline=medusa or pipeline=hydra)")
     target, tokenizer = pipeline.decoder.target, pipeline.tokenizer
     corpus = repo_path(c.corpus)
-    metadata = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    check_corpus_tokenizer(corpus, metadata, fingerprint["vocab_sha256"], cfg.model.name)
-    examples = load_examples(corpus, tokenizer, int(c.max_seq_len), metadata.get("system_prompt", cfg.get("system_prompt")))
-    held_out = [e for e in examples if is_eval(e.split_id, float(c.eval_fraction))]
+    examples, _ = read_task_corpus(corpus, "calibrate_tree.corpus", tokenizer, fingerprint["vocab_sha256"],
+                                   cfg.model.name, int(c.max_seq_len), cfg.get("system_prompt"))
+    _, held_out = split_held_out(examples, float(c.eval_fraction))
     if c.get("answers"):
         held_out = held_out[: int(c.answers)]
     if not held_out:

@@ -87,10 +87,27 @@ def is_eval(prompt_id: str, fraction: float) -> bool:
     return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) / 2**32 < fraction
 
 
-def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str | None) -> list[Example]:
+def split_held_out(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: the held-out ones are those `is_eval` picks at `fraction`."""
+    held_out = [e for e in examples if is_eval(e.split_id, fraction)]
+    return [e for e in examples if not is_eval(e.split_id, fraction)], held_out
+
+
+def read_task_corpus(corpus: Path, option: str, tokenizer, vocab_sha256: str, model_name: str, max_seq_len: int,
+                     default_system_prompt: str | None) -> tuple[list[Example], str | None]:
+    """A self-distilled corpus as a training task reads it: its answers as examples, and the system prompt
+    they were generated under (the corpus metadata's, else `default_system_prompt`). Refused when the
+    corpus is missing (the message names `option`, the config key that points at it) or was generated
+    with another tokenizer."""
     if not corpus.is_file():
-        raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set "
-                          f"distill_draft.corpus")
+        raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set {option}")
+    metadata = read_corpus_metadata(corpus)
+    check_corpus_tokenizer(corpus, metadata, vocab_sha256, model_name)
+    system_prompt = metadata.get("system_prompt", default_system_prompt)
+    return load_examples(corpus, tokenizer, max_seq_len, system_prompt), system_prompt
+
+
+def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str | None) -> list[Example]:
     table = read_corpus(corpus)
     examples = []
     columns = (table.column(c).to_pylist() for c in ("prompt_id", "prompt", "answer_ids", "history"))
@@ -352,15 +369,12 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     layers = [int(layer) for layer in d.layers]
     draft = build_draft(target, layers)  # checks the layers before any long stage
     corpus = repo_path(d.corpus)
-    corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
-    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
-    examples = load_examples(corpus, tokenizer, int(d.max_seq_len), system_prompt)
+    examples, system_prompt = read_task_corpus(corpus, "distill_draft.corpus", tokenizer, fingerprint["vocab_sha256"],
+                                               loaded.name, int(d.max_seq_len), cfg.get("system_prompt"))
     if d.get("limit"):
         examples = examples[: int(d.limit)]
-    held_out = [e for e in examples if is_eval(e.split_id, float(d.eval_fraction))]
-    train = [e for e in examples if not is_eval(e.split_id, float(d.eval_fraction))]
+    train, held_out = split_held_out(examples, float(d.eval_fraction))
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")

@@ -15,15 +15,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata, write_atomically
+from specpipe.distill.corpus import write_atomically
 from specpipe.distill.layer_search import (FORMAT, AgreementProbe, ProbeSequence, agreement_interval,
                                            backward_elimination, elimination_forwards, searched_layers_path)
-from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import frequent_tokens
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
-from specpipe.tasks.distill_draft import is_eval, load_examples
+from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
 
 
 def _log(message: str) -> None:
@@ -71,15 +70,10 @@ def run_search_layers(cfg: DictConfig) -> dict:
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     corpus = repo_path(s.corpus)
-    if not corpus.is_file():
-        raise ConfigError(f"no corpus at {corpus}: build it with `python run.py task=distill_corpus`, or set "
-                          f"search_layers.corpus")
     fingerprint = tokenizer_fingerprint(tokenizer)
-    corpus_info = read_corpus_metadata(corpus)
-    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
-    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
-    examples = [e for e in load_examples(corpus, tokenizer, int(s.max_seq_len), system_prompt)
-                if is_eval(e.split_id, float(s.eval_fraction))]
+    examples, _ = read_task_corpus(corpus, "search_layers.corpus", tokenizer, fingerprint["vocab_sha256"], loaded.name,
+                                   int(s.max_seq_len), cfg.get("system_prompt"))
+    _, examples = split_held_out(examples, float(s.eval_fraction))  # the search scores held-out answers only
     sequences = probe_sequences(examples, int(s.positions))
     vocab_ids = None
     if int(s.vocab_top_k):

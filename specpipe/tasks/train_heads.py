@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from transformers import LlamaConfig
 
-from specpipe.distill.corpus import check_corpus_tokenizer, read_corpus_metadata
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
@@ -66,8 +65,8 @@ from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_folder, progress_bar, write_json
-from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, is_eval, load_examples, lr_at,
-                                          pad_examples)
+from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
+                                          pad_examples, read_task_corpus, split_held_out)
 
 FEATURES_VERSION = 1
 HEAD_KINDS = ("eagle", "medusa", "eagle3", "hydra")
@@ -566,15 +565,13 @@ def run_train_heads(cfg: DictConfig) -> dict:
     build_engine(cfg).apply(loaded.model)
     target, tokenizer = loaded.model.eval(), loaded.tokenizer
     corpus = repo_path(h.corpus)
-    corpus_info = read_corpus_metadata(corpus) if corpus.is_file() else {}
     fingerprint = tokenizer_fingerprint(tokenizer)
-    check_corpus_tokenizer(corpus, corpus_info, fingerprint["vocab_sha256"], loaded.name)
-    system_prompt = corpus_info.get("system_prompt", cfg.get("system_prompt"))
-    examples = [e for e in load_examples(corpus, tokenizer, int(h.max_seq_len), system_prompt) if e.n_pred >= 2]
+    examples, system_prompt = read_task_corpus(corpus, "train_heads.corpus", tokenizer, fingerprint["vocab_sha256"],
+                                               loaded.name, int(h.max_seq_len), cfg.get("system_prompt"))
+    examples = [e for e in examples if e.n_pred >= 2]
     if h.get("limit"):
         examples = examples[: int(h.limit)]
-    held_out = [e for e in examples if is_eval(e.split_id, float(h.eval_fraction))]
-    train = [e for e in examples if not is_eval(e.split_id, float(h.eval_fraction))]
+    train, held_out = split_held_out(examples, float(h.eval_fraction))
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={h.eval_fraction}): both must be non-empty")
