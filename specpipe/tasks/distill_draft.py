@@ -89,8 +89,10 @@ def is_eval(prompt_id: str, fraction: float) -> bool:
 
 def split_held_out(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """(training, held-out) examples: the held-out ones are those `is_eval` picks at `fraction`."""
-    held_out = [e for e in examples if is_eval(e.split_id, fraction)]
-    return [e for e in examples if not is_eval(e.split_id, fraction)], held_out
+    train, held_out = [], []
+    for example in examples:
+        (held_out if is_eval(example.split_id, fraction) else train).append(example)
+    return train, held_out
 
 
 def read_task_corpus(corpus: Path, option: str, tokenizer, vocab_sha256: str, model_name: str, max_seq_len: int,
