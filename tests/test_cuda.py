@@ -17,6 +17,7 @@ import torch
 
 from conftest import _make, random_prompts, run_steps
 from specpipe.types import SamplingConfig
+from test_draft_vocab import DRAFTER_KEY, check_greedy_over_reduced_vocabulary
 from test_tree_attention_kernel import TOLERANCE, Case, make_inputs, path_oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -123,6 +124,14 @@ def test_pipeline_on_gpu_equals_greedy(gpu_mixed, pipeline, attention):
         assert tokens == gpu_mixed.greedy_hf(prompt, 24), f"prompt {i}"
         drafted += sum(step.drafted for step in steps)
     assert pipeline == "vanilla" or drafted > 0  # trees were verified, not only single tokens
+
+
+@pytest.mark.parametrize("pipeline", sorted(DRAFTER_KEY))
+def test_reduced_vocabulary_pipeline_on_gpu_equals_greedy(gpu_mixed, pipeline, tmp_path):
+    """The shipped drafters score a reduced vocabulary (vocab_top_k=8192), which the random model above never
+    does (it has no corpus to count): every such drafter failed on the GPU until run 36."""
+    pytest.importorskip("triton")
+    check_greedy_over_reduced_vocabulary(gpu_mixed, pipeline, tmp_path, "attention=triton")
 
 
 SAMPLED_PIPELINES = ["draft_model", "eagle", "specinfer_mix", "eagle_mix"]  # model drafters: a random model sampled

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import eagle_head_dir, medusa_head_dir, random_prompts, tiny_draft_dir
 from specpipe.errors import ConfigError
@@ -49,6 +50,46 @@ def test_a_ranking_round_trips_and_ranks_by_count_then_id(tiny_mixed, tmp_path):
     assert back.counts.tolist() == ranking.counts.tolist() and back.source == "five answers"
     with pytest.raises(ConfigError, match="vocab_top_k must be between 1 and the 1000 tokens"):
         ranking.top(1001, "test")
+
+
+DRAFTER_KEY = {"draft_model": "model", "eagle": "eagle", "medusa": "medusa", "hydra": "hydra"}  # pipeline.drafters.KEY
+
+
+def check_greedy_over_reduced_vocabulary(harness, pipeline: str, tmp_path: Path, *overrides: str) -> None:
+    """The pipeline's drafter scores only `favourite_tokens` (vocab_top_k over a counted corpus): its greedy
+    output equals HF greedy, and every node it drafts is one of those tokens. tests/test_cuda.py runs the
+    same check with the model on the GPU, where the drafter's token ids must live beside its logits."""
+    favourite = favourite_tokens(harness, 24)
+    corpus = tmp_path / "answers.parquet"
+    write_answer_corpus(corpus, [favourite * 3])
+    key = DRAFTER_KEY[pipeline]
+    pipe = build_pipeline(harness.config(pipeline, f"pipeline.drafters.{key}.vocab_top_k={len(favourite)}",
+                                         f"pipeline.drafters.{key}.vocab_counts={corpus}", *overrides),
+                          loaded=harness.loaded)
+    drafted = set()
+    original = pipe.decoder.tree_builder.build
+
+    def build(state, proposals, drafters):
+        tree = original(state, proposals, drafters)
+        drafted.update(tree.tokens.tolist())
+        return tree
+
+    pipe.decoder.tree_builder.build = build
+    for prompt in random_prompts(3, seed=42):
+        assert pipe.generate(prompt, max_new_tokens=12).token_ids == harness.greedy_hf(prompt, 12)
+    assert drafted and drafted <= set(favourite)
+
+
+@pytest.mark.parametrize("pipeline", sorted(DRAFTER_KEY))
+def test_greedy_over_a_reduced_vocabulary_equals_greedy(tiny_mixed, tmp_path, pipeline):
+    check_greedy_over_reduced_vocabulary(tiny_mixed, pipeline, tmp_path)
+
+
+def test_a_reduced_vocabulary_head_keeps_its_token_ids_on_its_weights_device():
+    """The tree builders index these ids with top-k columns computed beside the weights (on a GPU: a CPU
+    buffer there failed every reduced-vocabulary drafter, run 36)."""
+    head = ReducedVocabHead(torch.empty(1000, 16, device="meta"), torch.tensor([3, 7, 500]), 1000)
+    assert head.ids.device.type == "meta" and head.target_ids.device.type == "meta"
 
 
 @pytest.mark.parametrize("pipeline", ["eagle", "medusa", "draft_model"])

@@ -48,7 +48,9 @@ class ReducedVocabHead(nn.Module):
         super().__init__()
         self.linear = nn.Linear(weight.shape[1], ids.shape[0], bias=False, dtype=weight.dtype)
         self.linear.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)  # [k, hidden]
-        self.register_buffer("ids", ids.clone(), persistent=False)  # [k]
+        # On the weight's device: the tree builders index it with top-k columns computed there (a CPU
+        # buffer beside CUDA weights failed every reduced-vocabulary drafter on the GPU, run 36).
+        self.register_buffer("ids", ids.to(weight.device).clone(), persistent=False)  # [k]
         self.vocab_size = vocab_size
         self.width = int(ids.shape[0])  # the tokens it scores
 
