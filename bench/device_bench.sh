@@ -12,7 +12,8 @@
 # DTYPES (default "bf16 fp32") picks the runs, PER_CATEGORY and MAX_NEW_TOKENS their size.
 # Times on an H100 machine (run 36): call 1 about 35 s with the start; call 2's set-up 45-49 s; the smoke
 # run 20-45 s; hf_generate, hf_pld, vanilla and lookahead_trie over 12 questions at 128 tokens 161 s. All
-# nine methods at PER_CATEGORY=1 did not finish in 208 s: give the bf16 run alone 6-8 minutes.
+# nine methods at PER_CATEGORY=1 did not finish in 208 s: give the bf16 run alone 6-8 minutes. Each run now
+# has bench.time_limit_s (and SIGTERM from `timeout`), so one cut short still reports its finished questions.
 # Each bench runs every method on the same prompts in one process (interleaved per question). A quick
 # smoke run of all the pipelines comes first; a pipeline that fails it is left out of the full runs
 # (and named in the log) instead of ending them.
@@ -80,8 +81,8 @@ bench() {  # dtype pipeline...
     local first=${kept[0]}
     local rest=$(IFS=,; echo "${kept[*]:1}")
     echo "bench $dtype at $(elapsed) s: pipeline=$first compare=[$rest], at most $left s"
-    timeout $left python3 run.py "${common[@]}" bench.dtype=$dtype bench.per_category=$PER_CATEGORY \
-        bench.max_new_tokens=$MAX_NEW_TOKENS pipeline=$first "bench.compare=[$rest]" \
+    timeout $(( left + 30 )) python3 run.py "${common[@]}" bench.dtype=$dtype bench.per_category=$PER_CATEGORY \
+        bench.max_new_tokens=$MAX_NEW_TOKENS pipeline=$first "bench.compare=[$rest]" bench.time_limit_s=$left \
         bench.out=$RESULTS/bench_$dtype 2>&1 | grep -v 'run/s' | tail -40
     echo "bench $dtype ended at $(elapsed) s"
     tar -czf "$OUT"/bench_$dtype.tgz -C "$RESULTS" . 2>/dev/null  # now: a later run may outlast the call

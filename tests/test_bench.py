@@ -175,6 +175,8 @@ def test_malformed_jsonl_line_is_reported_with_its_line_number(tmp_path):
     (["bench.compare=[vanilla]"], InvalidRequest, "'vanilla' is already a method of this run"),
     (["pipeline=prompt_lookup", "bench.compare=[prompt_lookup]"], InvalidRequest, "'prompt_lookup' is already"),
     (["bench.compare=[[prompt_lookup]]"], InvalidRequest, "bench.compare must list pipelines"),
+    (["bench.time_limit_s=0"], InvalidRequest, "time_limit_s must be a positive number of seconds or null"),
+    (["bench.time_limit_s=soon"], InvalidRequest, "time_limit_s must be a positive number of seconds or null"),
 ])
 def test_bad_settings_stop_with_a_clear_error(prompts_file, tmp_path, overrides, error, message):
     cfg = compose_config(tiny_overrides(prompts_file, f"bench.out={tmp_path}", *overrides))
@@ -428,3 +430,63 @@ def test_a_pipeline_with_two_proposers_reports_both_sources(rag_run):
     assert shares["ngram_trie"] > 0 and shares["past_outputs"] > 0
     check_drafted_counts(pd.read_parquet(out / "results.parquet"), "rag_lookahead")
     assert "ngram_trie 0." in (out / "summary.md").read_text()
+
+
+# ---- stopping early: a time limit, Ctrl-C or SIGTERM keep the questions every method finished ----------
+def test_a_time_limit_reports_the_questions_every_method_finished(prompts_file, tmp_path):
+    cfg = compose_config(tiny_overrides(prompts_file, "pipeline=prompt_lookup", "bench.per_category=2",
+                                        "bench.max_new_tokens=2", "bench.warmup=0", "bench.time_limit_s=1e-9",
+                                        f"bench.out={tmp_path}"))
+    summary = run_bench(cfg)
+    meta = summary["meta"]
+    assert meta["questions"] == 1 and meta["questions_selected"] == 4  # the first question always runs
+    assert meta["stopped"].startswith("bench.time_limit_s=1e-09: stopped after 1 of 4 questions")
+    results = pd.read_parquet(tmp_path / "results.parquet")
+    assert sorted(results["method"]) == sorted(METHODS) and set(results["question_id"]) == {1}
+    assert "**stopped early** (bench.time_limit_s=1e-09" in (tmp_path / "summary.md").read_text()
+    unlimited = run_bench(compose_config(tiny_overrides(
+        prompts_file, "pipeline=prompt_lookup", "bench.per_category=2", "bench.max_new_tokens=2", "bench.warmup=0",
+        "bench.time_limit_s=3600", f"bench.out={tmp_path / 'all'}")))
+    assert unlimited["meta"]["questions"] == 4 and unlimited["meta"]["stopped"] is None
+
+
+def test_an_interrupt_keeps_only_the_questions_every_method_finished(tiny_mixed, prompts_file):
+    from specpipe.tasks.bench import make_methods, run_methods
+
+    pipeline = tiny_mixed.pipeline("prompt_lookup")
+    questions = read_questions(prompts_file)
+    calls = []
+
+    def interrupted_on(call: int):
+        plain = make_methods(["vanilla"], pipeline, 10)["vanilla"]
+
+        def method(prompt, max_new_tokens):
+            calls.append(1)
+            if len(calls) == call:
+                raise KeyboardInterrupt
+            return plain(prompt, max_new_tokens)
+        return method
+
+    # Only the flaky method counts its calls: question 1's two turns are calls 1-2, question 2 is call 3,
+    # after the pipeline has already answered question 2.
+    methods = make_methods(["pipeline"], pipeline, 10) | {"flaky": interrupted_on(3)}
+    measured = run_methods(pipeline, methods, questions, 2, warmup=0, progress=False)
+    assert measured.stopped == "interrupted: stopped after 1 of 4 questions"
+    assert [(run.question.question_id, run.method) for run in measured.runs] == [(1, "prompt_lookup"), (1, "flaky")]
+    calls.clear()
+    methods["flaky"] = interrupted_on(2)  # within the first question: nothing to report, so it propagates
+    with pytest.raises(KeyboardInterrupt):
+        run_methods(pipeline, methods, questions, 2, warmup=0, progress=False)
+
+
+def test_sigterm_interrupts_the_benchmark_like_ctrl_c_and_only_while_it_runs():
+    import os
+    import signal
+
+    from specpipe.tasks.bench import stop_signals_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), stop_signals_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # not reached: the handler raises first
+    assert signal.getsignal(signal.SIGTERM) is before

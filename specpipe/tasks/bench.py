@@ -346,10 +346,26 @@ def learning_paused(*pipelines: Pipeline) -> Iterator[None]:
             proposer.learn = True
 
 
+@dataclass
+class MethodRuns:
+    """What `run_methods` measured: every method's run of each question it finished, in order, and why
+    it stopped before the last question (None when it ran them all)."""
+
+    runs: list[QuestionRun]
+    stopped: str | None = None
+
+
 def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Sequence[Question],
-                max_new_tokens: int, warmup: int = 1, progress: bool = True) -> list[QuestionRun]:
+                max_new_tokens: int, warmup: int = 1, progress: bool = True,
+                time_limit_s: float | None = None) -> MethodRuns:
     """Warms every method up on the first `warmup` questions (not counted), then runs each question
-    through every method in turn (interleaved, so slow drift of the machine hits all methods alike)."""
+    through every method in turn (interleaved, so slow drift of the machine hits all methods alike).
+
+    It stops early, keeping only questions that every method finished (so each comparison stays
+    question by question), when the next question would end past `time_limit_s` (seconds from the
+    start of the warm-up; judged by the mean time of the questions so far), or on KeyboardInterrupt
+    (Ctrl-C, or SIGTERM under `stop_signals_interrupt`) once at least one question is done."""
+    started = time.monotonic()
     # the pipelines that decode here: the configured one and bench.compare's (each once)
     decoding = [method.pipeline for method in methods.values() if isinstance(method, PipelineDecode)]
     with learning_paused(*decoding):
@@ -357,16 +373,52 @@ def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Seque
             prepared: dict[str, PreparedPrompt] = {}
             for name, method in methods.items():
                 run_question(pipeline, name, method, question, max_new_tokens, prepared)
-    runs: list[QuestionRun] = []
+    measured = MethodRuns([])
+    counted = time.monotonic()
     with tqdm(total=len(questions) * len(methods), desc="bench", unit="run", disable=not progress,
               file=sys.stderr) as bar:
-        for question in questions:
+        for done, question in enumerate(questions):
+            if time_limit_s is not None and done > 0:
+                per_question = (time.monotonic() - counted) / done
+                if time.monotonic() - started + per_question > time_limit_s:
+                    measured.stopped = (f"bench.time_limit_s={time_limit_s:g}: stopped after {done} of "
+                                        f"{len(questions)} questions")
+                    break
             prepared = {}
-            for name, method in methods.items():
-                bar.set_postfix_str(f"{question.category} #{question.question_id} {name}", refresh=False)
-                runs.append(run_question(pipeline, name, method, question, max_new_tokens, prepared))
-                bar.update()
-    return runs
+            finished = []
+            try:
+                for name, method in methods.items():
+                    bar.set_postfix_str(f"{question.category} #{question.question_id} {name}", refresh=False)
+                    finished.append(run_question(pipeline, name, method, question, max_new_tokens, prepared))
+                    bar.update()
+            except KeyboardInterrupt:
+                if done == 0:
+                    raise
+                measured.stopped = f"interrupted: stopped after {done} of {len(questions)} questions"
+                break
+            measured.runs.extend(finished)
+    return measured
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """SIGTERM (a job scheduler's or `timeout`'s end of the time) raises KeyboardInterrupt while the
+    benchmark runs, as Ctrl-C does, so the questions already finished are still reported."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -382,6 +434,7 @@ class BenchSettings:
     categories: tuple[str, ...] | None
     group_categories: dict[str, str]  # category -> the category it is reported under
     out: Path
+    time_limit_s: float | None = None  # stop before a question that would end past it (warm-up included)
 
 
 def read_settings(cfg: DictConfig) -> BenchSettings:
@@ -400,6 +453,13 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
     categories = bench.get("categories")
     if isinstance(categories, str):
         categories = [categories]
+    time_limit_s = bench.get("time_limit_s")
+    if time_limit_s is not None:
+        if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or time_limit_s <= 0:
+            raise InvalidRequest(f"bench.time_limit_s must be a positive number of seconds or null, got "
+                                 f"{time_limit_s!r}")
+        if distributed.active():  # each rank would judge the time by its own clock and stop at another question
+            raise ConfigError("bench.time_limit_s is not supported with tensor parallel ranks: leave it null")
     return BenchSettings(
         prompts=resolve_prompts_path(str(bench.prompts)),
         group_categories=read_groups(bench.get("group_categories", DEFAULT_GROUPS)),
@@ -412,6 +472,7 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         pld_tokens=int(bench.get("pld_tokens") or 10),
         categories=tuple(categories) if categories else None,
         out=output_dir(bench.get("out")),
+        time_limit_s=float(time_limit_s) if time_limit_s is not None else None,
     )
 
 
@@ -502,8 +563,12 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
           f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
           f"warm-up {settings.warmup}", file=sys.stderr)
     load_before = os.getloadavg()[0]
-    with OtherProcessesLoad() as others:
-        runs = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup)
+    with OtherProcessesLoad() as others, stop_signals_interrupt():
+        measured = run_methods(pipeline, methods, questions, settings.max_new_tokens, settings.warmup,
+                               time_limit_s=settings.time_limit_s)
+    runs = measured.runs
+    if measured.stopped:
+        print(f"bench: {measured.stopped}; reporting the questions every method finished", file=sys.stderr)
     if others.competed():
         print(f"bench: warning: other processes kept {others.cores:.1f} of the {others.cpus} CPUs busy during "
               f"the runs: the timings are that contention's, not this machine's", file=sys.stderr)
@@ -526,7 +591,9 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
         "warmup": settings.warmup,
         "pld_tokens": settings.pld_tokens,
         "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
-        "questions": len(questions),
+        "questions": len(runs) // len(methods),
+        "questions_selected": len(questions),
+        "stopped": measured.stopped,
         "config": OmegaConf.to_container(cfg, resolve=True),
         **hydra_job_info(),
         "machine": {**bench_report.machine_info(), "load_avg_before": load_before,

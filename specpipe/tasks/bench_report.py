@@ -279,6 +279,8 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         f"- prompts: `{meta['prompts']}`, first {meta['per_category']} per category ({meta['questions']} "
         f"questions), max_new_tokens {meta['max_new_tokens']} per turn, warm-up {meta['warmup']} question(s), "
         f"{_decoding(meta.get('sampling'))}, batch 1",
+        *([f"- **stopped early** ({meta['stopped']}): the table covers the {meta['questions']} questions every "
+           f"method finished"] if meta.get("stopped") else []),
         *_grouping_lines(summary, meta),
         *(["- RAG: every method ran on the same augmented prompt token ids (the pipeline's retrieval for each "
            "turn's question); the chunks retrieved per question are in results.parquet (`retrieved`) and "
