@@ -7,6 +7,7 @@
 # PyPI has only as an sdist, as a tar of the installed package) travel with them:
 #   call 1: carry PAYLOAD_A (part a + the transformers wheel); `mkdir -p /tmp/payload && mv PAYLOAD_A/* /tmp/payload/`
 #   call 2: carry PAYLOAD_B (part b, the other wheels, antlr4.tar.xz); `bash bench/device_bench.sh PAYLOAD_B`
+# bench/device_payload.sh builds both payloads (.gpu_a, .gpu_b) and says how each call travels.
 # The GGUF is checked against its SHA-256 here, so the GPU decodes with the model the CPU runs do.
 #
 # DTYPES (default "bf16 fp32") picks the runs, PER_CATEGORY and MAX_NEW_TOKENS their size.
