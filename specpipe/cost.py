@@ -223,7 +223,9 @@ def cost_curve_path(target, kv_length: int = 256, cache_dir: Path | None = None)
     # v4: EAGLE heads over a reduced vocabulary take their log-softmax over it, not the whole vocabulary;
     # v5: each sample is the second of two forwards of its size (v4 overpriced one-token forwards);
     # v6: measured at 3, 5, 6 and 12 rows too (linear from 4 to 8 rows overpriced 5-7 rows)
-    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v6.json"
+    # v7: cached only when measured on a quiet machine (a v6 curve measured beside another job priced every
+    # size alike and sized every later run's trees, run 34)
+    return folder / f"{target.name}-{_machine_key(target, kv_length)}-v7.json"
 
 
 def store_cost_curve(target, curve: CostCurve, kv_length: int = 256, cache_dir: Path | None = None) -> Path:
