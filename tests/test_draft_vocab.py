@@ -148,7 +148,8 @@ def test_a_bad_pinned_ranking_is_refused_with_a_message(tiny_mixed, tmp_path):
 
 
 @pytest.mark.parametrize("artifact", ["data/eagle/smollm2_135m", "data/eagle/smollm2_135m_bf16", "data/medusa/smollm2_135m",
-                                      "data/hydra/smollm2_135m", "data/draft/smollm2_135m_draft.safetensors"])
+                                      "data/hydra/smollm2_135m", "data/draft/smollm2_135m_draft.safetensors",
+                                      "data/layer_skip/smollm2_135m_layers.json"])
 def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact):
     """What the shipped artifacts draft over no longer moves with the chat corpus: each carries the
     ranking it has been served with since run 18 (the 2.08M-token corpus, sha256 37ac3012...)."""

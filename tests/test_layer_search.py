@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ from specpipe.distill.layer_search import (AgreementProbe, ProbeSequence, backwa
                                            elimination_forwards, read_searched_layers)
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import compose_config, load_model
+from specpipe.stages.draft.draft_model import ReducedVocabHead
+from specpipe.stages.draft.draft_vocab import pinned_vocab_path, read_ranking
 from specpipe.stages.draft.layer_skip import load_layer_skip
 from specpipe.target import TargetModel
 from test_distill_draft import write_corpus
@@ -122,6 +126,13 @@ def test_the_task_writes_a_search_the_drafter_reads(tmp_path):
     target = TargetModel(loaded.model, name="tiny_random")
     drafter = load_layer_skip(target, loaded.tokenizer, "searched", keep=1, search=str(out))
     assert list(drafter.runner.model.kept_layers) == written["rows"][1]["layers"]
+    # Beside the search: the ranking of the corpus's tokens, which layer_skip's reduced vocabulary reads.
+    pinned = read_ranking(pinned_vocab_path(out), loaded.tokenizer, loaded.model.config.vocab_size, "test")
+    answers = np.concatenate(pq.read_table(corpus, columns=["answer_ids"]).column("answer_ids").to_pylist())
+    np.testing.assert_array_equal(pinned.counts, np.bincount(answers, minlength=loaded.model.config.vocab_size))
+    reduced = load_layer_skip(target, loaded.tokenizer, [0], vocab_top_k=5, search=str(out))
+    head = reduced.runner.model.get_output_embeddings()
+    assert isinstance(head, ReducedVocabHead) and head.ids.tolist() == pinned.top(5, "test")[0].tolist()
 
     vocab = written["tokenizer"]["vocab_sha256"]
     with pytest.raises(ConfigError, match=r"holds sets of 1\.\.2 layers"):

@@ -19,7 +19,8 @@ from specpipe.distill.corpus import write_atomically
 from specpipe.distill.layer_search import (FORMAT, AgreementProbe, ProbeSequence, agreement_interval,
                                            backward_elimination, elimination_forwards, searched_layers_path)
 from specpipe.pipelines.builder import load_model
-from specpipe.stages.draft.draft_model import frequent_tokens
+from specpipe.stages.draft.draft_model import corpus_ranking
+from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
@@ -75,9 +76,10 @@ def run_search_layers(cfg: DictConfig) -> dict:
                                    int(s.max_seq_len), cfg.get("system_prompt"))
     _, examples = split_held_out(examples, float(s.eval_fraction))  # the search scores held-out answers only
     sequences = probe_sequences(examples, int(s.positions))
+    ranking = corpus_ranking(str(corpus), tokenizer)
     vocab_ids = None
     if int(s.vocab_top_k):
-        vocab_ids, _ = frequent_tokens(str(corpus), tokenizer, int(s.vocab_top_k))
+        vocab_ids, _ = ranking.top(int(s.vocab_top_k), f"search_layers.vocab_top_k={s.vocab_top_k}")
     probe = AgreementProbe(model, sequences, vocab_ids)
     min_layers = int(s.min_layers)
     _log(f"{probe.positions} held-out answer positions in {len(sequences)} answers of {corpus.name}; "
@@ -119,7 +121,9 @@ def run_search_layers(cfg: DictConfig) -> dict:
     out = repo_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
-    _log(f"wrote {out}")
+    # drafter=layer_skip drafts over the tokens of this corpus's ranking, pinned beside the search.
+    write_ranking(pinned_vocab_path(out), ranking)
+    _log(f"wrote {out} and {pinned_vocab_path(out).name}")
     from hydra.core.hydra_config import HydraConfig
 
     folder = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else out.parent

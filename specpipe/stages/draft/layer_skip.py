@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 from torch import Tensor, nn
 from transformers import PreTrainedModel
@@ -68,19 +69,26 @@ def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, lay
     """The drafter `drafter=layer_skip` configures (see DraftModelDrafter for chain/tree drafting).
 
     `layers`: target layer indices, or "searched": the set of `keep` layers that `task=search_layers`
-    found for this model (read from `search`, default data/layer_skip/<model>_layers.json)."""
+    found for this model (read from `search`, default data/layer_skip/<model>_layers.json). With
+    `vocab_top_k`, the draft scores the tokens of the ranking pinned beside that search file
+    (`<model>_layers.vocab.npz`, which the task writes) where there is one, so what it drafts does not
+    move with the shipped chat corpus; `vocab_counts` still wins."""
+    from specpipe.distill.layer_search import searched_layers_path
+    from specpipe.stages.draft.draft_vocab import pinned_vocab_path
+
+    pinned = pinned_vocab_path(Path(search) if search else searched_layers_path(target.name))
     if isinstance(layers, str):
         if layers != "searched":
             raise ConfigError(f"drafter.layers must be a list of layer indices or 'searched', got {layers!r}")
         if keep is None:
             raise ConfigError("drafter.layers=searched needs drafter.keep: how many layers the draft keeps")
-        from specpipe.distill.layer_search import read_searched_layers, searched_layers_path
+        from specpipe.distill.layer_search import read_searched_layers
         from specpipe.stores.manifest import tokenizer_fingerprint
 
         layers = read_searched_layers(search or searched_layers_path(target.name), target.name,
                                       tokenizer_fingerprint(tokenizer)["vocab_sha256"], int(keep))
     draft = layer_subset_model(target.model, layers)
-    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name)
+    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned)
     kept = list(draft.kept_layers)
     return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length,
                              min_score=min_score, new_cache=lambda: LayerSubsetCache(kept))
