@@ -268,26 +268,11 @@ def test_the_reduced_vocabulary_head_scores_only_the_frequent_tokens(tiny_mixed,
     assert torch.isneginf(logits[..., others]).all()
 
 
-def test_a_reduced_vocabulary_draft_stays_lossless_and_never_drafts_other_tokens(tiny_mixed, tmp_path):
+def test_a_bad_reduced_vocabulary_setting_is_refused(tiny_mixed, tmp_path):
+    """(Greedy decoding over a reduced vocabulary equals HF greedy: tests/test_draft_vocab.py, for every
+    model drafter.)"""
     corpus = tmp_path / "answers.parquet"
-    prompts = random_prompts(4, seed=26)
-    frequent = sorted({t for p in prompts for t in tiny_mixed.greedy_hf(p, 16)})[:40]  # some of the answers' tokens
-    write_answer_corpus(corpus, [frequent * 3])
-    pipe = build_pipeline(tiny_mixed.config(
-        "draft_model", f"pipeline.drafters.model.vocab_top_k={len(frequent)}",
-        f"pipeline.drafters.model.vocab_counts={corpus}"), loaded=tiny_mixed.loaded)
-    drafted = set()
-    original = pipe.decoder.tree_builder.build
-
-    def build(state, proposals, drafters):
-        tree = original(state, proposals, drafters)
-        drafted.update(tree.tokens.tolist())
-        return tree
-
-    pipe.decoder.tree_builder.build = build
-    for prompt in prompts:
-        assert pipe.generate(prompt, max_new_tokens=16).token_ids == tiny_mixed.greedy_hf(prompt, 16)
-    assert drafted and drafted <= set(frequent)
+    write_answer_corpus(corpus, [[5, 9, 42] * 3])
     with pytest.raises(ConfigError, match="vocab_top_k must be between 1 and the vocabulary size"):
         build_pipeline(tiny_mixed.config("draft_model", "pipeline.drafters.model.vocab_top_k=49152",
                                          f"pipeline.drafters.model.vocab_counts={corpus}"), loaded=tiny_mixed.loaded)
