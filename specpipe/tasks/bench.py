@@ -379,8 +379,8 @@ def run_methods(pipeline: Pipeline, methods: dict[str, Method], questions: Seque
               file=sys.stderr) as bar:
         for done, question in enumerate(questions):
             if time_limit_s is not None and done > 0:
-                per_question = (time.monotonic() - counted) / done
-                if time.monotonic() - started + per_question > time_limit_s:
+                now = time.monotonic()
+                if now - started + (now - counted) / done > time_limit_s:  # + the mean question's time
                     measured.stopped = (f"bench.time_limit_s={time_limit_s:g}: stopped after {done} of "
                                         f"{len(questions)} questions")
                     break

@@ -76,7 +76,7 @@ def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, lay
     from specpipe.distill.layer_search import searched_layers_path
     from specpipe.stages.draft.draft_vocab import pinned_vocab_path
 
-    pinned = pinned_vocab_path(Path(search) if search else searched_layers_path(target.name))
+    search_file = Path(search) if search else searched_layers_path(target.name)
     if isinstance(layers, str):
         if layers != "searched":
             raise ConfigError(f"drafter.layers must be a list of layer indices or 'searched', got {layers!r}")
@@ -85,10 +85,10 @@ def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, lay
         from specpipe.distill.layer_search import read_searched_layers
         from specpipe.stores.manifest import tokenizer_fingerprint
 
-        layers = read_searched_layers(search or searched_layers_path(target.name), target.name,
-                                      tokenizer_fingerprint(tokenizer)["vocab_sha256"], int(keep))
+        layers = read_searched_layers(search_file, target.name, tokenizer_fingerprint(tokenizer)["vocab_sha256"],
+                                      int(keep))
     draft = layer_subset_model(target.model, layers)
-    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned)
+    reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(search_file))
     kept = list(draft.kept_layers)
     return DraftModelDrafter(target, tokenizer, draft, name=name, chain_length=chain_length,
                              min_score=min_score, new_cache=lambda: LayerSubsetCache(kept))
