@@ -102,7 +102,7 @@ def test_a_draft_drafts_over_the_ranking_pinned_beside_it(tiny_mixed, tmp_path, 
     artifact = tmp_path / "artifact"
     shutil.copytree(source, artifact)
     pin(artifact, tiny_mixed.tokenizer, favourite, vocab)
-    key = {"eagle": "eagle", "medusa": "medusa", "draft_model": "model"}[pipeline]
+    key = DRAFTER_KEY[pipeline]
     overrides = [f"pipeline.drafters.{key}.path={artifact}", f"pipeline.drafters.{key}.vocab_top_k={len(favourite)}"]
 
     def output_layer(pipe):
