@@ -66,7 +66,7 @@ class CostCurve:
 
 
 class OnlineCostCurve:
-    """A measured curve corrected by the times of the verify forwards decoding runs.
+    """A measured curve corrected by the times of the steps decoding runs.
 
     The cached curve keeps the shape of the moment it was measured, and a shared VM's speed
     moves by 15-25% within minutes, the shape too: on a 2-core Zen 5 EPYC in fp32, one row took
@@ -74,8 +74,9 @@ class OnlineCostCurve:
     1.07x. A stale curve prices the nodes of a tree wrongly for the rest of the run.
 
     Model: cost(q) = alpha + beta * (base(q) - base(1)). A slower or faster memory moves alpha (every
-    forward streams the weights once, whatever its rows); beta scales what each extra row adds over
-    one. Both are fit by least squares over the observed forwards, each weighted by its recency
+    forward streams the weights once, whatever its rows), and so do the step's costs outside its
+    forward (see `observe`); beta scales what each extra row adds over one. Both are fit by least
+    squares over the observed steps, each weighted by its recency
     (about the last `memory` count), with a prior of the cached curve (alpha = base(1), beta = 1) worth
     `prior_weight` forwards, so a curve that has seen nothing, or only one tree size, stays near it.
     An observation further than `clip` times from the current estimate counts as that bound (a
@@ -113,7 +114,7 @@ class OnlineCostCurve:
 
     @property
     def alpha(self) -> float:
-        """The one-row forward's cost now (ms)."""
+        """A one-row step's cost now (ms): the forward and the step's fixed costs."""
         return self._fit[0]
 
     @property
@@ -126,7 +127,9 @@ class OnlineCostCurve:
         return alpha + beta * self.extra(queries)
 
     def observe(self, queries: int, milliseconds: float) -> None:
-        """One verify forward of `queries` query rows took `milliseconds`."""
+        """A step that verified `queries` query rows took `milliseconds`: its verify forward and the
+        rest of the step, the draft levels the tree builder priced itself aside (SpeculativeDecoder).
+        The fit's alpha then holds the step's fixed costs too, and trees are sized for the whole step."""
         with self._lock:
             self._observe(self.extra(queries), milliseconds)
 

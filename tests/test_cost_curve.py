@@ -112,6 +112,64 @@ def test_cost_curve_online_teaches_the_tree_builders_curve_each_verify_forward(t
     assert online.alpha != online.base(1)  # the tiny model's forwards are not exactly the measured median
 
 
+def _observed_steps(pipe) -> list[tuple[int, float]]:
+    """Records what the decoder teaches its online curve: (query rows, ms) per step."""
+    online = pipe.decoder.forward_costs
+    seen = []
+    observe = online.observe
+
+    def recording(queries: int, milliseconds: float) -> None:
+        seen.append((queries, milliseconds))
+        observe(queries, milliseconds)
+
+    online.observe = recording
+    return seen
+
+
+def test_cost_curve_online_prices_the_whole_step_not_only_its_forward(tiny):
+    """A step's proposers, verify and commit cost time too: trees priced at the forward alone came out
+    smaller than the best (bf16 eagle on the 2-core EPYC, run 38)."""
+    pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
+    seen = _observed_steps(pipe)
+    proposer = pipe.decoder.proposers[0]
+    propose = proposer.propose
+
+    def slow_propose(state):
+        time.sleep(0.02)
+        return propose(state)
+
+    proposer.propose = slow_propose
+    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310], max_new_tokens=20))
+    priced = steps[2:]  # every step but the prefill and the first
+    assert len(seen) == len(priced) > 2
+    for (queries, milliseconds), step in zip(seen, priced):
+        assert queries == step.stats.tree_size + 1
+        parts = 1000.0 * sum(step.stats.seconds.values())  # propose (>= 20 ms), tree, forward, verify, commit
+        assert milliseconds >= parts >= 20.0 + 1000.0 * step.stats.seconds["forward"]
+
+
+def test_cost_curve_online_leaves_out_the_draft_levels_the_builder_priced(tiny):
+    """An EAGLE-2 builder prices its draft levels with the drafter's own curve: counted again in the
+    step's price, they would be paid twice."""
+    pipe = tiny.pipeline("eagle", cost_curve="online", fresh=True)
+    seen = _observed_steps(pipe)
+    builder = pipe.decoder.tree_builder
+    build = builder.build
+    drafting = []
+
+    def recording_build(*args, **kwargs):
+        tree = build(*args, **kwargs)
+        builder.last_drafting_ms = 1000.0  # as if the levels had been priced at a second
+        drafting.append(builder.last_drafting_ms)
+        return tree
+
+    builder.build = recording_build
+    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310], max_new_tokens=12))
+    assert len(seen) == len(steps) - 2 > 2
+    for (_, milliseconds), step in zip(seen, steps[2:]):
+        assert milliseconds <= 1000.0 * sum(step.stats.seconds.values()) + 50.0 - 1000.0
+
+
 def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, monkeypatch):
     """Each rank would time its own forwards and size its trees apart from the others."""
     from specpipe import distributed

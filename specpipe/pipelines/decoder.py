@@ -44,7 +44,7 @@ class SpeculativeDecoder:
         self.tree_builder = tree_builder
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
-        self.forward_costs = forward_costs  # the tree builder's curve, taught each verify forward's time
+        self.forward_costs = forward_costs  # the tree builder's curve, taught each step's time
 
     def decode(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
                documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
@@ -73,7 +73,7 @@ class SpeculativeDecoder:
         first_step = True
         while not finished:
             seconds: dict[str, float] = {}
-            mark = clock()
+            step_started = mark = clock()
             proposals = [proposer.propose(state) for proposer in self.proposers]
             seconds["propose"] = clock() - mark
 
@@ -84,18 +84,16 @@ class SpeculativeDecoder:
             lookahead_seconds = clock() - mark
 
             mark = clock()
-            tree = self.tree_builder.build(state, proposals, self.drafters) \
-                if self.tree_builder and (proposals or self.drafters) else DraftTree.empty()
+            built = self.tree_builder is not None and bool(proposals or self.drafters)
+            tree = self.tree_builder.build(state, proposals, self.drafters) if built else DraftTree.empty()
             seconds["tree"] = clock() - mark
+            # the draft levels' time as the builder priced them (drafters' own curves)
+            drafting_ms = getattr(self.tree_builder, "last_drafting_ms", 0.0) if built else 0.0
 
             mark = clock()
             forward = self.target.forward_tree(state.tokens[-1], tree, cache, [rows for _, rows in riding])
             seconds["forward"] = clock() - mark
-            if self.forward_costs is not None and not first_step:
-                # the first step after a prefill finds the caches full of the prompt's work: 4-8% slower than
-                # the next ones (2-core Zen 5, fp32 and bf16), and it would price one row as if all were so
-                self.forward_costs.observe(len(tree) + 1 + state.lookahead_rows, 1000.0 * seconds["forward"])
-            first_step = False
+            query_rows = len(tree) + 1 + state.lookahead_rows
 
             mark = clock()
             for (branch, _), logits in zip(riding, forward.lookahead_logits):
@@ -121,6 +119,17 @@ class SpeculativeDecoder:
             for node in result.accepted[:drafted]:
                 source = tree.sources[node] if tree.sources else "draft"
                 by_source[source] = by_source.get(source, 0) + 1
+            if self.forward_costs is not None and not first_step:
+                # Trees are sized for expected tokens per millisecond of the whole step, which costs more than
+                # its verify forward: the proposers, a drafter's first forward (feeding the committed rows),
+                # verify, commit. Priced at the forward alone, extra rows looked dearer than they are (bf16
+                # `eagle` on the 2-core EPYC: ~2 ms of an 11 ms step) and trees came out smaller than the
+                # best. The draft levels are left out: the builder prices them itself, with the drafters'
+                # own curves. The time the caller takes between steps is not the decoder's and is left out.
+                # The first step after a prefill finds the caches full of the prompt's work: 4-8% slower than
+                # the next ones (2-core Zen 5, fp32 and bf16), and it would price one row as if all were so
+                self.forward_costs.observe(query_rows, 1000.0 * (clock() - step_started) - drafting_ms)
+            first_step = False
             if finished:
                 for stage in stages:
                     finish = getattr(stage, "on_finish", None)  # optional: stages before it need not change

@@ -58,6 +58,8 @@ class Eagle2TreeBuilder:
         self.min_score = min_score
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
         self.gate = gate
+        # the draft levels' estimated time in the last build (the decoder leaves it out of the step's price)
+        self.last_drafting_ms = 0.0
 
     @property
     def cost_curve(self) -> CostCurve:
@@ -92,6 +94,7 @@ class Eagle2TreeBuilder:
             grown.append(proposal)
             drafting_ms += milliseconds
         tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
+        self.last_drafting_ms = drafting_ms
         if gated:
             self.gate.remember_step(state, tree.tokens.tolist(), tree.parents.tolist(), list(tree.sources), timed)
         return tree
