@@ -122,10 +122,11 @@ class SpeculativeDecoder:
             if self.forward_costs is not None and not first_step:
                 # Trees are sized for expected tokens per millisecond of the whole step, which costs more than
                 # its verify forward: the proposers, a drafter's first forward (feeding the committed rows),
-                # verify, commit. Priced at the forward alone, extra rows looked dearer than they are (bf16
-                # `eagle` on the 2-core EPYC: ~2 ms of an 11 ms step) and trees came out smaller than the
-                # best. The draft levels are left out: the builder prices them itself, with the drafters'
-                # own curves. The time the caller takes between steps is not the decoder's and is left out.
+                # verify, commit (bf16 `eagle` on the 2-core EPYC: ~2 ms of an 11 ms step). Priced at the
+                # forward alone, those fixed costs were missing from every tree's price, so extra rows looked
+                # dearer, against the step, than they are. The draft levels are left out: the builder prices
+                # them itself, with the drafters' own curves. The caller's time between steps is not the
+                # decoder's and is left out too.
                 # The first step after a prefill finds the caches full of the prompt's work: 4-8% slower than
                 # the next ones (2-core Zen 5, fp32 and bf16), and it would price one row as if all were so
                 self.forward_costs.observe(query_rows, 1000.0 * (clock() - step_started) - drafting_ms)
