@@ -202,6 +202,16 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
             for s in samples]  # more rows never cost less: a dip is noise that would pin every tree at its size
 
 
+def openmp_wait_settings() -> tuple[str, str]:
+    """How OpenMP's worker threads wait between parallel regions (OMP_WAIT_POLICY, GOMP_SPINCOUNT).
+
+    Part of a CPU curve's key: threads that sleep wake late for every parallel region. SmolLM2-135M's
+    fp32 curve on a 2-core Zen 5 EPYC, one row: 20.0-20.4 ms under OMP_WAIT_POLICY=PASSIVE, 14.7-15.4
+    without it. The test suite runs PASSIVE; keyed alike, the curves it cached sized every later run's
+    trees (run 38)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper(), os.environ.get("GOMP_SPINCOUNT", "").strip()
+
+
 def _machine_key(target, kv_length: int) -> str:
     parts = [target.name, getattr(target, "engine", "hf"), getattr(target, "attn_implementation", "sdpa"),
              str(target.dtype), target.device.type, platform.machine(), platform.processor(),
@@ -216,7 +226,7 @@ def _machine_key(target, kv_length: int) -> str:
         description = cpu_description()
         parts += [description["cpu_model"], description["aten_capability"], json.dumps(description["onednn_linear"]),
                   description["mkl_enable_instructions"],
-                  str(getattr(getattr(target, "model", None), REWRITE_ATTRIBUTE, ""))]
+                  str(getattr(getattr(target, "model", None), REWRITE_ATTRIBUTE, "")), *openmp_wait_settings()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -286,6 +286,24 @@ def test_a_busy_process_beside_the_block_is_seen():
     assert load.competed(threads=load.cpus)
 
 
+
+
+def test_a_curve_is_cached_per_openmp_wait_policy(tiny, tmp_path, monkeypatch):
+    """Sleeping OpenMP threads make every forward slower: the test suite's PASSIVE curves once sized the
+    trees of later runs without it (run 38)."""
+    target = tiny.pipeline("vanilla").decoder.target
+    paths = {}
+    for policy in ("PASSIVE", "ACTIVE", "passive"):
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        paths[policy] = cost_curve_path(target, kv_length=8, cache_dir=tmp_path)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    paths["unset"] = cost_curve_path(target, kv_length=8, cache_dir=tmp_path)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
+    paths["long spins"] = cost_curve_path(target, kv_length=8, cache_dir=tmp_path)
+    assert paths["PASSIVE"] == paths["passive"]
+    assert len({paths[key] for key in ("PASSIVE", "ACTIVE", "unset", "long spins")}) == 4
+
+
 @pytest.mark.parametrize("competed", [True, False])
 def test_a_curve_measured_on_a_busy_machine_is_not_cached(tiny, tmp_path, monkeypatch, caplog, competed):
     target = tiny.pipeline("vanilla").target
