@@ -286,8 +286,6 @@ def test_a_busy_process_beside_the_block_is_seen():
     assert load.competed(threads=load.cpus)
 
 
-
-
 def test_a_curve_is_cached_per_openmp_wait_policy(tiny, tmp_path, monkeypatch):
     """Sleeping OpenMP threads make every forward slower: the test suite's PASSIVE curves once sized the
     trees of later runs without it (run 38)."""
