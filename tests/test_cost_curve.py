@@ -302,6 +302,17 @@ def test_a_curve_is_cached_per_openmp_wait_policy(tiny, tmp_path, monkeypatch):
     assert len({paths[key] for key in ("PASSIVE", "ACTIVE", "unset", "long spins")}) == 4
 
 
+def test_a_benchmark_records_the_openmp_wait_policy(monkeypatch):
+    from specpipe.tasks.bench_report import machine_info, machine_line
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert "OMP_WAIT_POLICY" not in machine_line(machine_info())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert machine_info()["omp_wait_policy"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY PASSIVE" in machine_line(machine_info())
+
+
 @pytest.mark.parametrize("competed", [True, False])
 def test_a_curve_measured_on_a_busy_machine_is_not_cached(tiny, tmp_path, monkeypatch, caplog, competed):
     target = tiny.pipeline("vanilla").target
