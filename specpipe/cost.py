@@ -76,9 +76,14 @@ class OnlineCostCurve:
     Model: cost(q) = alpha + beta * (base(q) - base(1)). A slower or faster memory moves alpha (every
     forward streams the weights once, whatever its rows), and so do the step's costs outside its
     forward (see `observe`); beta scales what each extra row adds over one. Both are fit by least
-    squares over the observed steps, each weighted by its recency
-    (about the last `memory` count), with a prior of the cached curve (alpha = base(1), beta = 1) worth
-    `prior_weight` forwards, so a curve that has seen nothing, or only one tree size, stays near it.
+    squares over the observed steps, each weighted by its recency (about the last `memory` count),
+    with a prior that the measured curve keeps its shape, scaled as a whole (beta = alpha / base(1)),
+    worth `prior_weight` forwards, and a far weaker one that alpha = base(1), so that a curve that has
+    seen nothing is the measured one. Why scaled: where every step verifies about the same number of
+    rows (a static tree), the steps cannot tell alpha from beta, and a prior of beta = 1 put nearly all
+    of a level change on beta. A curve measured 33% slow (fp32 under OMP_WAIT_POLICY=PASSIVE, run 38)
+    then concluded from 12-row steps that extra rows cost a fifth of what they do, and trees grew to 11
+    nodes that made Medusa slower than `vanilla`; scaling the whole curve priced every size within 7%.
     An observation further than `clip` times from the current estimate counts as that bound (a
     page fault, a pause of the VM must not bend the curve).
 
@@ -95,9 +100,9 @@ class OnlineCostCurve:
         self.clip = clip
         self._keep = 1.0 - 1.0 / memory
         self._one_row = base(1)
-        # the prior's weight in units of forwards of a typical tree (4 rows)
+        # the shape prior's weight in units of forwards of a typical tree (4 rows); the level's, a hundredth
         spread = max(base(4) - self._one_row, 0.01 * self._one_row)
-        self._alpha_prior = prior_weight
+        self._alpha_prior = prior_weight / 100.0
         self._beta_prior = prior_weight * spread * spread
         self._sums = [0.0] * 5  # decayed sums of w, w*x, w*y, w*x*x, w*x*y
         self._fit = (self._one_row, 1.0)  # (alpha, beta), replaced as one
@@ -143,9 +148,10 @@ class OnlineCostCurve:
             sums[index] = sums[index] * keep + value
         self.observations += 1
         weight, sum_x, sum_y, sum_xx, sum_xy = sums
-        # normal equations of sum w (y - a - b x)^2 + pa (a - base(1))^2 + pb (b - 1)^2
-        a11, a12, a22 = weight + self._alpha_prior, sum_x, sum_xx + self._beta_prior
-        b1, b2 = sum_y + self._alpha_prior * self._one_row, sum_xy + self._beta_prior
+        # normal equations of sum w (y - a - b x)^2 + pa (a - base(1))^2 + pb (b - a / base(1))^2
+        pa, pb, one_row = self._alpha_prior, self._beta_prior, self._one_row
+        a11, a12, a22 = weight + pa + pb / (one_row * one_row), sum_x - pb / one_row, sum_xx + pb
+        b1, b2 = sum_y + pa * one_row, sum_xy
         determinant = a11 * a22 - a12 * a12
         alpha = (b1 * a22 - a12 * b2) / determinant
         beta = (a11 * b2 - a12 * b1) / determinant
