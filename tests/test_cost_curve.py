@@ -20,6 +20,10 @@ from specpipe.cost import (CostCurve, OnlineCostCurve, OtherProcessesLoad, cache
 BASE = CostCurve((1, 2, 3, 4, 6, 8, 16, 64), (11.0, 11.5, 12.1, 12.8, 15.0, 18.0, 24.0, 62.0))
 
 
+# token ids whose repeats give prompt lookup drafts to verify (steps of several rows)
+REPEATING_PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310]
+
+
 def moment(alpha: float, beta: float):
     """The costs of a machine whose one-row forward takes `alpha` ms and whose extra rows cost `beta`
     times what BASE says."""
@@ -122,7 +126,7 @@ def test_cost_curve_online_teaches_the_tree_builders_curve_each_verify_forward(t
     pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
     online = pipe.decoder.forward_costs
     assert isinstance(online, OnlineCostCurve) and pipe.decoder.tree_builder.cost_curve is online
-    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310], max_new_tokens=40))
+    steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=40))
     assert len(steps) > 3 and online.observations == len(steps) - 2  # every step but the prefill and the first
     assert online.alpha != online.base(1)  # the tiny model's forwards are not exactly the measured median
 
@@ -153,7 +157,7 @@ def test_cost_curve_online_prices_the_whole_step_not_only_its_forward(tiny):
         return propose(state)
 
     proposer.propose = slow_propose
-    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310], max_new_tokens=20))
+    steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=20))
     priced = steps[2:]  # every step but the prefill and the first
     assert len(seen) == len(priced) > 2
     for (queries, milliseconds), step in zip(seen, priced):
@@ -176,7 +180,7 @@ def test_cost_curve_online_leaves_out_the_draft_levels_the_builder_priced(tiny):
         return tree
 
     builder.build = build_priced_at_a_second
-    steps = list(pipe.steps([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 901, 77, 310], max_new_tokens=12))
+    steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=12))
     assert len(seen) == len(steps) - 2 > 2
     for (_, milliseconds), step in zip(seen, steps[2:]):
         assert milliseconds <= 1000.0 * sum(step.stats.seconds.values()) + 50.0 - 1000.0

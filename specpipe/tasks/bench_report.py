@@ -260,12 +260,11 @@ def machine_line(machine: dict) -> str:
            f"prepacked linears: {machine.get('onednn_linear', '?')})" if machine.get("cpu_capability") else "")
     gpus = f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""
     ranks = f", tensor parallel over {machine['world_size']} processes" if machine.get("world_size", 1) > 1 else ""
-    waits = [f"{name} {machine[key]}" for key, name in (("omp_wait_policy", "OMP_WAIT_POLICY"),
-                                                         ("gomp_spincount", "GOMP_SPINCOUNT"))
-             if machine.get(key, "unset") != "unset"]
+    waits = "".join(f", {name} {machine[key]}" for key, name in (("omp_wait_policy", "OMP_WAIT_POLICY"),
+                                                                   ("gomp_spincount", "GOMP_SPINCOUNT"))
+                    if machine.get(key, "unset") != "unset")
     return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}"
-            f"{''.join(', ' + wait for wait in waits)}{gpus}{ranks}, torch {machine.get('torch')}, "
-            f"transformers {machine.get('transformers')}")
+            f"{waits}{gpus}{ranks}, torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
 
 def _decoding(sampling: dict | None) -> str:
