@@ -7,10 +7,13 @@ row 0 of the verify logits is the target's prediction after the committed text.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from specpipe.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,16 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Refused up front: a negative temperature would silently decode greedily, a negative top_k fail
+        # mid-answer in torch.topk, a top_p outside (0, 1] keep nothing or everything without a word.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
+            raise InvalidRequest(f"sampling.top_k must be an integer >= 0 (0 = no top-k cut), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"sampling.top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,49 @@ def test_bad_cost_curve_is_a_config_error(tiny):
         build_pipeline(tiny.config("prompt_lookup", cost_curve="sometimes"), loaded=tiny.loaded)
 
 
+@pytest.mark.parametrize("settings,key", [
+    ({"temperature": -1.0}, "sampling.temperature"), ({"temperature": float("nan")}, "sampling.temperature"),
+    ({"temperature": 0.7, "top_k": -5}, "sampling.top_k"), ({"temperature": 0.7, "top_k": 2.5}, "sampling.top_k"),
+    ({"temperature": 0.7, "top_p": 0.0}, "sampling.top_p"), ({"temperature": 0.7, "top_p": 1.5}, "sampling.top_p"),
+])
+def test_bad_sampling_settings_are_refused_before_decoding(tiny, settings, key):
+    """A negative temperature used to decode greedily without a word, a negative top_k to fail mid-answer
+    in torch.topk: both are refused where they are set, from the API and from the config alike."""
+    with pytest.raises(InvalidRequest, match=key):
+        SamplingConfig(**settings)
+    overrides = [f"sampling.{name}={value}" for name, value in settings.items()]
+    with pytest.raises(InvalidRequest, match=key):
+        build_pipeline(tiny.config("prompt_lookup", "verifier=rejection", *overrides), loaded=tiny.loaded)
+
+
+@pytest.mark.parametrize("tree,override,key", [
+    ("trie", "pipeline.tree.max_nodes=0", "pipeline.tree.max_nodes"),
+    ("trie", "pipeline.tree.min_gain=-1", "pipeline.tree.min_gain"),
+    ("eagle2", "pipeline.tree.depth=0", "pipeline.tree.depth"),
+    ("eagle2", "pipeline.tree.top_k=-2", "pipeline.tree.top_k"),
+    ("eagle2", "pipeline.tree.children=0", "pipeline.tree.children"),
+    ("eagle2", "pipeline.tree.max_nodes=0", "pipeline.tree.max_nodes"),
+    ("eagle2", "pipeline.tree.min_score=-1", "pipeline.tree.min_score"),
+    ("static", "pipeline.tree.max_nodes=0", "pipeline.tree.max_nodes"),
+    ("trie", "+pipeline.tree.bogus=1", "bogus"),
+])
+def test_bad_tree_settings_are_config_errors_naming_the_key(tiny, tree, override, key):
+    """The tree builders are `_partial_` stages the pipeline builder completes with the cost curve: what
+    they refuse, or a key they do not take, must come out as a ConfigError, not a raw traceback."""
+    cfg = tiny.config("lookahead_trie", f"tree@pipeline.tree={tree}", override)
+    with pytest.raises(ConfigError, match=key):
+        build_pipeline(cfg, loaded=tiny.loaded)
+
+
+def test_cli_bad_tree_setting_has_no_traceback(tmp_path):
+    result = run_cli("model=tiny_random", "pipeline=lookahead_trie", "tree@pipeline.tree=eagle2",
+                     "pipeline.tree.depth=0", "prompt=hello", cwd=tmp_path)
+    output = result.stderr + result.stdout
+    assert result.returncode == 2, output
+    assert "specpipe: error:" in output and "pipeline.tree.depth must be >= 1" in output
+    assert "Traceback" not in output
+
+
 def test_cli_unknown_pipeline(tmp_path):
     result = run_cli("pipeline=nope", cwd=tmp_path)
     assert result.returncode != 0

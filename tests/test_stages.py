@@ -264,7 +264,7 @@ def test_trie_builder_flat_curve_keeps_everything_up_to_max_nodes():
     proposals = [chain(list(range(10, 30)), [0.01] * 20)]
     assert len(TrieTreeBuilder(FLAT, max_nodes=32).build(state_of([1]), proposals)) == 20
     assert len(TrieTreeBuilder(FLAT, max_nodes=7).build(state_of([1]), proposals)) == 7
-    assert len(TrieTreeBuilder(FLAT, max_nodes=0).build(state_of([1]), proposals)) == 0
+    assert len(TrieTreeBuilder(FLAT, max_nodes=1).build(state_of([1]), proposals)) == 1
 
 
 def test_trie_builder_drafts_nothing_when_trees_cost_10x():

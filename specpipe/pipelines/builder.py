@@ -43,10 +43,11 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 def check_same_tokenizer(target: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, stage: str) -> None:
     """Draft tokens are verified by id, so a drafter must share the target's vocabulary exactly."""
     if len(target) != len(other) or target.get_vocab() != other.get_vocab():
+        how = (f"{len(other)} tokens against the target's {len(target)}" if len(target) != len(other)
+               else f"the same {len(target)} tokens, but other ids for some of them")
         raise ConfigError(
-            f"stage {stage!r} uses a tokenizer that differs from the target's ({len(other)} vs {len(target)} "
-            f"tokens, or different ids): its draft token ids would mean other text. Use a drafter trained "
-            f"with the target's tokenizer")
+            f"stage {stage!r} uses a tokenizer that differs from the target's ({how}): its draft token ids "
+            f"would mean other text. Use a drafter trained with the target's tokenizer")
 
 
 def model_source(model_cfg: DictConfig):
@@ -118,11 +119,13 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
     if (proposers or drafters) and pipeline_cfg.get("tree") is not None:
         make_tree = _instantiate_stage(pipeline_cfg.tree, "pipeline.tree")
         cost_curve = _cost_curve(cfg, target)
-        tree_builder = make_tree(cost_curve=cost_curve)
+        tree_builder = _complete_stage(make_tree, "pipeline.tree", cost_curve=cost_curve)
         if cfg.get("cost_curve", "measured") != "flat":  # _cost_curve refused any other unknown choice
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
                 if getattr(drafter, "runner", None) is not None:
                     drafter.cost_curve = cached_cost_curve(drafter.runner)
+    if drafters and hasattr(tree_builder, "attach"):  # a tree that reads the drafters' folders (static calibration)
+        tree_builder.attach(drafters)
     if drafters and not getattr(tree_builder, "expands_drafters", False):
         raise ConfigError(f"pipeline.drafters ({', '.join(pipeline_cfg.drafters)}) are grown into a tree by a tree "
                           f"builder that expands drafters (tree=eagle2), not by {type(tree_builder).__name__}; or "
@@ -132,7 +135,8 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
     if not sampling.greedy and not getattr(verifier, "supports_sampling", False):
         raise ConfigError(
             f"sampling.temperature={sampling.temperature} needs a sampling verifier; the {type(verifier).__name__} "
-            f"only decodes greedily. Use sampling.temperature=0")
+            f"only decodes greedily. Add verifier=rejection (the target's distribution exactly) or verifier=typical "
+            f"(Medusa's typical acceptance, not lossless), or use sampling.temperature=0")
     augmenter = _instantiate_stage(pipeline_cfg.augment, "pipeline.augment") \
         if pipeline_cfg.get("augment") is not None else None
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters,
@@ -147,7 +151,7 @@ def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded
     model of its own (`draft`) runs it under the target's engine."""
     stage = _instantiate_stage(stage_cfg, where)
     if callable(stage) and not hasattr(stage, "propose"):  # _partial_: needs the target at run time
-        stage = stage(target=target, tokenizer=loaded.tokenizer)
+        stage = _complete_stage(stage, where, target=target, tokenizer=loaded.tokenizer)
     tokenizer = getattr(stage, "tokenizer", None)
     if tokenizer is not None and tokenizer is not loaded.tokenizer:
         check_same_tokenizer(loaded.tokenizer, tokenizer, where)
@@ -176,6 +180,16 @@ def _cost_curve(cfg: DictConfig, target: TargetModel) -> CostCurve | OnlineCostC
             return curve
         return OnlineCostCurve(curve)
     raise ConfigError(f"cost_curve must be 'measured', 'online' or 'flat', got {choice!r}")
+
+
+def _complete_stage(partial, where: str, **arguments):
+    """A `_partial_` stage called with what the builder adds; a config key the stage does not take, or a
+    value it refuses as a plain TypeError/ValueError, is a ConfigError naming the config node."""
+    try:
+        return partial(**arguments)
+    except (TypeError, ValueError) as error:
+        target = getattr(getattr(partial, "func", partial), "__qualname__", "?")
+        raise ConfigError(f"cannot build {where} ({target}): {error}") from None
 
 
 def _instantiate_stage(stage_cfg: DictConfig, where: str):

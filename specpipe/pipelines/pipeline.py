@@ -209,7 +209,8 @@ class Pipeline:
         if not sampling.greedy and not getattr(self.decoder.verifier, "supports_sampling", False):
             raise InvalidRequest(
                 f"temperature={sampling.temperature} needs a sampling verifier; "
-                f"{type(self.decoder.verifier).__name__} only decodes greedily (use temperature 0)")
+                f"{type(self.decoder.verifier).__name__} only decodes greedily: use temperature 0, or build the "
+                f"pipeline with verifier=rejection (or verifier=typical)")
         condition = StopCondition(max_new_tokens, self.eos_token_ids, tuple(s for s in stop if s), self.tokenizer)
         return self.decoder.decode(prompt_ids, condition, sampling, prepared.document_ids)
 

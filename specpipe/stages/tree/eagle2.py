@@ -8,10 +8,11 @@ import torch
 from torch import Tensor
 
 from specpipe.cost import CostCurve
+from specpipe.errors import ConfigError
 from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids
 from specpipe.stages.tree.drafter_gate import DrafterGate
-from specpipe.stages.tree.trie import TrieTreeBuilder
+from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
 from specpipe.types import DecodeState, DraftTree, Proposal
 
 ROOT = -1
@@ -50,8 +51,13 @@ class Eagle2TreeBuilder:
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
                  max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,
                  gate: DrafterGate | None = None) -> None:
-        if depth < 1 or top_k < 1 or children < 1:
-            raise ValueError(f"tree=eagle2: depth, top_k and children must be >= 1, got {depth}, {top_k}, {children}")
+        for key, value in (("depth", depth), ("top_k", top_k), ("children", children)):
+            if value < 1:
+                raise ConfigError(f"tree=eagle2: pipeline.tree.{key} must be >= 1, got {value}")
+        if not 0.0 <= min_score < 1.0:
+            raise ConfigError(f"tree=eagle2: pipeline.tree.min_score must be in [0, 1) (a node's cumulative draft "
+                              f"probability below which expansion stops), got {min_score}")
+        check_budget(max_nodes, min_gain, "eagle2")
         self.depth = depth
         self.top_k = top_k
         self.children = children

@@ -40,7 +40,7 @@ class StaticTreeBuilder:
     def __init__(self, choices: Sequence[Sequence[int]] = (), cost_curve: CostCurve | None = None,
                  calibration: str | None = None, max_nodes: int = 64) -> None:
         if max_nodes < 1:
-            raise ConfigError(f"tree=static: max_nodes must be >= 1, got {max_nodes}")
+            raise ConfigError(f"tree=static: pipeline.tree.max_nodes must be >= 1, got {max_nodes}")
         self.max_nodes = max_nodes
         self.cost_curve = cost_curve or CostCurve.flat()
         self.probabilities: list[float] | None = None  # [n] per ranked path, with a calibration
@@ -73,7 +73,10 @@ class StaticTreeBuilder:
         log.info("tree=static: the %d most likely paths of %s, as many per step as the cost curve pays for",
                  len(self.ranked), path)
 
-    def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
+    def attach(self, drafters: list[StepDrafter]) -> None:
+        """Resolves `calibration=auto` from the drafters' checkpoint folders. The pipeline builder calls it
+        once the drafters exist, so that what it logs comes before any answer streams; `build` calls it
+        at its first step otherwise."""
         if self._auto:
             self._auto = False
             folders = [getattr(d, "folder", None) for d in drafters]
@@ -87,6 +90,9 @@ class StaticTreeBuilder:
             elif not self.choices:
                 raise ConfigError(f"tree=static calibration=auto: no {self.CALIBRATION_FILE} in the drafters' "
                                   f"checkpoint folders and no choices: measure one with task=calibrate_tree")
+
+    def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
+        self.attach(drafters)
         choices = self.choices
         if self.probabilities is not None:
             size = best_size(self.probabilities, self.cost_curve)

@@ -1,10 +1,23 @@
 """Merge every proposal into one token trie and keep the nodes worth verifying."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specpipe.cost import CostCurve
+from specpipe.errors import ConfigError
 from specpipe.types import DecodeState, DraftTree, Proposal, merge_by_prefix
+
+
+def check_budget(max_nodes: int, min_gain: float, tree: str = "trie") -> None:
+    """Refuses a node budget or a minimum gain no tree can be built with, naming the config keys."""
+    if max_nodes < 1:
+        raise ConfigError(f"tree={tree}: pipeline.tree.max_nodes must be >= 1, got {max_nodes} "
+                          f"(pipeline=vanilla decodes without drafting)")
+    if not math.isfinite(min_gain) or min_gain < 0:
+        raise ConfigError(f"tree={tree}: pipeline.tree.min_gain must be >= 0 (a tree is verified when it is expected "
+                          f"to beat a plain step by this factor), got {min_gain}")
 
 
 class TrieTreeBuilder:
@@ -18,8 +31,7 @@ class TrieTreeBuilder:
     """
 
     def __init__(self, cost_curve: CostCurve, max_nodes: int = 32, min_gain: float = 1.0) -> None:
-        if max_nodes < 0:
-            raise ValueError(f"tree max_nodes must be >= 0, got {max_nodes}")
+        check_budget(max_nodes, min_gain)
         self.cost_curve = cost_curve
         self.max_nodes = max_nodes
         self.min_gain = min_gain
