@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts, run_steps, tiny_draft_dir
+from conftest import eagle_head_dir, medusa_head_dir, random_prompts, run_steps, tiny_draft_dir
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config
@@ -224,6 +224,35 @@ def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
     with pytest.raises(ConfigError, match="put it under pipeline.proposers"):
         build_pipeline(tiny_mixed.config("draft_model", "+retriever@pipeline.drafters.ngram=prompt_ngram",
                                          f"pipeline.drafters.model.path={tiny_draft_dir()}"), loaded=tiny_mixed.loaded)
+
+
+def test_a_head_folder_given_to_draft_model_names_the_drafter_that_reads_it(tiny_mixed):
+    """transformers would load a head folder as a model with random layers (and print its load report):
+    the layout is told first, with a command that works as typed."""
+    config = tiny_mixed.loaded.model.config
+    for folder, drafter, key in ((eagle_head_dir(config, "random"), "eagle", "eagle"),
+                                 (medusa_head_dir(config, "random"), "medusa", "medusa"),
+                                 (medusa_head_dir(config, "random", hydra=True), "hydra", "hydra")):
+        with pytest.raises(ConfigError) as error:
+            drafter_for(tiny_mixed, folder, vocab_top_k=0)
+        message = str(error.value)
+        assert "not a draft model" in message, message
+        assert f"`pipeline={drafter} pipeline.drafters.{key}.path={folder}`" in message, message
+
+
+def test_a_draft_with_another_tokenizer_is_refused_for_its_tokenizer_first(tiny_mixed, tmp_path):
+    """Before anything counts tokens by the target's ids (vocab_top_k), the tokenizer is compared."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tiny_mixed.tokenizer.save_pretrained(tmp_path / "target_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "target_tokenizer", local_files_only=True)
+    tokenizer.add_tokens(["<specpipe-other-token>"])
+    folder = tmp_path / "other_tokenizer"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(ConfigError, match=f"{len(tokenizer)} tokens against the target's {len(tiny_mixed.tokenizer)}"):
+        drafter_for(tiny_mixed, folder, vocab_top_k=8192)
 
 
 def test_specinfer_mix_merges_the_draft_tree_and_the_ngram_trie(tiny_mixed):

@@ -317,13 +317,13 @@ def test_bad_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_path):
     (eagle3 / "config.json").write_text(json.dumps({"hidden_size": config.hidden_size, "draft_vocab_size": 32}))
     save_file({"fc.weight": torch.zeros(config.hidden_size, 3 * config.hidden_size), "d2t": torch.zeros(32, dtype=torch.long),
                "midlayer.self_attn.q_proj.weight": torch.zeros(4, 4)}, str(eagle3 / "model.safetensors"))
-    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 head, not an EAGLE-1 head: load it with drafter=eagle3"):
         load(eagle3)
     medusa = tmp_path / "medusa"
     medusa.mkdir()
     (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
     save_file({"0.0.linear.weight": torch.zeros(4, 4), "0.1.weight": torch.zeros(8, 4)}, str(medusa / "model.safetensors"))
-    with pytest.raises(ConfigError, match="Medusa checkpoint"):
+    with pytest.raises(ConfigError, match="holds Medusa heads, not an EAGLE-1 head: load it with drafter=medusa"):
         load(medusa)
 
 

@@ -146,7 +146,8 @@ def test_bad_eagle3_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_p
             r"layers \[0, 1, 9\]; the target has 2 layers")
     refused("two", good, {**good_config, "num_hidden_layers": 2}, "declares 2 draft layers")
     eagle1 = {"fc.weight": torch.zeros(hidden, 2 * hidden), "layers.0.mlp.up_proj.weight": torch.zeros(4, hidden)}
-    refused("eagle1", eagle1, {}, "EAGLE-1 checkpoint.*drafter=eagle")
+    refused("eagle1", eagle1, {}, "holds an EAGLE-1 head, not an EAGLE-3 head: load it with drafter=eagle, "
+                                   "e.g. `pipeline=eagle pipeline.drafters.eagle.path=")
     refused("missing", {k: v for k, v in good.items() if k != "norm.weight"}, good_config, r"lacks \['norm.weight'\]")
     refused("shape", {**good, "midlayer.mlp.up_proj.weight": torch.zeros(3, hidden)}, good_config,
             "midlayer.mlp.up_proj.weight is")
@@ -155,7 +156,7 @@ def test_bad_eagle3_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_p
 def test_an_eagle3_checkpoint_given_to_drafter_eagle_is_named(tiny_mixed):
     from specpipe.stages.draft.eagle import load_eagle
 
-    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
+    with pytest.raises(ConfigError, match="holds an EAGLE-3 head, not an EAGLE-1 head"):
         load_eagle(TargetModel(tiny_mixed.loaded.model), tiny_mixed.tokenizer,
                    path=str(eagle3_head_dir(tiny_mixed.loaded.model, "random")), vocab_top_k=0)
 

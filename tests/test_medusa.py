@@ -205,7 +205,7 @@ def test_bad_medusa_checkpoints_are_refused(tiny_mixed, tmp_path):
     eagle.mkdir()
     (eagle / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
     save_file({"fc.weight": torch.zeros(4, 8)}, str(eagle / "model.safetensors"))
-    with pytest.raises(ConfigError, match="EAGLE checkpoint"):
+    with pytest.raises(ConfigError, match="EAGLE-1 checkpoint.*pipeline=eagle"):
         load(eagle)
     with pytest.raises(ConfigError, match="not a directory"):
         load(tmp_path / "missing")
@@ -284,10 +284,11 @@ def test_hydra_heads_are_lossless_and_accepted_where_right(tiny, tiny_mixed):
 
 def test_hydra_and_medusa_checkpoints_are_told_apart(tiny_mixed, tmp_path):
     target = TargetModel(tiny_mixed.loaded.model)
-    with pytest.raises(ConfigError, match="holds Hydra heads: use drafter=hydra"):
+    with pytest.raises(ConfigError, match="holds Hydra heads, not Medusa heads: load it with drafter=hydra, "
+                                          "e.g. `pipeline=hydra pipeline.drafters.hydra.path="):
         load_medusa(target, tiny_mixed.tokenizer, vocab_top_k=0,
                     path=str(medusa_head_dir(tiny_mixed.loaded.model.config, "random", hydra=True)))
-    with pytest.raises(ConfigError, match="holds Medusa heads: use drafter=medusa"):
+    with pytest.raises(ConfigError, match="holds Medusa heads, not Hydra heads: load it with drafter=medusa"):
         load_medusa(target, tiny_mixed.tokenizer, vocab_top_k=0, hydra=True,
                     path=str(medusa_head_dir(tiny_mixed.loaded.model.config, "random")))
     source = medusa_head_dir(tiny_mixed.loaded.model.config, "random", hydra=True)

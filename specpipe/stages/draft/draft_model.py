@@ -25,8 +25,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.paths import local_path
 from specpipe.sampling import sample, target_probs
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
+from specpipe.stages.draft.head_checkpoint import folder_layout, wrong_layout
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -89,12 +91,9 @@ def corpus_ranking(corpus: str, tokenizer: PreTrainedTokenizerBase) -> TokenRank
     import pyarrow.parquet as pq
 
     from specpipe.distill.corpus import CorpusError, read_corpus_metadata
-    from specpipe.pipelines.builder import CONFIG_DIR
     from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 
-    source = Path(corpus).expanduser()
-    if not source.is_absolute() and not source.exists():
-        source = CONFIG_DIR.parent / source
+    source = local_path(corpus)
     if not source.is_file():
         raise ConfigError(f"drafter.vocab_counts={corpus} does not exist: give a Parquet file of this model's "
                           f"answers (column answer_ids), e.g. one written by `python run.py task=distill_corpus`")
@@ -337,11 +336,14 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
     if path is None or Path(path).suffix == ".safetensors":
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH, load_draft
 
-        file = Path(path) if path else DEFAULT_DRAFT_PATH
+        file = local_path(path) if path else DEFAULT_DRAFT_PATH
         draft = load_draft(target.model, tokenizer, file)
         draft_tokenizer, pinned = None, pinned_vocab_path(file)
     else:
-        (draft, draft_tokenizer), pinned = _load_local(path, target, name), pinned_vocab_path(Path(path))
+        (draft, draft_tokenizer), pinned = _load_local(path, target, name), pinned_vocab_path(local_path(path))
+        from specpipe.pipelines.builder import check_same_tokenizer
+
+        check_same_tokenizer(tokenizer, draft_tokenizer, name)  # before anything counts tokens by the target's ids
     reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned)
     return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
                              min_score=min_score)
@@ -379,7 +381,10 @@ def output_weight(model: PreTrainedModel, name: str) -> Tensor:
 def _load_local(path: str, target: TargetModel, name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path).expanduser()
+    folder = local_path(path)
+    layout = folder_layout(folder)
+    if layout is not None:  # a head folder: transformers would load it as a model with random layers
+        raise wrong_layout(name, folder, layout, "draft_model")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{name}: drafter.path={path} is not a local model directory (no config.json there) "
                           f"nor a .safetensors draft: give a directory saved with save_pretrained, or a draft "
@@ -388,6 +393,7 @@ def _load_local(path: str, target: TargetModel, name: str) -> tuple[PreTrainedMo
         draft = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=target.dtype).to(target.device).eval()
         draft_tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as error:
+        said = " ".join(str(error).split())  # transformers' messages run over several lines
         raise ConfigError(f"{name}: cannot load the draft model from drafter.path={path}: "
-                          f"{str(error).splitlines()[0]}") from None
+                          f"{said[:400]}") from None
     return draft, draft_tokenizer

@@ -279,10 +279,10 @@ def build_eagle_net(config: dict, tensors: dict[str, Tensor], hidden: int, vocab
     keys = set(tensors)
     if any(key.startswith("midlayer.") for key in keys) or "d2t" in keys:
         raise ConfigError(f"{name}: this is an EAGLE-3 checkpoint (midlayer.*, d2t); drafter=eagle reads the "
-                          f"EAGLE-1 layout (fc.weight, layers.N.*)")
+                          f"EAGLE-1 layout (fc.weight, layers.N.*): load it with pipeline=eagle3")
     if any("medusa" in key or key.split(".")[0].isdigit() for key in keys):
         raise ConfigError(f"{name}: this looks like a Medusa checkpoint; drafter=eagle reads the EAGLE-1 layout "
-                          f"(fc.weight, layers.N.*)")
+                          f"(fc.weight, layers.N.*): load it with pipeline=medusa")
     if "fc.weight" not in keys:
         raise ConfigError(f"{name}: no fc.weight in the checkpoint: not an EAGLE head (keys: "
                           f"{', '.join(sorted(keys)[:6])}...)")
@@ -312,7 +312,7 @@ def read_eagle_net(folder: Path, tokenizer: PreTrainedTokenizerBase, hidden: int
                    name: str) -> EagleNet:
     """The EAGLE-1 head in directory `folder`, checked against the tokenizer it was trained for and the
     target's hidden size and vocabulary."""
-    config, tensors = read_checkpoint(folder, name, "EAGLE head")
+    config, tensors = read_checkpoint(folder, name, "EAGLE head", layout="eagle")
     check_tokenizer(config, tokenizer, folder, name)
     return build_eagle_net(config, tensors, hidden, vocab_size, name)
 

@@ -152,9 +152,11 @@ def build_eagle3_net(config: dict, tensors: dict[str, Tensor], target: TargetMod
     """An Eagle3Net from an EAGLE-3 checkpoint, checked against the target (sizes, vocabulary, layers)."""
     keys = set(tensors)
     if "fc.weight" in keys and any(key.startswith("layers.") for key in keys) and "d2t" not in keys:
-        raise ConfigError(f"{name}: this is an EAGLE-1 checkpoint (fc.weight, layers.N.*): use drafter=eagle")
+        raise ConfigError(f"{name}: this is an EAGLE-1 checkpoint (fc.weight, layers.N.*): load it with "
+                          f"drafter=eagle (pipeline=eagle)")
     if any("medusa" in key or key.split(".")[0].isdigit() or key.startswith("blocks.") for key in keys):
-        raise ConfigError(f"{name}: this looks like a Medusa checkpoint; drafter=eagle3 reads the EAGLE-3 layout")
+        raise ConfigError(f"{name}: this looks like a Medusa checkpoint; drafter=eagle3 reads the EAGLE-3 layout: "
+                          f"load it with pipeline=medusa")
     required = ("fc.weight", "lm_head.weight", "norm.weight", "d2t")
     missing = [key for key in required if key not in keys]
     if missing or not any(key.startswith("midlayer.") for key in keys):
@@ -221,7 +223,7 @@ def load_eagle3(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
     to return the hidden states of the head's three layers with every forward."""
     folder = head_folder(path, DEFAULT_EAGLE3_DIR, name, "EAGLE-3 head",
                          "python run.py task=train_heads train_heads.kind=eagle3")
-    config, tensors = read_checkpoint(folder, name, "EAGLE-3 head")
+    config, tensors = read_checkpoint(folder, name, "EAGLE-3 head", layout="eagle3")
     check_tokenizer(config, tokenizer, folder, name)
     net = build_eagle3_net(config, tensors, target, name)
     target.capture_layers(net.aux_layers, name)

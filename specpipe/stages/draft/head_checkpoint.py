@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from specpipe.errors import ConfigError
+from specpipe.paths import local_path
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, write_ranking
 
 # Weight files of the released layouts, first found wins (Medusa's own repository names its file
@@ -16,16 +18,69 @@ WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_mode
                 "model.pt", "pytorch_model.pt")
 
 
-def read_checkpoint(folder: Path, name: str, what: str) -> tuple[dict, dict[str, Tensor]]:
+# The layouts a draft folder can hold, in messages, and where each pipeline keeps its drafter: a hint must
+# work as typed (`drafter=eagle` alone does not compose beside another pipeline's drafter).
+LAYOUT_NAMES = {"eagle": "an EAGLE-1 head", "eagle3": "an EAGLE-3 head", "medusa": "Medusa heads",
+                "hydra": "Hydra heads", "draft_model": "a draft model"}
+PIPELINE_DRAFTER_KEYS = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "hydra": "hydra",
+                         "draft_model": "model"}
+_MEDUSA_KEY = re.compile(r"^(?:\d+\.\d+\.|blocks\.\d+\.|lm_heads\.\d+\.|medusa_head)")
+_HYDRA_KEY = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.")
+
+
+def head_layout(keys: set[str], config: dict) -> str | None:
+    """Which released head layout a checkpoint's tensor names and config.json are (a LAYOUT_NAMES key),
+    or None for none of them (a full model, or something else)."""
+    if "d2t" in keys or any(key.startswith("midlayer.") for key in keys):
+        return "eagle3"
+    if "fc.weight" in keys and any(key.startswith("layers.") for key in keys):
+        return "eagle"
+    if config.get("hydra") or any(_HYDRA_KEY.match(key) for key in keys):
+        return "hydra"
+    if "medusa_num_heads" in config or any(_MEDUSA_KEY.match(key) for key in keys):
+        return "medusa"
+    return None
+
+
+def wrong_layout(name: str, folder: Path | str, found: str, wanted: str) -> ConfigError:
+    """The error for a folder that holds `found` where the drafter reads `wanted` (LAYOUT_NAMES keys)."""
+    return ConfigError(f"{name}: {folder} holds {LAYOUT_NAMES[found]}, not {LAYOUT_NAMES[wanted]}: load it with "
+                       f"drafter={found}, e.g. `pipeline={found} pipeline.drafters.{PIPELINE_DRAFTER_KEYS[found]}"
+                       f".path={folder}`")
+
+
+def folder_layout(folder: Path) -> str | None:
+    """head_layout of a folder's config.json and safetensors names, read without loading any tensor;
+    None where they are not there or not readable (the loader's own checks speak then)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
+    keys: set[str] = set()
+    if weights is not None and weights.suffix == ".safetensors":
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(weights), framework="pt") as handle:
+                keys = set(handle.keys())
+        except Exception:  # a foreign or truncated file: the loader's own checks report it
+            return None
+    return head_layout(keys, config if isinstance(config, dict) else {})
+
+
+def read_checkpoint(folder: Path, name: str, what: str, layout: str | None = None) -> tuple[dict, dict[str, Tensor]]:
     """(config.json as a dict, tensors) of the head directory `folder`; `what` names the head kind
-    in messages. `.bin`/`.pt` files go through torch.load(weights_only=True) only."""
+    in messages. `.bin`/`.pt` files go through torch.load(weights_only=True) only. With `layout` (a
+    LAYOUT_NAMES key), a folder that holds another released layout is refused, naming the drafter that
+    reads it."""
     if not folder.is_dir():
-        raise ConfigError(f"{name}: drafter.path={folder} is not a directory: give the local directory of an "
-                          f"{what} (config.json and model.safetensors or pytorch_model.bin)")
+        raise ConfigError(f"{name}: drafter.path={folder} is not a directory: give the local directory of "
+                          f"{with_article(what)} (config.json and model.safetensors or pytorch_model.bin)")
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ConfigError(f"{name}: {folder} has no config.json: an {what} directory holds its config.json "
-                          f"beside its weights")
+        raise ConfigError(f"{name}: {folder} has no config.json: {with_article(what)} directory holds its "
+                          f"config.json beside its weights")
     try:
         config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as error:
@@ -46,7 +101,15 @@ def read_checkpoint(folder: Path, name: str, what: str) -> tuple[dict, dict[str,
         raise ConfigError(f"{name}: cannot read the weights {weights}: {str(error).splitlines()[0]}") from None
     if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
         raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
+    found = head_layout(set(tensors), config)
+    if layout is not None and found is not None and found != layout:
+        raise wrong_layout(name, folder, found, layout)
     return config, tensors
+
+
+def with_article(noun: str) -> str:
+    """'an EAGLE head', 'a Medusa checkpoint'."""
+    return f"{'an' if noun[:1].upper() in 'AEIOU' else 'a'} {noun}"
 
 
 def head_folder(path: str | None, default: str, name: str, what: str, train: str) -> Path:
@@ -54,7 +117,7 @@ def head_folder(path: str | None, default: str, name: str, what: str, train: str
     missing default says how to train it or where to point `drafter.path`."""
     from specpipe.pipelines.builder import CONFIG_DIR
 
-    folder = Path(path).expanduser() if path else CONFIG_DIR.parent / default
+    folder = local_path(path) if path else CONFIG_DIR.parent / default
     if path is None and not folder.is_dir():
         raise ConfigError(f"{name}: no {what} ships for this model at {folder}: train one with `{train}`, or set "
                           f"drafter.path=DIR to a released checkpoint's local directory")

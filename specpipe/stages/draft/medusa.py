@@ -37,7 +37,7 @@ from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, p
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.eagle import frequent_ids, output_head
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
-                                                   write_head_folder)
+                                                   write_head_folder, wrong_layout)
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -261,7 +261,9 @@ _HYDRA = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.(?:weight|bias)$")
 def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[int, int, dict[str, Tensor]]:
     """(heads, layers, state dict in MedusaHeads' keys) from either released layout."""
     if any(key.startswith("midlayer.") or key == "fc.weight" for key in tensors):
-        raise ConfigError(f"{name}: this is an EAGLE checkpoint (fc.weight / midlayer.*): use drafter=eagle")
+        kind = "EAGLE-3" if any(key.startswith("midlayer.") for key in tensors) else "EAGLE-1"
+        raise ConfigError(f"{name}: this is an {kind} checkpoint (fc.weight / midlayer.*): load it with "
+                          f"pipeline={'eagle3' if kind == 'EAGLE-3' else 'eagle'}")
     heads = config.get("medusa_num_heads", config.get("num_heads"))
     layers = config.get("medusa_num_layers", config.get("num_hidden_layers"))
     if heads is None or layers is None:
@@ -339,11 +341,10 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
     kind = "hydra" if hydra else "medusa"
     folder = head_folder(path, DEFAULT_HYDRA_DIR if hydra else DEFAULT_MEDUSA_DIR, name,
                          "Hydra heads" if hydra else "Medusa heads", f"python run.py task=train_heads train_heads.kind={kind}")
-    config, tensors = read_checkpoint(folder, name, "Medusa checkpoint")
+    config, tensors = read_checkpoint(folder, name, "Medusa checkpoint", layout=kind)
     check_tokenizer(config, tokenizer, folder, name)
-    if bool(config.get("hydra")) != hydra:
-        found = "Hydra" if config.get("hydra") else "Medusa"
-        raise ConfigError(f"{name}: {folder} holds {found} heads: use drafter={found.lower()} for them")
+    if bool(config.get("hydra")) != hydra:  # Hydra's own layout without its tensor names
+        raise wrong_layout(name, folder, "hydra" if config.get("hydra") else "medusa", kind)
     module = build_medusa_heads(config, tensors, target, name)
     if heads is not None:
         if not 1 <= heads <= len(module):

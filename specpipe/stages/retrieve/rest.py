@@ -6,6 +6,7 @@ from pathlib import Path
 
 from specpipe import distributed
 from specpipe.errors import StoreError
+from specpipe.paths import local_path
 from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import sha256_file
@@ -45,7 +46,7 @@ class RestRetriever:
         if shorter_spans < 0:
             raise ValueError(f"{name}: shorter_spans must be >= 0 (0 = the longest match alone), got {shorter_spans}")
         self.name = name
-        folder = Path(path).expanduser() if path else default_store_path(store)
+        folder = local_path(path) if path else default_store_path(store)
         if datastore is None and corpus and not path:
             source = corpus_file(corpus, folder)
             # refused before loading or building: the store of this corpus may exist, built for its tokenizer
@@ -99,11 +100,7 @@ class RestRetriever:
 
 def corpus_file(corpus: str, folder: Path) -> Path:
     """The corpus Parquet: as given, or relative to the repository (where the shipped one lives)."""
-    from specpipe.pipelines.builder import CONFIG_DIR
-
-    source = Path(corpus).expanduser()
-    if not source.is_absolute() and not source.exists():
-        source = CONFIG_DIR.parent / source
+    source = local_path(corpus)
     if not source.is_file():
         raise StoreError(f"the token datastore's corpus {corpus} is missing: restore it from the repository, or "
                          f"build a store with `python run.py task=build_store store=tokens_from_files "
