@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from specpipe.errors import ConfigError
-from specpipe.paths import local_path
+from specpipe.paths import REPO_ROOT, local_path
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, write_ranking
 
 # Weight files of the released layouts, first found wins (Medusa's own repository names its file
@@ -24,8 +24,12 @@ LAYOUT_NAMES = {"eagle": "an EAGLE-1 head", "eagle3": "an EAGLE-3 head", "medusa
                 "hydra": "Hydra heads", "draft_model": "a draft model"}
 PIPELINE_DRAFTER_KEYS = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "hydra": "hydra",
                          "draft_model": "model"}
-_MEDUSA_KEY = re.compile(r"^(?:\d+\.\d+\.|blocks\.\d+\.|lm_heads\.\d+\.|medusa_head)")
-_HYDRA_KEY = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.")
+# Tensor names of Medusa's own layout (HEAD.BLOCK.linear.*, HEAD.LAYERS.weight for its output layer, under
+# an optional medusa_head(s). prefix), vLLM's converted one, and specpipe's Hydra heads.
+MEDUSA_PREFIX = re.compile(r"^medusa_heads?\.")
+MEDUSA_ORIGINAL_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+MEDUSA_CONVERTED_KEY = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight)$")
+HYDRA_KEY = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.(?:weight|bias)$")
 
 
 def head_layout(keys: set[str], config: dict) -> str | None:
@@ -35,9 +39,11 @@ def head_layout(keys: set[str], config: dict) -> str | None:
         return "eagle3"
     if "fc.weight" in keys and any(key.startswith("layers.") for key in keys):
         return "eagle"
-    if config.get("hydra") or any(_HYDRA_KEY.match(key) for key in keys):
+    if config.get("hydra") or any(HYDRA_KEY.match(key) for key in keys):
         return "hydra"
-    if "medusa_num_heads" in config or any(_MEDUSA_KEY.match(key) for key in keys):
+    medusa_keys = (MEDUSA_PREFIX.sub("", key) for key in keys)
+    if "medusa_num_heads" in config or any(MEDUSA_ORIGINAL_KEY.match(key) or MEDUSA_CONVERTED_KEY.match(key)
+                                           for key in medusa_keys):
         return "medusa"
     return None
 
@@ -115,9 +121,7 @@ def with_article(noun: str) -> str:
 def head_folder(path: str | None, default: str, name: str, what: str, train: str) -> Path:
     """`path` as a directory, or the shipped `default` (relative to the repository) when None; a
     missing default says how to train it or where to point `drafter.path`."""
-    from specpipe.pipelines.builder import CONFIG_DIR
-
-    folder = local_path(path) if path else CONFIG_DIR.parent / default
+    folder = local_path(path) if path else REPO_ROOT / default
     if path is None and not folder.is_dir():
         raise ConfigError(f"{name}: no {what} ships for this model at {folder}: train one with `{train}`, or set "
                           f"drafter.path=DIR to a released checkpoint's local directory")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -36,8 +35,9 @@ from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.eagle import frequent_ids, output_head
-from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
-                                                   write_head_folder, wrong_layout)
+from specpipe.stages.draft.head_checkpoint import (HYDRA_KEY, MEDUSA_CONVERTED_KEY, MEDUSA_ORIGINAL_KEY, MEDUSA_PREFIX,
+                                                   check_tokenizer, head_folder, load_fitting, read_checkpoint,
+                                                   write_head_folder)
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
@@ -253,11 +253,6 @@ class MedusaDrafter:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
-_ORIGINAL = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
-_CONVERTED = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight)$")
-_HYDRA = re.compile(r"^\d+\.(?:input|blocks\.\d+\.linear)\.(?:weight|bias)$")
-
-
 def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[int, int, dict[str, Tensor]]:
     """(heads, layers, state dict in MedusaHeads' keys) from either released layout."""
     if any(key.startswith("midlayer.") or key == "fc.weight" for key in tensors):
@@ -273,14 +268,14 @@ def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[i
     state: dict[str, Tensor] = {}
     if config.get("hydra"):
         for key, value in tensors.items():
-            if not _HYDRA.match(key):
+            if not HYDRA_KEY.match(key):
                 raise ConfigError(f"{name}: unexpected tensor {key!r} for Hydra heads (expected HEAD.input.weight or "
                                   f"HEAD.blocks.BLOCK.linear.weight)")
         return heads, layers, dict(tensors)
     for key, value in tensors.items():
-        short = re.sub(r"^medusa_heads?\.", "", key)
-        original = _ORIGINAL.match(short)
-        converted = _CONVERTED.match(short)
+        short = MEDUSA_PREFIX.sub("", key)
+        original = MEDUSA_ORIGINAL_KEY.match(short)
+        converted = MEDUSA_CONVERTED_KEY.match(short)
         if original:
             state[short] = value
         elif converted and converted.group(4) is not None:
@@ -343,8 +338,6 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
                          "Hydra heads" if hydra else "Medusa heads", f"python run.py task=train_heads train_heads.kind={kind}")
     config, tensors = read_checkpoint(folder, name, "Medusa checkpoint", layout=kind)
     check_tokenizer(config, tokenizer, folder, name)
-    if bool(config.get("hydra")) != hydra:  # Hydra's own layout without its tensor names
-        raise wrong_layout(name, folder, "hydra" if config.get("hydra") else "medusa", kind)
     module = build_medusa_heads(config, tensors, target, name)
     if heads is not None:
         if not 1 <= heads <= len(module):
