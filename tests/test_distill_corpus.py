@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specpipe.distill.corpus import (BatchedGreedy, CorpusError, ShardFolder, chat_prompt_ids, distill,
-                                     merge_shards, read_corpus_metadata)
+                                     merge_shards, read_corpus, read_corpus_metadata)
 from specpipe.distill.prompts import (SOURCE_COUNTS, ChatPrompt, build_prompt_source, dev_prompt_files,
                                       find_overlaps, load_dev_turns, prompt_id)
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
@@ -312,8 +312,46 @@ def test_an_empty_shard_folder_extends_the_merged_corpus(greedy, tmp_path, tiny_
     stats = distill(counting, PROMPTS, shards, batch_size=2, progress=False)
     assert sorted(counting.answered) == sorted(p.prompt_id for p in PROMPTS[4:]) and stats.prompts_done == 6
     assert shards_from_corpus(shards, merged, settings, tiny_mixed.tokenizer) == 0  # only into an empty folder
-    info = merge_shards(shards, merged, PROMPTS, {"model": "tiny"})
+    info = merge_shards(shards, merged, PROMPTS, {"model": "tiny", "dtype": "fp32"})
     assert info["answers"] == 6
+
+
+def test_a_merge_never_silently_replaces_a_corpus_it_would_lose_answers_of(tiny_mixed, tmp_path):
+    """A QA pass replaced a 60-answer corpus by 3 answers of another model without a word (the shards
+    could not start from it, so the merge wrote over it), and a smaller distill.limit shrank one."""
+    greedy = BatchedGreedy(tiny_mixed.loaded.model, tiny_mixed.tokenizer, max_new_tokens=4)
+    shards = ShardFolder(tmp_path / "shards")
+    distill(greedy, PROMPTS, shards, batch_size=2, progress=False)
+    out = tmp_path / "corpus.parquet"
+    made = {"model": "tiny", "dtype": "fp32", "max_new_tokens": 4}
+    assert merge_shards(shards, out, PROMPTS, made)["answers"] == 6
+    with pytest.raises(CorpusError, match="made with other settings .*model='tiny' there, 'other' here"):
+        merge_shards(shards, out, PROMPTS, {**made, "model": "other"})
+    with pytest.raises(CorpusError, match="holds 6 answers; the shards give 3"):
+        merge_shards(shards, out, PROMPTS[:3], made)
+    assert read_corpus_metadata(out)["answers"] == 6  # both refusals left the file as it was
+    assert merge_shards(shards, out, PROMPTS[:3], made, replace=True)["answers"] == 3
+    out.with_suffix(".txt").write_text("not a corpus")
+    with pytest.raises(CorpusError, match="not a self-distilled corpus"):
+        merge_shards(shards, out.with_suffix(".txt"), PROMPTS, made)
+
+
+def test_unreadable_corpora_are_corpus_errors(tmp_path):
+    text = tmp_path / "text.parquet"
+    text.write_text("prompt,answer\n")
+    with pytest.raises(CorpusError, match="not a readable Parquet file"):
+        read_corpus_metadata(text)
+    with pytest.raises(CorpusError, match="not a readable Parquet file"):
+        read_corpus(text)
+    columns = tmp_path / "columns.parquet"
+    pq.write_table(pa.table({"prompt_id": ["a"], "prompt": ["hi"]}), columns)
+    with pytest.raises(CorpusError, match=r"lacks the column\(s\) \['category', 'answer_ids', 'finished'\]"):
+        read_corpus(columns)
+    strings = tmp_path / "strings.parquet"
+    pq.write_table(pa.table({"prompt_id": ["a"], "category": ["c"], "prompt": ["hi"], "answer_ids": [["x"]],
+                             "finished": [True]}), strings)
+    with pytest.raises(CorpusError, match="answer_ids must be lists of token ids"):
+        read_corpus(strings)
 
 
 def test_distill_task_end_to_end(tmp_path):

@@ -346,10 +346,18 @@ def _progress_bar(enabled: bool, stats: DistillStats, token_budget: int | None, 
                 mininterval=interval, dynamic_ncols=True)
 
 
-def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], metadata: dict) -> dict:
+# What makes two corpora's answers the same kind of answers (a merge may replace one with the other).
+GENERATION_KEYS = ("model", "dtype", "linears", "max_new_tokens", "system_prompt", "tokenizer")
+
+
+def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], metadata: dict,
+                 replace: bool = False) -> dict:
     """Writes the answers in `shards` whose prompts are in `prompts` (in that order) to `out`
     (zstd Parquet, MERGED_COLUMNS) with `metadata` plus counts in the file's metadata and in a
-    JSON sidecar `out.with_suffix('.json')`; both written atomically. Returns the sidecar dict."""
+    JSON sidecar `out.with_suffix('.json')`; both written atomically. Returns the sidecar dict.
+
+    An existing corpus at `out` made with other generation settings, or holding more answers than the
+    merge, is refused unless `replace`: its answers would be lost (the shards may not hold them)."""
     table = shards.read(MERGED_COLUMNS)
     order = {p.prompt_id: position for position, p in enumerate(prompts)}
     ids = table.column("prompt_id").to_pylist()
@@ -361,6 +369,8 @@ def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], 
         raise CorpusError(f"no answers in {shards.folder} belong to the current prompt source: nothing to merge")
     keep = sorted(rows.values(), key=lambda row: order[ids[row]])
     merged = table.take(pa.array(keep, pa.int64()))
+    if not replace:
+        refuse_losing_answers(Path(out), metadata, merged.num_rows)
     lengths = pc.list_value_length(merged.column("answer_ids"))
     info = {
         **metadata,
@@ -380,6 +390,27 @@ def merge_shards(shards: ShardFolder, out: Path, prompts: Sequence[ChatPrompt], 
     write_atomically(out.with_suffix(".json"),
                       lambda tmp: Path(tmp).write_text(json.dumps(sidecar, indent=1, sort_keys=True) + "\n"))
     return sidecar
+
+
+def refuse_losing_answers(out: Path, metadata: dict, answers: int) -> None:
+    """Raises CorpusError where writing `answers` answers made as `metadata` says over `out` would lose some."""
+    if not out.exists():
+        return
+    try:
+        existing = read_corpus_metadata(out)
+    except CorpusError:
+        raise CorpusError(f"distill.out={out} exists and is not a self-distilled corpus: give another distill.out, "
+                          f"or move that file away") from None
+    other = {key: (existing.get(key), metadata.get(key)) for key in GENERATION_KEYS
+             if existing.get(key) != metadata.get(key)}
+    if other:
+        said = ", ".join(f"{key}={was!r} there, {now!r} here" for key, (was, now) in other.items())
+        raise CorpusError(f"distill.out={out} holds {existing.get('answers', '?')} answers made with other settings "
+                          f"({said}); merging would replace them. Give another distill.out, or set distill.replace=true")
+    if int(existing.get("answers", 0)) > answers:
+        raise CorpusError(f"distill.out={out} holds {existing['answers']} answers; the shards give {answers} for these "
+                          f"prompts (distill.limit?), and merging would drop the rest. Give another distill.out, or set "
+                          f"distill.replace=true")
 
 
 def shards_from_corpus(shards: ShardFolder, corpus: Path, settings: dict,
@@ -408,9 +439,26 @@ def shards_from_corpus(shards: ShardFolder, corpus: Path, settings: dict,
     return table.num_rows
 
 
+def _corpus_schema(path: Path) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as error:
+        raise CorpusError(f"{path} is not a readable Parquet file ({str(error).splitlines()[0]}): give a corpus "
+                          f"written by `python run.py task=distill_corpus`") from None
+
+
 def read_corpus(path: Path) -> pa.Table:
     """A merged corpus's MERGED_COLUMNS (a file made before the history column: all first turns)."""
-    names = pq.read_schema(path).names
+    schema = _corpus_schema(path)
+    names = schema.names
+    missing = [column for column in MERGED_COLUMNS if column not in names and column != "history"]
+    if missing:
+        raise CorpusError(f"{path} lacks the column(s) {missing} of a self-distilled corpus (it has {names}): give a "
+                          f"corpus written by `python run.py task=distill_corpus`")
+    answer_type = schema.field("answer_ids").type
+    if not (pa.types.is_list(answer_type) or pa.types.is_large_list(answer_type)) \
+            or not pa.types.is_integer(answer_type.value_type):
+        raise CorpusError(f"{path}: answer_ids must be lists of token ids (integers), not {answer_type}")
     table = pq.read_table(path, columns=[c for c in MERGED_COLUMNS if c in names])
     if "history" not in names:
         table = table.append_column("history", pa.array([[]] * table.num_rows, pa.list_(pa.string())))
@@ -419,8 +467,9 @@ def read_corpus(path: Path) -> pa.Table:
 
 def read_corpus_metadata(path: Path) -> dict:
     """The metadata `merge_shards` stored in a corpus Parquet file."""
-    metadata = pq.read_schema(path).metadata or {}
+    metadata = _corpus_schema(path).metadata or {}
     if METADATA_KEY not in metadata:
-        raise CorpusError(f"{path} is not a specpipe self-distilled corpus (no {METADATA_KEY.decode()} metadata)")
+        raise CorpusError(f"{path} is not a specpipe self-distilled corpus (no {METADATA_KEY.decode()} metadata): "
+                          f"write one with `python run.py task=distill_corpus`")
     return json.loads(metadata[METADATA_KEY])
 

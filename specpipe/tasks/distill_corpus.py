@@ -96,7 +96,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         "command": COMMAND,
         "runs": shards.runs(),  # every generation run into these shards: overrides, tokens, seconds
     }
-    info = merge_shards(shards, repo_path(d.out), [*prompts, *follow_ups], metadata)
+    info = merge_shards(shards, repo_path(d.out), [*prompts, *follow_ups], metadata, replace=bool(d.get("replace")))
     print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {repo_path(d.out)} "
           f"({info['bytes'] / 1e6:.2f} MB)", file=sys.stderr)
     return info
