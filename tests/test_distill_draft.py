@@ -315,3 +315,20 @@ def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: build it with `python run.py "
                                           r"task=distill_corpus`, or set x.corpus"):
         read_task_corpus(tmp_path / "nothing.parquet", "x.corpus", loaded.tokenizer, vocab_sha256, "m", 512, None)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("distill_draft.teacher_top_k=0", "distill_draft.teacher_top_k must be >= 1"),
+    ("distill_draft.teacher_top_k=100000", "teacher_top_k must be at most the vocabulary size 49152"),
+    ("distill_draft.loss_chunk=0", "distill_draft.loss_chunk must be >= 1"),
+    ("distill_draft.eval_batch=0", "distill_draft.eval_batch must be >= 1"),
+    ("distill_draft.lr=-1", "distill_draft.lr must be > 0"),
+    ("distill_draft.out=/tmp/no_suffix_draft", r"one \.safetensors file .*no_suffix_draft\.safetensors"),
+])
+def test_bad_distillation_settings_are_refused_before_the_teacher_pass(tmp_path, override, match):
+    """A QA pass met teacher_top_k=0 failing after a whole (empty) teacher pass, a draft exported without the
+    suffix drafter.path reads it by, and raw tracebacks for the rest."""
+    with pytest.raises(ConfigError, match=match):
+        run_distill_draft(compose_config(["task=distill_draft", "model=tiny_random", "distill_draft.layers=[0]",
+                                          f"distill_draft.checkpoint_dir={tmp_path / 'ck'}", override]))
+    assert not (tmp_path / "ck").exists()

@@ -96,6 +96,64 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     assert_greedy(pipe)
 
 
+@pytest.mark.parametrize("override,match", [
+    ("train_heads.steps=-3", "train_heads.steps must be >= 0"),
+    ("train_heads.batch=0", "train_heads.batch must be >= 1"),
+    ("train_heads.lr=-1", "train_heads.lr must be > 0"),
+    ("train_heads.checkpoint_every=0", "train_heads.checkpoint_every must be >= 1"),
+    ("train_heads.eval_fraction=1.5", "train_heads.eval_fraction must be between 0 and 1"),
+    ("train_heads.limit=-1", "train_heads.limit must be >= 1"),
+    ("train_heads.eval_chains=0", "train_heads.eval_chains must be >= 1"),
+    ("train_heads.feature_batch=0", "train_heads.feature_batch must be >= 1"),
+    ("train_heads.medusa_heads=0", "train_heads.medusa_heads must be >= 1"),
+    ("train_heads.steps=abc", "train_heads.steps must be a number"),
+])
+def test_bad_training_settings_are_refused_before_any_work(tmp_path, override, match):
+    """A QA pass met raw tracebacks after the feature pass (lr, checkpoint_every, medusa_heads) and silent
+    acceptance (steps=-3 ran and exported the head as initialised)."""
+    with pytest.raises(ConfigError, match=match):
+        run_train_heads(compose_config(["task=train_heads", "model=tiny_random", f"train_heads.out={tmp_path / 'out'}",
+                                        f"train_heads.checkpoint_dir={tmp_path / 'ck'}", override]))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
+
+
+def test_eagle3_layers_and_the_checkpoint_folder_are_checked_before_the_features(tmp_path):
+    base = ["task=train_heads", "model=tiny_random", "train_heads.kind=eagle3", f"train_heads.out={tmp_path / 'out'}"]
+    with pytest.raises(ConfigError, match=r"train_heads.aux_layers: .* layers \[0, 1, 50\]; the target has 2 layers"):
+        run_train_heads(compose_config([*base, f"train_heads.checkpoint_dir={tmp_path / 'ck'}",
+                                        "train_heads.aux_layers=[0,1,50]"]))
+    with pytest.raises(ConfigError, match=r"EAGLE-3 fuses 3 of them"):
+        run_train_heads(compose_config([*base, f"train_heads.checkpoint_dir={tmp_path / 'ck'}",
+                                        "train_heads.aux_layers=[0,1]"]))
+    assert not (tmp_path / "ck").exists()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="train_heads.checkpoint_dir=.*a_file is a file"):
+        run_train_heads(compose_config(["task=train_heads", "model=tiny_random", f"train_heads.out={tmp_path / 'out'}",
+                                        f"train_heads.checkpoint_dir={tmp_path / 'a_file'}"]))
+
+
+def test_a_run_resumed_with_other_settings_is_refused(tmp_path):
+    """Resumed with another head shape, the run failed in load_state_dict; with another batch it trained on
+    silently and its export recorded settings it was not trained with."""
+    corpus, checkpoints = tmp_path / "corpus.parquet", tmp_path / "ck"
+    write_corpus(corpus)
+
+    def config(*extra: str):
+        return compose_config(["task=train_heads", "model=tiny_random", "train_heads.kind=medusa",
+                               f"train_heads.corpus={corpus}", f"train_heads.checkpoint_dir={checkpoints}",
+                               f"train_heads.out={tmp_path / 'out'}", "train_heads.warmup=0", "train_heads.batch=128",
+                               "train_heads.checkpoint_every=2", "train_heads.eval_every=0", "train_heads.eval_init=false",
+                               "train_heads.eval_fraction=0.3", "train_heads.vocab_top_k=2000",
+                               "train_heads.eval_chains=4", "train_heads.progress=false", *extra])
+
+    assert run_train_heads(config("train_heads.steps=2"))["step"] == 2
+    with pytest.raises(ConfigError, match=r"other settings \(medusa_heads=3 there, 2 now\)"):
+        run_train_heads(config("train_heads.steps=4", "train_heads.medusa_heads=2"))
+    with pytest.raises(ConfigError, match=r"other settings \(batch=128 there, 64 now\)"):
+        run_train_heads(config("train_heads.steps=4", "train_heads.batch=64"))
+    assert run_train_heads(config("train_heads.steps=4", "train_heads.eval_chains=6"))["step"] == 4  # may change
+
+
 def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
     """The loss counts what it should: with the target's own next features as the prediction, the
     regression part is 0, top-1 agrees at every scored position (the answer is the target's greedy

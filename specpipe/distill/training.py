@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specpipe.distill.corpus import write_atomically
 from specpipe.errors import ConfigError
@@ -43,6 +43,51 @@ def lock_folder(folder: Path, task: str):
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+# Settings every training task shares, and what each must be: a value outside is refused before any
+# feature or teacher pass runs (steps=-3 ran and exported, lr=-1 failed after the feature pass,
+# checkpoint_every=0 after the first step).
+COMMON_TRAINING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "steps": (lambda v: v >= 0, ">= 0 (0: export the head or draft as initialised)"),
+    "batch": (lambda v: v >= 1, ">= 1 (tokens per step)"),
+    "lr": (lambda v: v > 0, "> 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "warmup": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "grad_clip": (lambda v: v > 0, "> 0"),
+    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
+    "keep_checkpoints": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 0, ">= 0"),
+    "eval_chains": (lambda v: v >= 1, ">= 1"),
+    "chain_depth": (lambda v: v >= 1, ">= 1"),
+    "eval_fraction": (lambda v: 0 < v < 1, "between 0 and 1 (the held-out share)"),
+    "limit": (lambda v: v >= 1, ">= 1, or null for the whole corpus"),
+    "max_seq_len": (lambda v: v >= 2, ">= 2 (prompt + answer tokens per sequence)"),
+}
+
+
+def check_training_settings(node: DictConfig, prefix: str,
+                            extra: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
+    """Refuses a training task's settings outside their rules (COMMON_TRAINING_RULES and `extra`), naming
+    `prefix.key`; null is taken where a setting may be null (limit), and a folder or file path where the
+    task would need the other kind is refused too."""
+    for key, (ok, what) in {**COMMON_TRAINING_RULES, **(extra or {})}.items():
+        value = node.get(key)
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{prefix}.{key} must be a number {what}, got {value!r}") from None
+        if not ok(number):
+            raise ConfigError(f"{prefix}.{key} must be {what}, got {value}")
+
+
+def check_folder(folder: Path, option: str) -> None:
+    """Refuses a checkpoint folder that is a file (it would fail at the first write)."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{option}={folder} is a file: give a folder (it is made where missing)")
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
@@ -146,6 +191,14 @@ class ResumableTrainer:
 
     state_key = "net"
     extra_counters: tuple[str, ...] = ()
+    # Settings a resumed run may change: how long it trains, how often it evaluates and saves, where it
+    # writes, and what only changes float rounding or which answers it reads (a grown corpus). Any other
+    # setting differing from the checkpoints' is refused: a resumed head of another shape failed in
+    # load_state_dict, and one of other layers or batches trained on silently, its export recording the
+    # new settings.
+    RESUMABLE_SETTINGS = frozenset({"steps", "eval_every", "eval_init", "eval_chains", "chain_depth", "eval_batch",
+                                    "checkpoint_every", "keep_checkpoints", "progress", "out", "checkpoint_dir",
+                                    "teacher_only", "feature_batch", "teacher_batch", "loss_chunk", "corpus", "limit"})
 
     def __init__(self, module: torch.nn.Module, examples: list, lengths: Callable[[object], int], cfg: DictConfig,
                  folder: Path, params=None) -> None:
@@ -182,6 +235,12 @@ class ResumableTrainer:
     def epochs(self) -> float:
         return self.step / max(1, len(self._epoch(0)))
 
+    def settings(self) -> dict[str, str]:
+        """The task settings this run's checkpoints must share with a run that resumes them."""
+        return {key: json.dumps(value, sort_keys=True, default=str)
+                for key, value in OmegaConf.to_container(self.cfg, resolve=True).items()
+                if key not in self.RESUMABLE_SETTINGS}
+
     def checkpoints(self) -> list[Path]:
         return sorted(self.folder.glob("checkpoint-*.pt"))
 
@@ -192,8 +251,20 @@ class ResumableTrainer:
             except Exception as error:  # a truncated file: fall back to the one before
                 log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
                 continue
-            self.module.load_state_dict(state[self.state_key])
-            self.optimizer.load_state_dict(state["optimizer"])
+            saved = state.get("settings")
+            changed = sorted(key for key in set(saved or {}) | set(self.settings())
+                             if (saved or {}).get(key) != self.settings().get(key)) if saved is not None else []
+            if changed:
+                said = ", ".join(f"{key}={saved.get(key, 'unset')} there, {self.settings().get(key, 'unset')} now"
+                                 for key in changed)
+                raise ConfigError(f"the checkpoints in {self.folder} were written with other settings ({said}): "
+                                  f"rerun with theirs to resume, or give another checkpoint_dir to start afresh")
+            try:
+                self.module.load_state_dict(state[self.state_key])
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as error:
+                raise ConfigError(f"the checkpoint {path} does not fit this run's model "
+                                  f"({str(error).splitlines()[0]}): give another checkpoint_dir to start afresh") from None
             self.step, self.positions, self.seconds = int(state["step"]), int(state["positions"]), float(state["seconds"])
             for name in self.extra_counters:
                 setattr(self, name, int(state[name]))
@@ -203,7 +274,7 @@ class ResumableTrainer:
     def save(self) -> Path:
         path = self.folder / f"checkpoint-{self.step:06d}.pt"
         state = {self.state_key: self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "positions": self.positions, "seconds": self.seconds,
+                 "positions": self.positions, "seconds": self.seconds, "settings": self.settings(),
                  **{name: getattr(self, name) for name in self.extra_counters}}
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: torch.save(state, tmp))

@@ -22,6 +22,7 @@ from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.paths import local_path
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import Example, read_task_corpus, split_held_out
 
@@ -56,7 +57,7 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
         raise ConfigError(f"task=calibrate_tree calibrates Medusa or Hydra heads: pipeline={cfg.pipeline.name} has "
                           f"none under pipeline.drafters (use pipeline=medusa or pipeline=hydra)")
     target, tokenizer = pipeline.decoder.target, pipeline.tokenizer
-    corpus = repo_path(c.corpus)
+    corpus = local_path(c.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
     examples, _ = read_task_corpus(corpus, "calibrate_tree.corpus", tokenizer, fingerprint["vocab_sha256"],
                                    cfg.model.name, int(c.max_seq_len), cfg.get("system_prompt"))

@@ -47,10 +47,11 @@ from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
-from specpipe.distill.training import (ExampleShards, ResumableTrainer, lock_folder, progress_bar, token_batches,
-                                       write_json)
+from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_training_settings,
+                                       lock_folder, progress_bar, token_batches, write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
+from specpipe.paths import local_path
 from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
@@ -360,6 +361,12 @@ def format_eval(result: dict, step: int) -> str:
 # ---- the task -----------------------------------------------------------------------------------
 def run_distill_draft(cfg: DictConfig) -> dict:
     d = cfg.distill_draft
+    check_training_settings(d, "distill_draft", {
+        "teacher_top_k": (lambda v: v >= 1, ">= 1"), "teacher_batch": (lambda v: v >= 1, ">= 1"),
+        "loss_chunk": (lambda v: v >= 1, ">= 1"), "eval_batch": (lambda v: v >= 1, ">= 1")})
+    if d.get("out") and Path(str(d.out)).suffix != ".safetensors":
+        raise ConfigError(f"distill_draft.out={d.out}: the draft is one .safetensors file (drafter.path reads it by "
+                          f"that suffix); name it ...{Path(str(d.out)).stem}.safetensors")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(d.seed))
@@ -370,7 +377,10 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                           f"model.dtype={cfg.model.dtype}: use model.dtype=fp32")
     layers = [int(layer) for layer in d.layers]
     draft = build_draft(target, layers)  # checks the layers before any long stage
-    corpus = repo_path(d.corpus)
+    if int(d.teacher_top_k) > int(target.config.vocab_size):
+        raise ConfigError(f"distill_draft.teacher_top_k must be at most the vocabulary size "
+                          f"{target.config.vocab_size}, got {d.teacher_top_k}")
+    corpus = local_path(d.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
     examples, system_prompt = read_task_corpus(corpus, "distill_draft.corpus", tokenizer, fingerprint["vocab_sha256"],
                                                loaded.name, int(d.max_seq_len), cfg.get("system_prompt"))
@@ -381,6 +391,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")
     folder = repo_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
+    check_folder(folder, "distill_draft.checkpoint_dir")
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "

@@ -22,6 +22,7 @@ from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.paths import local_path
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
 
@@ -70,7 +71,7 @@ def run_search_layers(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
-    corpus = repo_path(s.corpus)
+    corpus = local_path(s.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
     examples, _ = read_task_corpus(corpus, "search_layers.corpus", tokenizer, fingerprint["vocab_sha256"], loaded.name,
                                    int(s.max_seq_len), cfg.get("system_prompt"))

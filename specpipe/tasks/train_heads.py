@@ -60,11 +60,13 @@ from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import corpus_ranking, output_weight
 from specpipe.stages.draft.eagle import EagleNet, read_eagle_net, save_eagle
-from specpipe.stages.draft.eagle3 import Eagle3Net, default_aux_layers, save_eagle3
+from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, save_eagle3
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
-from specpipe.distill.training import ExampleShards, ResumableTrainer, lock_folder, progress_bar, write_json
+from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_training_settings,
+                                       lock_folder, progress_bar, write_json)
+from specpipe.paths import local_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
                                           pad_examples, read_task_corpus, split_held_out)
 
@@ -532,7 +534,11 @@ def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] 
 def head_from(folder: str, target, tokenizer) -> EagleNet:
     """The EAGLE-1 head in directory `folder` (the released layout, e.g. the shipped head), in fp32, to
     fine-tune: on features of another dtype, a grown corpus, or with rollouts."""
-    return read_eagle_net(repo_path(folder), tokenizer, int(target.config.hidden_size), int(target.config.vocab_size),
+    path = local_path(folder)
+    if not path.is_dir():
+        raise ConfigError(f"train_heads.init_from={folder} is not a directory: give an EAGLE-1 head's folder "
+                          f"(e.g. data/eagle/smollm2_135m)")
+    return read_eagle_net(path, tokenizer, int(target.config.hidden_size), int(target.config.vocab_size),
                           "train_heads.init_from").float()
 
 
@@ -551,6 +557,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     h = cfg.train_heads
     if h.kind not in HEAD_KINDS:
         raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
+    check_training_settings(h, "train_heads", {
+        "feature_batch": (lambda v: v >= 1, ">= 1"), "medusa_heads": (lambda v: v >= 1, ">= 1"),
+        "medusa_layers": (lambda v: v >= 1, ">= 1")})
     if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
         raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
                           f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
@@ -564,7 +573,11 @@ def run_train_heads(cfg: DictConfig) -> dict:
     # own forward on SmolLM2 in fp32 with engine=fast.
     build_engine(cfg).apply(loaded.model)
     target, tokenizer = loaded.model.eval(), loaded.tokenizer
-    corpus = repo_path(h.corpus)
+    aux_layers = None
+    if h.kind == "eagle3":  # checked before any feature pass: an out-of-range layer failed mid-extraction
+        given = {"eagle_aux_hidden_state_layer_ids": list(h.aux_layers)} if h.get("aux_layers") else {}
+        aux_layers = aux_layers_of(given, int(target.config.num_hidden_layers), "train_heads.aux_layers")
+    corpus = local_path(h.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
     examples, system_prompt = read_task_corpus(corpus, "train_heads.corpus", tokenizer, fingerprint["vocab_sha256"],
                                                loaded.name, int(h.max_seq_len), cfg.get("system_prompt"))
@@ -576,6 +589,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={h.eval_fraction}): both must be non-empty")
     folder = repo_path(h.checkpoint_dir) if h.get("checkpoint_dir") else cache_root() / "train_heads" / loaded.name
+    check_folder(folder, "train_heads.checkpoint_dir")
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     dtype = str(cfg.model.dtype)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
@@ -593,7 +607,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     check_features(features, examples, cache)
     aux_features = None
     if h.kind == "eagle3":  # its inputs: the hidden states entering three layers (the last ones stay the labels)
-        layers = tuple(h.aux_layers) if h.get("aux_layers") else default_aux_layers(int(target.config.num_hidden_layers))
+        layers = aux_layers
         aux_cache = FeatureCache(folder / f"features-{dtype}-layers-{'-'.join(map(str, layers))}", layers)
         aux_cache.pin({**cache_pin, "layers": list(layers)})
         extract_features(target, examples, aux_cache, int(h.feature_batch), pad_id, bool(h.progress))
