@@ -397,3 +397,19 @@ def test_an_unreadable_cost_curve_cache_is_measured_again_with_a_warning(tiny, t
     assert isinstance(curve, CostCurve) and len(curve.queries) > 1 and min(curve.milliseconds) > 0
     assert "cannot be read" in caplog.text and "measuring it again" in caplog.text
     assert cached_cost_curve(target, kv_length=8, cache_dir=tmp_path) == curve  # the fresh curve replaced it
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["task=distill_corpus", "distill.limit=-1"], "distill.limit must be >= 1"),  # was: every prompt but one
+    (["task=distill_corpus", "distill.token_budget=-1"], "distill.token_budget must be >= 1"),
+    (["task=distill_corpus", "distill.seed=abc"], "distill.seed must be a number"),
+    (["task=calibrate_tree", "pipeline=medusa", "calibrate_tree.answers=-1"], "calibrate_tree.answers must be >= 0"),
+    (["task=calibrate_tree", "pipeline=medusa", "calibrate_tree.eval_fraction=1.5"],
+     r"calibrate_tree.eval_fraction must be in \(0, 1\]"),
+    (["task=search_layers", "search_layers.eval_fraction=0"], r"search_layers.eval_fraction must be in \(0, 1\]"),
+])
+def test_bad_task_settings_are_refused_before_any_work(overrides, match):
+    from specpipe.tasks import run_task
+
+    with pytest.raises(ConfigError, match=match):
+        run_task(compose_config(["model=tiny_random", *overrides]))

@@ -67,11 +67,14 @@ COMMON_TRAINING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-def check_training_settings(node: DictConfig, prefix: str,
-                            extra: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
-    """Refuses a training task's settings outside their rules (COMMON_TRAINING_RULES and `extra`), naming
-    `prefix.key`; null is taken where a setting may be null (limit), and a folder or file path where the
-    task would need the other kind is refused too."""
+# Tasks that only score held-out answers (calibrate_tree, search_layers) may hold all of them out.
+SCORED_SHARE_RULE = {"eval_fraction": (lambda v: 0 < v <= 1, "in (0, 1] (the share of answers scored; 1: all)")}
+
+
+def check_task_settings(node: DictConfig, prefix: str,
+                        extra: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
+    """Refuses a task's settings outside their rules (COMMON_TRAINING_RULES, for the keys the task has, and
+    `extra`), naming `prefix.key`; a null setting is left to the task (limit: the whole corpus)."""
     for key, (ok, what) in {**COMMON_TRAINING_RULES, **(extra or {})}.items():
         value = node.get(key)
         if value is None:

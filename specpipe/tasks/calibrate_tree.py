@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from specpipe.distill.prompts import display_path
-from specpipe.distill.training import progress_bar
+from specpipe.distill.training import SCORED_SHARE_RULE, check_task_settings, progress_bar
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
@@ -48,6 +48,8 @@ def example_ranks(drafter, target, example: Example) -> torch.Tensor:
 
 def run_calibrate_tree(cfg: DictConfig) -> dict:
     c = cfg.calibrate_tree
+    check_task_settings(c, "calibrate_tree", {**SCORED_SHARE_RULE,
+                                              "answers": (lambda v: v >= 0, ">= 0 (0: every held-out answer)")})
     if int(c.max_rank) < 1 or int(c.paths) < 1:
         raise ConfigError(f"calibrate_tree.max_rank and calibrate_tree.paths must be >= 1, got {c.max_rank} "
                           f"and {c.paths}")

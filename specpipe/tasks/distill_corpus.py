@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from specpipe.distill.corpus import (AnswerStream, BatchedGreedy, DistillStats, ShardFolder, distill,
                                      merge_shards, shards_from_corpus)
 from specpipe.distill.prompts import ChatPrompt, build_prompt_source, follow_up_prompts
+from specpipe.distill.training import check_task_settings
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
@@ -37,6 +38,8 @@ COMMAND = ("OMP_WAIT_POLICY=PASSIVE python run.py task=distill_corpus distill.me
 
 def run_distill_corpus(cfg: DictConfig) -> dict | None:
     d = cfg.distill
+    check_task_settings(d, "distill", {"token_budget": (lambda v: v >= 1, ">= 1, or null for every prompt"),
+                                       "seed": (lambda v: v == int(v), "an integer")})
     if d.linears not in LINEARS:
         raise ConfigError(f"distill.linears must be one of {LINEARS}, got {d.linears!r}")
     if d.generator not in GENERATORS:

@@ -47,7 +47,7 @@ from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
-from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_training_settings,
+from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        lock_folder, progress_bar, token_batches, write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
@@ -361,7 +361,7 @@ def format_eval(result: dict, step: int) -> str:
 # ---- the task -----------------------------------------------------------------------------------
 def run_distill_draft(cfg: DictConfig) -> dict:
     d = cfg.distill_draft
-    check_training_settings(d, "distill_draft", {
+    check_task_settings(d, "distill_draft", {
         "teacher_top_k": (lambda v: v >= 1, ">= 1"), "teacher_batch": (lambda v: v >= 1, ">= 1"),
         "loss_chunk": (lambda v: v >= 1, ">= 1"), "eval_batch": (lambda v: v >= 1, ">= 1")})
     if d.get("out") and Path(str(d.out)).suffix != ".safetensors":

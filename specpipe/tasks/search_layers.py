@@ -22,6 +22,7 @@ from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.distill.training import SCORED_SHARE_RULE, check_task_settings
 from specpipe.paths import local_path
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
@@ -67,6 +68,7 @@ def _plot(rows: list[dict], out: Path, model_name: str) -> None:
 
 def run_search_layers(cfg: DictConfig) -> dict:
     s = cfg.search_layers
+    check_task_settings(s, "search_layers", SCORED_SHARE_RULE)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
