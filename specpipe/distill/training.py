@@ -45,10 +45,10 @@ def lock_folder(folder: Path, task: str):
     return handle
 
 
-# Settings every training task shares, and what each must be: a value outside is refused before any
-# feature or teacher pass runs (steps=-3 ran and exported, lr=-1 failed after the feature pass,
+# Settings the training and scoring tasks share, and what each must be: a value outside is refused before
+# any feature or teacher pass runs (steps=-3 ran and exported, lr=-1 failed after the feature pass,
 # checkpoint_every=0 after the first step).
-COMMON_TRAINING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+TASK_SETTING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "steps": (lambda v: v >= 0, ">= 0 (0: export the head or draft as initialised)"),
     "batch": (lambda v: v >= 1, ">= 1 (tokens per step)"),
     "lr": (lambda v: v > 0, "> 0"),
@@ -73,9 +73,9 @@ SCORED_SHARE_RULE = {"eval_fraction": (lambda v: 0 < v <= 1, "in (0, 1] (the sha
 
 def check_task_settings(node: DictConfig, prefix: str,
                         extra: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
-    """Refuses a task's settings outside their rules (COMMON_TRAINING_RULES, for the keys the task has, and
+    """Refuses a task's settings outside their rules (TASK_SETTING_RULES, for the keys the task has, and
     `extra`), naming `prefix.key`; a null setting is left to the task (limit: the whole corpus)."""
-    for key, (ok, what) in {**COMMON_TRAINING_RULES, **(extra or {})}.items():
+    for key, (ok, what) in {**TASK_SETTING_RULES, **(extra or {})}.items():
         value = node.get(key)
         if value is None:
             continue
@@ -254,12 +254,10 @@ class ResumableTrainer:
             except Exception as error:  # a truncated file: fall back to the one before
                 log(f"checkpoint {path} unreadable ({str(error).splitlines()[0]}); trying an older one")
                 continue
-            saved = state.get("settings")
-            changed = sorted(key for key in set(saved or {}) | set(self.settings())
-                             if (saved or {}).get(key) != self.settings().get(key)) if saved is not None else []
-            if changed:
-                said = ", ".join(f"{key}={saved.get(key, 'unset')} there, {self.settings().get(key, 'unset')} now"
-                                 for key in changed)
+            saved, current = state.get("settings"), self.settings()  # checkpoints before settings: none saved
+            if saved is not None and saved != current:
+                said = ", ".join(f"{key}={saved.get(key, 'unset')} there, {current.get(key, 'unset')} now"
+                                 for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key))
                 raise ConfigError(f"the checkpoints in {self.folder} were written with other settings ({said}): "
                                   f"rerun with theirs to resume, or give another checkpoint_dir to start afresh")
             try:
