@@ -48,6 +48,7 @@ def lock_folder(folder: Path, task: str):
 # Settings the training and scoring tasks share, and what each must be: a value outside is refused before
 # any feature or teacher pass runs (steps=-3 ran and exported, lr=-1 failed after the feature pass,
 # checkpoint_every=0 after the first step).
+AT_LEAST_ONE = (lambda v: v >= 1, ">= 1")
 TASK_SETTING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "steps": (lambda v: v >= 0, ">= 0 (0: export the head or draft as initialised)"),
     "batch": (lambda v: v >= 1, ">= 1 (tokens per step)"),
@@ -56,11 +57,11 @@ TASK_SETTING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "warmup": (lambda v: v >= 0, ">= 0"),
     "weight_decay": (lambda v: v >= 0, ">= 0"),
     "grad_clip": (lambda v: v > 0, "> 0"),
-    "checkpoint_every": (lambda v: v >= 1, ">= 1"),
-    "keep_checkpoints": (lambda v: v >= 1, ">= 1"),
+    "checkpoint_every": AT_LEAST_ONE,
+    "keep_checkpoints": AT_LEAST_ONE,
     "eval_every": (lambda v: v >= 0, ">= 0"),
-    "eval_chains": (lambda v: v >= 1, ">= 1"),
-    "chain_depth": (lambda v: v >= 1, ">= 1"),
+    "eval_chains": AT_LEAST_ONE,
+    "chain_depth": AT_LEAST_ONE,
     "eval_fraction": (lambda v: 0 < v < 1, "between 0 and 1 (the held-out share)"),
     "limit": (lambda v: v >= 1, ">= 1, or null for the whole corpus"),
     "max_seq_len": (lambda v: v >= 2, ">= 2 (prompt + answer tokens per sequence)"),

@@ -47,7 +47,7 @@ from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
-from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_task_settings,
+from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        lock_folder, progress_bar, token_batches, write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
@@ -361,9 +361,8 @@ def format_eval(result: dict, step: int) -> str:
 # ---- the task -----------------------------------------------------------------------------------
 def run_distill_draft(cfg: DictConfig) -> dict:
     d = cfg.distill_draft
-    check_task_settings(d, "distill_draft", {
-        "teacher_top_k": (lambda v: v >= 1, ">= 1"), "teacher_batch": (lambda v: v >= 1, ">= 1"),
-        "loss_chunk": (lambda v: v >= 1, ">= 1"), "eval_batch": (lambda v: v >= 1, ">= 1")})
+    check_task_settings(d, "distill_draft", {key: AT_LEAST_ONE for key in
+                                             ("teacher_top_k", "teacher_batch", "loss_chunk", "eval_batch")})
     if d.get("out") and Path(str(d.out)).suffix != ".safetensors":
         raise ConfigError(f"distill_draft.out={d.out}: the draft is one .safetensors file (drafter.path reads it by "
                           f"that suffix); name it ...{Path(str(d.out)).stem}.safetensors")

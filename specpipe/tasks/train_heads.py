@@ -64,7 +64,7 @@ from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, save_eagle3
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
-from specpipe.distill.training import (ExampleShards, ResumableTrainer, check_folder, check_task_settings,
+from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        lock_folder, progress_bar, write_json)
 from specpipe.paths import local_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
@@ -557,9 +557,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     h = cfg.train_heads
     if h.kind not in HEAD_KINDS:
         raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
-    check_task_settings(h, "train_heads", {
-        "feature_batch": (lambda v: v >= 1, ">= 1"), "medusa_heads": (lambda v: v >= 1, ">= 1"),
-        "medusa_layers": (lambda v: v >= 1, ">= 1")})
+    check_task_settings(h, "train_heads", {key: AT_LEAST_ONE for key in
+                                           ("feature_batch", "medusa_heads", "medusa_layers")})
     if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
         raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
                           f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
