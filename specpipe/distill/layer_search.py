@@ -26,10 +26,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specpipe.errors import ConfigError
+from specpipe.paths import REPO_ROOT
 from specpipe.stages.draft.layer_skip import share_modules
 
 FORMAT = "specpipe.layer_search"
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def agreement_interval(agreement: float, positions: int) -> float:
 
 def searched_layers_path(model_name: str) -> Path:
     """Where `task=search_layers` writes, by default, the search for model `model_name`."""
-    return REPO / "data" / "layer_skip" / f"{model_name}_layers.json"
+    return REPO_ROOT / "data" / "layer_skip" / f"{model_name}_layers.json"
 
 
 def read_searched_layers(path: str | Path, model_name: str, vocab_sha256: str, keep: int) -> list[int]:

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpipe.distill import subjects as S
+from specpipe.paths import REPO_ROOT
 
 DEFAULT_SEED = 20240611
-REPO = Path(__file__).resolve().parents[2]
 DEV_PROMPT_GLOB = "bench/*.jsonl"
 
 # How many prompts each builder contributes (fewer where its pool is smaller).
@@ -126,7 +126,7 @@ def find_overlaps(texts: Iterable[str], dev_texts: Iterable[str]) -> list[tuple[
     return found
 
 
-def dev_prompt_files(root: Path = REPO) -> list[Path]:
+def dev_prompt_files(root: Path = REPO_ROOT) -> list[Path]:
     return sorted(root.glob(DEV_PROMPT_GLOB))
 
 
@@ -579,7 +579,7 @@ def follow_up_prompts(first_turns: Sequence[tuple[ChatPrompt, str]], seed: int =
 def display_path(path: Path) -> str:
     """Repository files by their relative path (metadata must not depend on the checkout's location)."""
     path = path.resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def main() -> None:

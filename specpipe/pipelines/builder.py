@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -19,6 +18,7 @@ from specpipe.engine.base import Engine
 from specpipe.engine.hf import HFEngine
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
+from specpipe.paths import REPO_ROOT
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
 from specpipe.stages.base import Proposer, StepDrafter, Verifier
@@ -27,7 +27,7 @@ from specpipe.types import SamplingConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_DIR = REPO_ROOT / "conf"
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from specpipe import distributed
 from specpipe.errors import ConfigError
+from specpipe.paths import REPO_ROOT
 
 # task name -> (module, function); the function takes the composed config.
 TASKS: dict[str, tuple[str, str]] = {
@@ -29,13 +30,12 @@ TASKS: dict[str, tuple[str, str]] = {
 }
 
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def repo_path(value: str) -> Path:
     """Relative paths are taken from the repository root, wherever the command runs."""
     path = Path(value).expanduser()
-    return path if path.is_absolute() else REPO / path
+    return path if path.is_absolute() else REPO_ROOT / path
 
 
 def hydra_overrides() -> list[str]:

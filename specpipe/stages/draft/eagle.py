@@ -35,6 +35,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.paths import REPO_ROOT
 from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
                                                tree_rows, unfed_ancestors_first)
@@ -359,10 +360,8 @@ def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_t
 def default_eagle_dir(dtype: torch.dtype) -> str:
     """The shipped head for a target in `dtype`: DEFAULT_EAGLE_DIR, or its sibling trained on features in
     that dtype where the repository has one."""
-    from specpipe.pipelines.builder import CONFIG_DIR
-
     suffix = DTYPE_HEAD_SUFFIX.get(dtype)
-    if suffix and (CONFIG_DIR.parent / (DEFAULT_EAGLE_DIR + suffix)).is_dir():
+    if suffix and (REPO_ROOT / (DEFAULT_EAGLE_DIR + suffix)).is_dir():
         return DEFAULT_EAGLE_DIR + suffix
     return DEFAULT_EAGLE_DIR
 
