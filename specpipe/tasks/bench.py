@@ -50,6 +50,7 @@ from specpipe import distributed
 from specpipe.cost import OtherProcessesLoad
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
+from specpipe.paths import REPO_ROOT
 from specpipe.pipelines.builder import CONFIG_DIR, assemble_pipeline, build_target, load_model, with_pipeline
 from specpipe.pipelines.pipeline import GenerationStats, Pipeline, PreparedPrompt
 
@@ -57,7 +58,6 @@ REFERENCE = "hf_generate"
 HF_PLD = "hf_pld"
 PIPELINE = "pipeline"  # in bench.methods: the configured pipeline, reported under its own name
 VANILLA = "vanilla"  # in bench.methods: specpipe's loop without drafting (same target and engine)
-REPO_ROOT = CONFIG_DIR.parent
 # Spec-Bench's evaluation reports its eight MT-bench categories as one task.
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 DEFAULT_GROUPS = {category: "mt_bench" for category in MT_BENCH_CATEGORIES}

@@ -148,9 +148,8 @@ def _checkpoint_params(path: Path, skip: tuple[str, ...] = ()) -> tuple[int | No
 
 def _default_checkpoint(target: str, stage_cfg: DictConfig) -> Path | None:
     """The checkpoint a draft stage loads for the embedded model when it is given no path."""
-    from specpipe.pipelines.builder import CONFIG_DIR
+    from specpipe.paths import REPO_ROOT
 
-    repo = CONFIG_DIR.parent
     if target.endswith("draft_model.load_drafter"):
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH
 
@@ -158,15 +157,15 @@ def _default_checkpoint(target: str, stage_cfg: DictConfig) -> Path | None:
     if target.endswith("eagle.load_eagle"):
         from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
 
-        return repo / DEFAULT_EAGLE_DIR
+        return REPO_ROOT / DEFAULT_EAGLE_DIR
     if target.endswith("eagle3.load_eagle3"):
         from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
 
-        return repo / DEFAULT_EAGLE3_DIR
+        return REPO_ROOT / DEFAULT_EAGLE3_DIR
     if target.endswith("medusa.load_medusa"):
         from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 
-        return repo / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR)
+        return REPO_ROOT / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR)
     return None
 
 
