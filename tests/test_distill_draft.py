@@ -228,7 +228,7 @@ def assert_pins_the_corpus_ranking(path: Path, corpus: Path) -> None:
         assert pinned["counts"].tolist() == np.bincount(answers, minlength=len(pinned["counts"])).tolist()
 
 
-def test_distill_task_trains_resumes_and_exports(tmp_path):
+def test_distill_task_trains_resumes_and_exports(tmp_path, capsys):
     from specpipe.tasks import TASKS
 
     assert TASKS["distill_draft"] == ("specpipe.tasks.distill_draft", "run_distill_draft")
@@ -279,6 +279,9 @@ def test_distill_task_trains_resumes_and_exports(tmp_path):
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     draft = load_draft(loaded.model, loaded.tokenizer, out)
     assert len(draft.model.layers) == 1
+    capsys.readouterr()
+    assert run_distill_draft(config(8))["step"] == 8  # a rerun after the end says so
+    assert "nothing left to train: the checkpoint is at step 8 and distill_draft.steps=8" in capsys.readouterr().err
 
 
 def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):

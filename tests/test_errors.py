@@ -413,3 +413,40 @@ def test_bad_task_settings_are_refused_before_any_work(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         run_task(compose_config(["model=tiny_random", *overrides]))
+
+
+
+@pytest.mark.parametrize("task", ["calibrate_tree", "search_layers", "distill_corpus", "distill_draft"])
+def test_an_output_file_that_is_a_folder_is_refused_before_any_work(tmp_path, task):
+    """A QA pass met IsADirectoryError at the very end of these tasks (after scoring every held-out answer,
+    or the whole search): `out` is checked before the first long pass, and the folder is left as it was."""
+    from conftest import medusa_head_dir
+    from test_distill_draft import write_corpus
+
+    from specpipe.tasks import run_task
+
+    suffix = ".safetensors" if task == "distill_draft" else ""  # the draft's file is refused without it
+    corpus, folder = tmp_path / "corpus" / "corpus.parquet", tmp_path / f"a_folder{suffix}"
+    corpus.parent.mkdir()
+    write_corpus(corpus)
+    folder.mkdir()
+    (folder / "kept.txt").write_text("mine")
+    tiny_config = load_model(compose_config(["model=tiny_random"]).model).model.config
+    overrides = {
+        "calibrate_tree": ["pipeline=medusa", f"calibrate_tree.corpus={corpus}", "calibrate_tree.progress=false",
+                           f"pipeline.drafters.medusa.path={medusa_head_dir(tiny_config, 'random')}",
+                           "pipeline.drafters.medusa.vocab_top_k=0"],
+        "search_layers": [f"search_layers.corpus={corpus}", "search_layers.progress=false"],
+        "distill_corpus": ["distill.limit=2", f"distill.shards={tmp_path / 'shards'}", "distill.progress=false"],
+        "distill_draft": [f"distill_draft.corpus={corpus}", "distill_draft.layers=[1]",
+                          f"distill_draft.checkpoint_dir={tmp_path / 'ck'}", "distill_draft.progress=false"],
+    }[task]
+    option = "distill.out" if task == "distill_corpus" else f"{task}.out"
+    with pytest.raises(ConfigError, match=rf"{option}=.*a_folder{suffix} is a folder: give a file, e.g. {option}=.*a_folder{suffix}/"):
+        run_task(compose_config([f"task={task}", "model=tiny_random", *overrides, f"{option}={folder}"]))
+    assert sorted(p.name for p in folder.iterdir()) == ["kept.txt"]
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "shards").exists()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"{option}=.*a_file/x{suffix}: .*a_file is a file, not a folder"):
+        run_task(compose_config([f"task={task}", "model=tiny_random", *overrides,
+                                 f"{option}={tmp_path / 'a_file' / ('x' + suffix)}"]))

@@ -44,7 +44,7 @@ def test_training_rows_pair_each_feature_with_the_next_token():
     assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
 
 
-def test_train_heads_trains_resumes_and_exports(tmp_path):
+def test_train_heads_trains_resumes_and_exports(tmp_path, capsys):
     from specpipe.tasks import TASKS
 
     assert TASKS["train_heads"] == ("specpipe.tasks.train_heads", "run_train_heads")
@@ -72,7 +72,9 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set train_heads.corpus"):
         run_train_heads(config(8, f"train_heads.corpus={tmp_path / 'nothing.parquet'}"))
 
+    capsys.readouterr()
     second = run_train_heads(config(8))  # resumes at step 6; the features are not extracted again
+    assert "nothing left to train" not in capsys.readouterr().err
     assert second["step"] == 8 and [entry["step"] for entry in second["train_log"]] == [2, 4, 6, 8]
     assert sorted((checkpoints / "features-fp32").glob("*.npy")) == feature_shards
     report = json.loads(Path(second["report"]).read_text())
@@ -88,6 +90,10 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
         [settings.max_seq_len, 2000, settings.seed]
     assert exported["eval"]["acceptance_per_depth"] == report["evals"][-1]["acceptance_per_depth"]
     assert_pins_the_corpus_ranking(out / "draft_vocab.npz", corpus)
+    # a rerun after the end said only "resumed from step 8"
+    assert run_train_heads(config(8))["step"] == 8
+    assert "nothing left to train: the checkpoint is at step 8 and train_heads.steps=8 (raise train_heads.steps" \
+        in capsys.readouterr().err
 
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle", "cost_curve=flat",
@@ -107,6 +113,8 @@ def test_train_heads_trains_resumes_and_exports(tmp_path):
     ("train_heads.feature_batch=0", "train_heads.feature_batch must be >= 1"),
     ("train_heads.medusa_heads=0", "train_heads.medusa_heads must be >= 1"),
     ("train_heads.steps=abc", "train_heads.steps must be a number"),
+    ("train_heads.vocab_top_k=-1", r"train_heads.vocab_top_k must be between 0 \(the full vocabulary\) and 49152"),
+    ("train_heads.vocab_top_k=50000", "train_heads.vocab_top_k must be between 0"),
 ])
 def test_bad_training_settings_are_refused_before_any_work(tmp_path, override, match):
     """A QA pass met raw tracebacks after the feature pass (lr, checkpoint_every, medusa_heads) and silent
@@ -130,6 +138,22 @@ def test_eagle3_layers_and_the_checkpoint_folder_are_checked_before_the_features
     with pytest.raises(ConfigError, match="train_heads.checkpoint_dir=.*a_file is a file"):
         run_train_heads(compose_config(["task=train_heads", "model=tiny_random", f"train_heads.out={tmp_path / 'out'}",
                                         f"train_heads.checkpoint_dir={tmp_path / 'a_file'}"]))
+    with pytest.raises(ConfigError, match="train_heads.out=.*a_file is a file"):  # the heads are a folder
+        run_train_heads(compose_config(["task=train_heads", "model=tiny_random", f"train_heads.out={tmp_path / 'a_file'}",
+                                        f"train_heads.checkpoint_dir={tmp_path / 'ck'}"]))
+    assert not (tmp_path / "ck").exists()
+
+
+def test_vocab_top_k_0_trains_over_the_full_vocabulary(tmp_path):
+    """As drafter.vocab_top_k=0 does: the task refused 0 although the drafter takes it."""
+    corpus, out = tmp_path / "corpus.parquet", tmp_path / "head"
+    write_corpus(corpus)
+    result = run_train_heads(compose_config([
+        "task=train_heads", "model=tiny_random", f"train_heads.corpus={corpus}", f"train_heads.out={out}",
+        f"train_heads.checkpoint_dir={tmp_path / 'ck'}", "train_heads.steps=0", "train_heads.vocab_top_k=0",
+        "train_heads.eval_fraction=0.3", "train_heads.eval_chains=2", "train_heads.progress=false"]))
+    exported = json.loads((out / "config.json").read_text())["specpipe"]
+    assert exported["training"]["vocab_top_k"] == 49152 and result["eval"]["vocab_miss_rate"] == 0.0
 
 
 def test_a_run_resumed_with_other_settings_is_refused(tmp_path):

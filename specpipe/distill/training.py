@@ -94,6 +94,26 @@ def check_folder(folder: Path, option: str) -> None:
         raise ConfigError(f"{option}={folder} is a file: give a folder (it is made where missing)")
 
 
+def check_output_file(path: Path, option: str, example_name: str) -> None:
+    """Refuses an output file that is a folder, or whose folder is a file, before any long pass: the write
+    comes last, and an IsADirectoryError then would throw the task's work away."""
+    if path.is_dir():
+        raise ConfigError(f"{option}={path} is a folder: give a file, e.g. {option}={path / example_name}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{option}={path}: {parent} is a file, not a folder")
+            break
+
+
+def finished_message(prefix: str, step: int, steps: int) -> str | None:
+    """What a rerun after the end says (it trains nothing; without this it said only "resumed from step N")."""
+    if step < steps:
+        return None
+    return (f"nothing left to train: the checkpoint is at step {step} and {prefix}.steps={steps} "
+            f"(raise {prefix}.steps to train on)")
+
+
 def save_npy(path: Path, array: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from specpipe.distill.prompts import display_path
-from specpipe.distill.training import SCORED_SHARE_RULE, check_task_settings, progress_bar
+from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings, progress_bar
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
@@ -58,6 +58,13 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
     if drafter is None:
         raise ConfigError(f"task=calibrate_tree calibrates Medusa or Hydra heads: pipeline={cfg.pipeline.name} has "
                           f"none under pipeline.drafters (use pipeline=medusa or pipeline=hydra)")
+    if c.get("out"):
+        out = repo_path(c.out)
+    elif drafter.folder is not None:
+        out = drafter.folder / "tree.json"
+    else:
+        raise ConfigError("calibrate_tree.out: where to write the tree (the drafter has no checkpoint folder)")
+    check_output_file(out, "calibrate_tree.out", "tree.json")
     target, tokenizer = pipeline.decoder.target, pipeline.tokenizer
     corpus = local_path(c.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -82,12 +89,6 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
     paths, probabilities = ranked_paths(count_paths(ranks, int(c.max_rank)), len(ranks), int(c.paths))
 
     folder = drafter.folder
-    if c.get("out"):
-        out = repo_path(c.out)
-    elif folder is not None:
-        out = folder / "tree.json"
-    else:
-        raise ConfigError("calibrate_tree.out: where to write the tree (the drafter has no checkpoint folder)")
     info = {
         "drafter": drafter.name, "heads": display_path(folder) if folder is not None else None, "heads_sha256": heads_sha256(folder),
         "target": cfg.model.name, "dtype": str(cfg.model.dtype), "command": task_command("calibrate_tree"),

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from specpipe.distill.corpus import (AnswerStream, BatchedGreedy, DistillStats, ShardFolder, distill,
                                      merge_shards, shards_from_corpus)
 from specpipe.distill.prompts import ChatPrompt, build_prompt_source, follow_up_prompts
-from specpipe.distill.training import check_task_settings
+from specpipe.distill.training import check_folder, check_output_file, check_task_settings
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
@@ -46,6 +46,8 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         raise ConfigError(f"distill.generator must be one of {GENERATORS}, got {d.generator!r}")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
+    check_output_file(repo_path(d.out), "distill.out", f"{cfg.model.name}_chat.parquet")
+    check_folder(repo_path(d.shards), "distill.shards")
     source = build_prompt_source(seed=int(d.seed))
     prompts = source.prompts[: int(d.limit)] if d.get("limit") else source.prompts
     shards = ShardFolder(repo_path(d.shards))

@@ -47,8 +47,9 @@ from specpipe.distill.prompts import prompt_id as text_id
 from specpipe.distill.draft_model import build_draft, save_draft
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
-from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
-                                       lock_folder, progress_bar, token_batches, write_json)
+from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_output_file,
+                                       check_task_settings, finished_message, lock_folder, progress_bar, token_batches,
+                                       write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.paths import local_path
@@ -376,6 +377,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                           f"model.dtype={cfg.model.dtype}: use model.dtype=fp32")
     layers = [int(layer) for layer in d.layers]
     draft = build_draft(target, layers)  # checks the layers before any long stage
+    out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
+    check_output_file(out, "distill_draft.out", f"{loaded.name}_draft.safetensors")
     if int(d.teacher_top_k) > int(target.config.vocab_size):
         raise ConfigError(f"distill_draft.teacher_top_k must be at most the vocabulary size "
                           f"{target.config.vocab_size}, got {d.teacher_top_k}")
@@ -423,9 +426,10 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     trainer = Trainer(draft, train, teacher, d, run_folder, pad_id)
     if trainer.resume(_log):
         _log(f"resumed from step {trainer.step} ({trainer.tokens} tokens trained)")
+        if finished := finished_message("distill_draft", trainer.step, int(d.steps)):
+            _log(finished)
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
-    out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
     ranking = corpus_ranking(str(corpus), loaded.tokenizer)  # exported beside the draft
 
     def run_eval(export: bool) -> dict:

@@ -22,7 +22,7 @@ from specpipe.pipelines.builder import load_model
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.distill.training import SCORED_SHARE_RULE, check_task_settings
+from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings
 from specpipe.paths import local_path
 from specpipe.tasks import repo_path, task_command
 from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
@@ -73,6 +73,8 @@ def run_search_layers(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
+    out = repo_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
+    check_output_file(out, "search_layers.out", searched_layers_path(loaded.name).name)
     corpus = local_path(s.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)
     examples, _ = read_task_corpus(corpus, "search_layers.corpus", tokenizer, fingerprint["vocab_sha256"], loaded.name,
@@ -121,7 +123,6 @@ def run_search_layers(cfg: DictConfig) -> dict:
               "corpus": {"file": str(s.corpus), "sha256": sha256_file(corpus), "eval_fraction": float(s.eval_fraction)},
               "positions": probe.positions, "answers": len(sequences),
               "vocab_top_k": int(s.vocab_top_k), "rows": rows}
-    out = repo_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=1) + "\n"))
     # drafter=layer_skip drafts over the tokens of this corpus's ranking, pinned beside the search.

@@ -65,7 +65,7 @@ from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
-                                       lock_folder, progress_bar, write_json)
+                                       finished_message, lock_folder, progress_bar, write_json)
 from specpipe.paths import local_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
                                           pad_examples, read_task_corpus, split_held_out)
@@ -589,6 +589,13 @@ def run_train_heads(cfg: DictConfig) -> dict:
                           f"(eval_fraction={h.eval_fraction}): both must be non-empty")
     folder = repo_path(h.checkpoint_dir) if h.get("checkpoint_dir") else cache_root() / "train_heads" / loaded.name
     check_folder(folder, "train_heads.checkpoint_dir")
+    out = repo_path(h.out) if h.get("out") else repo_path(f"data/{h.kind}/{loaded.name}")
+    check_folder(out, "train_heads.out")
+    vocab = int(target.config.vocab_size)
+    top_k = int(h.vocab_top_k) or vocab  # 0: the full vocabulary, as drafter.vocab_top_k=0 means
+    if not 0 < top_k <= vocab:
+        raise ConfigError(f"train_heads.vocab_top_k must be between 0 (the full vocabulary) and {vocab}, "
+                          f"got {h.vocab_top_k}")
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     dtype = str(cfg.model.dtype)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
@@ -614,10 +621,6 @@ def run_train_heads(cfg: DictConfig) -> dict:
         check_features(aux_features, examples, aux_cache)
 
     # b. train (c. and d. along the way)
-    vocab = int(target.config.vocab_size)
-    top_k = int(h.vocab_top_k)
-    if not 0 < top_k <= vocab:
-        raise ConfigError(f"train_heads.vocab_top_k must be between 1 and {vocab}, got {top_k}")
     ranking = corpus_ranking(str(corpus), tokenizer)  # exported beside the head: the tokens it drafts over
     reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
     to_reduced = torch.full((vocab,), -1, dtype=torch.long)
@@ -641,9 +644,10 @@ def run_train_heads(cfg: DictConfig) -> dict:
     trainer = HeadTrainer(net, loss_of, train, h, run_folder)
     if trainer.resume(_log):
         _log(f"resumed from step {trainer.step}")
+        if finished := finished_message("train_heads", trainer.step, int(h.steps)):
+            _log(finished)
     report_path = run_folder / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
-    out = repo_path(h.out) if h.get("out") else repo_path(f"data/{h.kind}/{loaded.name}")
 
     def run_eval(export: bool) -> dict:
         started = time.perf_counter()
