@@ -858,6 +858,34 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
     assert torch.equal(model.lm_head(x), stock.lm_head(x))
 
 
+def test_a_lock_left_by_a_killed_kernel_build_is_removed(monkeypatch, tmp_path, capsys):
+    """torch's build waits forever, silently, on a `lock` file a killed build left; under specpipe's own
+    flock (released when its process dies) such a file is a leftover and goes."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    from specpipe.engine import cpu_kernel
+
+    folder = tmp_path / cpu_kernel.build_name("avx2")
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    seen = {}
+
+    def load_inline(**kwargs):
+        seen["lock"] = (folder / "lock").exists()
+        with open(folder / ".build.lock") as other:  # a second process's try is refused while this one builds
+            with pytest.raises(OSError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert cpu_kernel._build(tmp_path, "avx2") == "module"
+    assert seen == {"lock": False} and "left by a kernel build that was killed" in capsys.readouterr().err
+    assert cpu_kernel._build(tmp_path, "avx2") == "module"  # nothing left over: nothing said
+    assert capsys.readouterr().err == ""
+
+
 def test_bf16_fallback_decodes_as_transformers_bf16_does(monkeypatch):
     """Greedy tokens of the fallback path against the stock bf16 model, recomputed from scratch each
     step: they may part only at a near-tie of the stock logits (bf16 keeps 8 bits of mantissa)."""

@@ -75,6 +75,7 @@ docs/BENCHMARKS.md). It agrees with SDPA to float rounding, not bitwise (checked
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -998,11 +999,35 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
     if bin_folder not in path.split(os.pathsep):
         os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
     try:
-        return cpp_extension.load_inline(
-            name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm", "tree_attention"], build_directory=str(folder),
-            extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"], verbose=False)
+        with _one_build_at_a_time(folder):
+            return cpp_extension.load_inline(
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm", "tree_attention"],
+                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
+                verbose=False)
     finally:
         os.environ["PATH"] = path
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(folder: Path):
+    """Holds an flock on `folder/.build.lock` around torch's build or load of the kernel.
+
+    torch marks a build in progress with a plain `lock` file. A build killed midway leaves it behind, and
+    every later run then waits on it forever without a word. The flock goes away with its process, so a
+    `lock` found while holding it is such a leftover: it is removed."""
+    import fcntl
+
+    with open(folder / ".build.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"specpipe: waiting for another process's build of the CPU kernel in {folder}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        leftover = folder / "lock"
+        if leftover.exists():
+            print(f"specpipe: removing {leftover}, left by a kernel build that was killed", file=sys.stderr)
+            leftover.unlink(missing_ok=True)
+        yield
 
 
 def _self_check(product) -> None:
