@@ -113,7 +113,8 @@ def test_train_heads_trains_resumes_and_exports(tmp_path, capsys):
     ("train_heads.feature_batch=0", "train_heads.feature_batch must be >= 1"),
     ("train_heads.medusa_heads=0", "train_heads.medusa_heads must be >= 1"),
     ("train_heads.steps=abc", "train_heads.steps must be a number"),
-    ("train_heads.vocab_top_k=-1", r"train_heads.vocab_top_k must be between 0 \(the full vocabulary\) and 49152"),
+    ("train_heads.vocab_top_k=-1", r"train_heads.vocab_top_k must be a whole number >= 0 \(0: the full vocabulary\)"),
+    ("train_heads.vocab_top_k=abc", "train_heads.vocab_top_k must be a number"),
     ("train_heads.vocab_top_k=50000", "train_heads.vocab_top_k must be between 0"),
 ])
 def test_bad_training_settings_are_refused_before_any_work(tmp_path, override, match):

@@ -557,8 +557,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     h = cfg.train_heads
     if h.kind not in HEAD_KINDS:
         raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
-    check_task_settings(h, "train_heads", {key: AT_LEAST_ONE for key in
-                                           ("feature_batch", "medusa_heads", "medusa_layers")})
+    check_task_settings(h, "train_heads", {**{key: AT_LEAST_ONE for key in ("feature_batch", "medusa_heads", "medusa_layers")},
+                                           "vocab_top_k": (lambda v: v >= 0 and v == int(v),
+                                                           "a whole number >= 0 (0: the full vocabulary)")})
     if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
         raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
                           f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
