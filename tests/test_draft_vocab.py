@@ -147,12 +147,19 @@ def test_a_bad_pinned_ranking_is_refused_with_a_message(tiny_mixed, tmp_path):
                                          f"pipeline.drafters.eagle.vocab_top_k={vocab}"), loaded=tiny_mixed.loaded)
 
 
-@pytest.mark.parametrize("artifact", ["data/eagle/smollm2_135m", "data/eagle/smollm2_135m_bf16", "data/medusa/smollm2_135m",
-                                      "data/hydra/smollm2_135m", "data/draft/smollm2_135m_draft.safetensors",
-                                      "data/layer_skip/smollm2_135m_layers.json"])
-def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact):
+CHAT_2M = (2_076_540, "37ac301229ebb209")  # the 2.08M-token corpus (sha256 37ac3012...) of run 18
+CHAT_3M = (3_140_420, "47b7fe8633c2ed9d")  # the 3.14M-token corpus (sha256 47b7fe86...) of run 33
+
+
+@pytest.mark.parametrize("artifact,corpus", [
+    ("data/eagle/smollm2_135m", CHAT_2M), ("data/eagle/smollm2_135m_bf16", CHAT_2M), ("data/medusa/smollm2_135m", CHAT_2M),
+    ("data/hydra/smollm2_135m", CHAT_2M), ("data/layer_skip/smollm2_135m_layers.json", CHAT_2M),
+    ("data/draft/smollm2_135m_draft.safetensors", CHAT_3M),  # distilled on that corpus in run 40
+])
+def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact, corpus):
     """What the shipped artifacts draft over no longer moves with the chat corpus: each carries the
-    ranking it has been served with since run 18 (the 2.08M-token corpus, sha256 37ac3012...)."""
+    ranking of the corpus it was served with since it shipped."""
+    tokens, sha256 = corpus
     with np.load(pinned_vocab_path(REPO / artifact), allow_pickle=False) as data:
         counts, source = data["counts"], str(data["source"])
-    assert counts.shape == (49152,) and counts.sum() == 2_076_540 and "37ac301229ebb209" in source
+    assert counts.shape == (49152,) and counts.sum() == tokens and sha256 in source
