@@ -35,7 +35,8 @@ def main() -> None:
     drafts = [d for d in args.drafts if "=" not in d]
     cfg = compose_config(["task=distill_draft", *[d for d in args.drafts if "=" in d]])
     d = cfg.distill_draft
-    torch.set_num_threads(int(cfg.threads))
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
     vocab_sha256 = tokenizer_fingerprint(loaded.tokenizer)["vocab_sha256"]
     examples, _ = read_task_corpus(local_path(d.corpus), "distill_draft.corpus", loaded.tokenizer, vocab_sha256,
