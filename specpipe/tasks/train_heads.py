@@ -593,8 +593,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     out = repo_path(h.out) if h.get("out") else repo_path(f"data/{h.kind}/{loaded.name}")
     check_folder(out, "train_heads.out")
     vocab = int(target.config.vocab_size)
-    top_k = int(h.vocab_top_k) or vocab  # 0: the full vocabulary, as drafter.vocab_top_k=0 means
-    if not 0 < top_k <= vocab:
+    top_k = int(h.vocab_top_k) or vocab  # 0: the full vocabulary, as drafter.vocab_top_k=0 means (>= 0: the rules above)
+    if top_k > vocab:
         raise ConfigError(f"train_heads.vocab_top_k must be between 0 (the full vocabulary) and {vocab}, "
                           f"got {h.vocab_top_k}")
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
