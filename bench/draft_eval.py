@@ -23,7 +23,7 @@ from specpipe.distill.draft_model import load_draft
 from specpipe.paths import local_path
 from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
-from specpipe.tasks.distill_draft import TeacherCache, evaluate, read_task_corpus, split_held_out
+from specpipe.tasks.distill_draft import TeacherCache, evaluate, pad_id_of, read_task_corpus, split_held_out
 
 
 def main() -> None:
@@ -49,8 +49,7 @@ def main() -> None:
     if missing:
         raise SystemExit(f"{len(missing)} of {len(held_out)} held-out answers have no teacher logits in "
                          f"{args.checkpoint_dir}: run task=distill_draft there first (teacher_only=true)")
-    pad_id = int(loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None
-                 else loaded.tokenizer.eos_token_id)
+    pad_id = pad_id_of(loaded.tokenizer)
     depth = int(d.chain_depth)
     print(f"{len(held_out)} held-out answers ({sum(e.n_pred for e in held_out)} positions) of {d.corpus}"
           f"{f' (first {d.limit})' if d.get('limit') else ''}; {d.eval_chains} chains of {depth}\n")

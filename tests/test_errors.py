@@ -415,7 +415,6 @@ def test_bad_task_settings_are_refused_before_any_work(overrides, match):
         run_task(compose_config(["model=tiny_random", *overrides]))
 
 
-
 @pytest.mark.parametrize("task", ["calibrate_tree", "search_layers", "distill_corpus", "distill_draft"])
 def test_an_output_file_that_is_a_folder_is_refused_before_any_work(tmp_path, task):
     """A QA pass met IsADirectoryError at the very end of these tasks (after scoring every held-out answer,

@@ -130,6 +130,11 @@ def load_examples(corpus: Path, tokenizer, max_seq_len: int, system_prompt: str 
     return examples
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id that pads a batch of examples: the tokenizer's pad token, else its EOS (SmolLM2 has no pad token)."""
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
 def pad_examples(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ids [b, T], attention mask [b, T], and the (row, column) of every answer position [n]."""
     width = max(len(e.tokens) for e in examples)
@@ -397,7 +402,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")
     folder = repo_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
     check_folder(folder, "distill_draft.checkpoint_dir")
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    pad_id = pad_id_of(tokenizer)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
          f"draft = target layers {layers}; checkpoints in {folder}")

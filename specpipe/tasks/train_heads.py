@@ -68,7 +68,7 @@ from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTra
                                        finished_message, lock_folder, progress_bar, write_json)
 from specpipe.paths import local_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
-                                          pad_examples, read_task_corpus, split_held_out)
+                                          pad_examples, pad_id_of, read_task_corpus, split_held_out)
 
 FEATURES_VERSION = 1
 HEAD_KINDS = ("eagle", "medusa", "eagle3", "hydra")
@@ -597,7 +597,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if top_k > vocab:
         raise ConfigError(f"train_heads.vocab_top_k must be between 0 (the full vocabulary) and {vocab}, "
                           f"got {h.vocab_top_k}")
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    pad_id = pad_id_of(tokenizer)
     dtype = str(cfg.model.dtype)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
