@@ -206,6 +206,19 @@ def test_eagle2_expands_less_where_the_other_sources_already_fill_the_tree():
     assert expansions([retrieved]) == 1
 
 
+def test_eagle2_grows_only_the_frontier_nodes_that_pay_for_their_verify_rows():
+    """A frontier of one likely node (0.8) and seven unlikely ones (0.02): on a 10 ms + 1 ms/row verify and
+    a 1 ms draft level, growing all eight cannot pay (at best (1.8 + 0.94) tokens for 19 + 1 ms, against
+    1.8 for 11 ms), so pricing the whole frontier stopped the tree at one level. The likely node alone
+    can ((1.8 + 0.8 * 0.8) tokens for 12 + 1 ms: the draft was 0.8 sure of its best child at the level
+    before), so the next level expands that one node, in a one-row draft forward."""
+    drafter = ScriptedDrafter([{1: 0.8, **{token: 0.02 for token in range(2, 9)}}, {9: 0.9}])
+    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0))
+    builder = Eagle2TreeBuilder(CostCurve((1, 64), (10.0, 73.0)), depth=2, top_k=8, children=8, min_score=0.0)
+    builder.build(DecodeState(tokens=[0], prompt_length=1), [], [drafter])
+    assert drafter.expanded == [[ROOT], [0]]
+
+
 def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
     with pytest.raises(ConfigError, match="not a local model directory"):
         drafter_for(tiny_mixed, tmp_path)

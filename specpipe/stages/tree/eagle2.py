@@ -24,11 +24,11 @@ class Eagle2TreeBuilder:
     Expansion (EAGLE-2): at every depth the `top_k` newest nodes with the highest cumulative
     draft probability (the product of the draft's probabilities along the path, which tracks the
     chance that the target accepts the path) are expanded into their `children` most likely
-    children, in one draft forward. Expansion stops after `depth` levels, once no frontier node is
-    at least `min_score` likely, or once even the best case of one more level (all of the
-    frontier's probability accepted) cannot pay for its draft forward (the drafter's measured
-    `cost_curve`, where it has one) and the larger verify forward. The other sources' proposals count
-    in that decision: where the retrievers already fill the best cut, a deeper level pays less.
+    children, in one draft forward. Only the frontier's best nodes whose expected children pay for
+    their draft rows (the drafter's measured `cost_curve`, where it has one) and verify rows are
+    expanded; expansion stops after `depth` levels, once no frontier node is at least `min_score`
+    likely, or once no frontier node pays. The other sources' proposals count in that decision:
+    where the retrievers already fill the best cut, a deeper level pays less.
 
     Reranking: every drafted node, with the other sources' proposals, goes to the trie builder's
     selection: nodes best first (a child never outscores its parent, so every prefix of that
@@ -126,13 +126,16 @@ class Eagle2TreeBuilder:
         drafting_ms = 0.0
         for depth in range(self.depth):
             if depth > 0:
-                step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
-                if not self._worth_expanding([*other_scores, *(math.exp(s) for s in log_scores)],
-                                             [math.exp(s) for s in frontier_scores], drafting_ms, step_ms):
+                expand, step_ms = self._frontier_to_expand([*other_scores, *(math.exp(s) for s in log_scores)],
+                                                           [math.exp(s) for s in frontier_scores], drafting_ms, draft_cost,
+                                                           child_rate)
+                if not expand:
                     break
+                frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
                 drafting_ms += step_ms
             logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
+            child_rate = float(top.values[:, 0].exp().mean())  # how sure the draft was at this level
             chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
             cumulative = torch.tensor(frontier_scores, device=top.values.device)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
@@ -172,9 +175,12 @@ class Eagle2TreeBuilder:
         expected, drafting_ms = 1.0, 0.0
         for depth in range(self.depth):
             if depth > 0:
-                step_ms = draft_cost(len(frontier)) if draft_cost is not None else 0.0
-                if not self._worth_expanding([*other_scores, *scores], frontier_scores, drafting_ms, step_ms):
+                child_rate = float(frontier_probs.max(dim=-1).values.mean())  # the level just drawn from
+                expand, step_ms = self._frontier_to_expand([*other_scores, *scores], frontier_scores, drafting_ms,
+                                                           draft_cost, child_rate)
+                if not expand:
                     break
+                frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
                 drafting_ms += step_ms
                 frontier_probs = target_probs(full_vocab(drafter.step(state, tokens, parents, frontier)),
                                               sampling)  # [m, vocab]
@@ -225,15 +231,28 @@ class Eagle2TreeBuilder:
         one_step = self.cost_curve(1)
         return nodes > 0 and expected / (self.cost_curve(nodes + 1) + drafting_ms) * one_step >= self.selector.min_gain
 
-    def _worth_expanding(self, scores: list[float], frontier_scores: list[float], drafting_ms: float,
-                         step_ms: float) -> bool:
-        """Whether one more level could raise expected tokens per millisecond: at best it turns all
-        of the frontier's probability into accepted tokens, with one more node per frontier node."""
+    def _frontier_to_expand(self, scores: list[float], frontier_scores: list[float], drafting_ms: float,
+                            draft_cost: CostCurve | None, child_rate: float = 1.0) -> tuple[int, float]:
+        """How many of the frontier's best nodes (`frontier_scores`, best first) one more level should
+        expand (0 = stop), and the estimated milliseconds of that draft forward.
+
+        A node is expected to add its probability times `child_rate` (how likely the draft's best
+        child was at the level just drafted) for one more verified node. The level grows the frontier
+        prefix that raises expected tokens per millisecond most over the best cut of the nodes drafted
+        so far (`scores`), its draft forward included: beside seven unlikely nodes, a likely one is
+        grown alone, where pricing all eight would stop the tree. (Pricing all, with every child sure
+        to be accepted, the embedded draft never grew past depth 2; growing every prefix that could
+        pay at best drafted deeper levels that did not pay for their time.)"""
         ranked = sorted(scores, reverse=True)[: self.selector.max_nodes]
         best_size, best_expected, best_rate = self.selector.best_cut(ranked, drafting_ms)
-        optimistic = (best_expected + sum(frontier_scores)) / (
-            self.cost_curve(best_size + len(frontier_scores) + 1) + drafting_ms + step_ms)
-        return optimistic > best_rate
+        expand, expand_ms, gain = 0, 0.0, 0.0
+        for count, score in enumerate(frontier_scores, start=1):
+            gain += score * child_rate
+            step_ms = draft_cost(count) if draft_cost is not None else 0.0
+            optimistic = (best_expected + gain) / (self.cost_curve(best_size + count + 1) + drafting_ms + step_ms)
+            if optimistic > best_rate:
+                expand, expand_ms, best_rate = count, step_ms, optimistic
+        return expand, expand_ms
 
     @staticmethod
     def _draw(probs: Tensor, count: int, rng: torch.Generator | None) -> tuple[list[int], Tensor]:
