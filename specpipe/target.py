@@ -243,10 +243,12 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward_masked(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None,
-                       cache: PositionIndexedCache) -> ForwardOutput:
+                       cache: PositionIndexedCache, logits_rows: Tensor | None = None) -> ForwardOutput:
         """input_ids, position_ids [q]; mask [q, cache + q] bool (True = attend) over the cached
         entries then the new ones, or None for one query that sees everything. Appends q entries
-        to the cache; returns logits [q, vocab] and last hidden states [q, hidden].
+        to the cache; returns logits [q, vocab] (or [r, vocab] of the rows `logits_rows` [r] names: a
+        drafter that reads one row, or scores its own vocabulary, skips the output layer's other rows)
+        and last hidden states [q, hidden].
 
         The general form of a verify forward: drafters that keep their own cache use it to feed
         committed text (a causal mask) and tree nodes (an ancestor mask) alike.
@@ -255,7 +257,8 @@ class TargetModel:
         if mask is not None:
             mask = mask[None, None].to(self.device)  # [1, 1, q, kv]
         out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
-                         attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
+                         attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                         logits_to_keep=0 if logits_rows is None else logits_rows)
         return self._output(out)
 
     def _output(self, out) -> ForwardOutput:

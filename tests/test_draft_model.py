@@ -322,3 +322,29 @@ def test_a_bad_reduced_vocabulary_setting_is_refused(tiny_mixed, tmp_path):
         build_pipeline(tiny_mixed.config("draft_model", "pipeline.drafters.model.vocab_top_k=100",
                                          f"pipeline.drafters.model.vocab_counts={tmp_path / 'none'}"),
                        loaded=tiny_mixed.loaded)
+
+
+def test_a_reduced_vocabulary_draft_hands_out_log_probs_over_its_own_tokens(tiny_mixed, tmp_path):
+    """With vocab_top_k the drafter skips the -inf scatter over the whole vocabulary: its root and node
+    rows are [k] over `draft_vocab`, equal to the full-vocabulary rows at those columns (where all the
+    probability is), and its SpS chain names target tokens, the same ones."""
+    corpus = tmp_path / "answers.parquet"
+    write_answer_corpus(corpus, [list(range(300)), list(range(0, 600, 2))])
+    reduced = drafter_for(tiny_mixed, tiny_draft_dir(), vocab_top_k=64, vocab_counts=str(corpus), min_score=0.0)
+    full = drafter_for(tiny_mixed, tiny_draft_dir(), vocab_top_k=64, vocab_counts=str(corpus), min_score=0.0)
+    full.draft_vocab = None  # the same reduced output layer, scattered over the whole vocabulary
+    assert reduced.draft_vocab is not None and reduced.draft_vocab.shape == (64,)
+    prompt = random_prompts(1, seed=25)[0][:30]
+    rows = {}
+    for name, drafter in (("reduced", reduced), ("full", full)):
+        state = DecodeState(tokens=list(prompt), prompt_length=len(prompt))
+        drafter.reset(state)
+        root = drafter.start(state)
+        nodes = drafter.step(state, [5, 7], [ROOT, ROOT], [0, 1])  # [2, k] or [2, vocab]
+        rows[name] = torch.cat([root[None], nodes])
+        drafter.reset(state)
+        rows[name + " chain"] = drafter.propose(state).tokens.tolist()
+    assert rows["reduced"].shape == (3, 64) and rows["full"].shape == (3, tiny_mixed.tokenizer.vocab_size)
+    torch.testing.assert_close(rows["reduced"], rows["full"][:, reduced.draft_vocab])
+    assert rows["reduced chain"] == rows["full chain"] and rows["reduced chain"]
+    assert set(rows["reduced chain"]) <= set(reduced.draft_vocab.tolist())

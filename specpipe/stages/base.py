@@ -58,6 +58,15 @@ def draft_token_ids(columns: Tensor, draft_vocab: Tensor | None) -> Tensor:
     return columns if draft_vocab is None else draft_vocab[columns]
 
 
+def full_vocab_logprobs(logprobs: Tensor, draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """[m, vocab_size] log-probs from a drafter's rows [m, k] over `draft_vocab` [k] (-inf elsewhere), or
+    the rows themselves where it is None: what a verifier's draft distributions need."""
+    if draft_vocab is None:
+        return logprobs
+    full = logprobs.new_full((logprobs.shape[0], vocab_size), float("-inf"))
+    return full.index_copy_(-1, draft_vocab, logprobs)
+
+
 @dataclass(frozen=True)
 class LookaheadRows:
     """Query rows a stage adds to the verify forward, after the root and the tree nodes.

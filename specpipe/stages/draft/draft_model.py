@@ -27,9 +27,10 @@ from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import local_path
 from specpipe.sampling import sample, target_probs
+from specpipe.stages.base import draft_token_ids, full_vocab_logprobs
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
 from specpipe.stages.draft.head_checkpoint import folder_layout, wrong_layout
-from specpipe.target import TargetModel
+from specpipe.target import ForwardOutput, TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,11 @@ class DraftModelDrafter:
         self.runner = TargetModel(draft, name=f"{target.name}-{name}-{_shape_name(draft)}", attention="sdpa",
                                   engine=getattr(draft, "specpipe_engine", "hf"))
         self.cost_curve: CostCurve | None = None  # ms per draft forward of q rows; set by the pipeline builder
+        self.vocab_size = target.vocab_size
+        # A reduced output layer hands out log-probs over its own tokens only (StepDrafter's `draft_vocab`):
+        # no -inf scatter, log-softmax and top-k over all 49152 columns per draft level.
+        head = draft.get_output_embeddings()
+        self.draft_vocab: Tensor | None = head.target_ids if hasattr(head, "reduced_logits") else None  # [k]
         if new_cache is not None:  # a draft with its own cache layout (layer_skip); measuring its cost uses it too
             self.runner.new_cache = new_cache
         self.new_cache = self.runner.new_cache
@@ -235,17 +241,19 @@ class DraftModelDrafter:
             if sampled:
                 # Whether to draw one more is decided before drawing it: a node kept or dropped for
                 # its own token would bias the drafts the verifier tests (and so the output).
-                probs = target_probs(logprobs[None], state.sampling)[0]  # [vocab]
+                full = full_vocab_logprobs(logprobs[None], self.draft_vocab, self.vocab_size)  # [1, vocab]
+                probs = target_probs(full, state.sampling)[0]  # [vocab]
                 if cumulative * float(probs.max()) < self.min_score:
                     break
                 token = sample(probs, state.rng)
                 draft_probs.append(probs)
                 cumulative *= float(probs[token])
             else:
-                token = int(logprobs.argmax())
-                if cumulative * math.exp(float(logprobs[token])) < self.min_score:
+                column = logprobs.argmax()  # over draft_vocab's columns, or the token itself
+                if cumulative * math.exp(float(logprobs[column])) < self.min_score:
                     break
-                cumulative *= math.exp(float(logprobs[token]))
+                cumulative *= math.exp(float(logprobs[column]))
+                token = int(draft_token_ids(column, self.draft_vocab))
             tokens.append(token)
             scores.append(cumulative)
             if depth + 1 < self.chain_length:
@@ -275,9 +283,12 @@ class DraftModelDrafter:
             session.cache.crop(shared)
             new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
             q = int(new.shape[0])
+            # only the root's row is read: a prompt's rows through the output layer would cost a third of
+            # the draft's prefill
+            reduced = self._reduced_head()
             out = self.runner.forward_masked(new, torch.arange(shared, shared + q), causal_rows(shared, q),
-                                             session.cache)
-            session.root_logprobs = torch.log_softmax(out.logits[-1], dim=-1)
+                                             session.cache, logits_rows=self._logits_rows(reduced, [q - 1]))
+            session.root_logprobs = self._logprobs(out, reduced, q - 1)[-1]
         session.synced = len(tokens)
         session.slots, session.logprobs = {}, {}
         return session.root_logprobs
@@ -307,10 +318,34 @@ class DraftModelDrafter:
             session.slots[node] = cached + row
         mask, positions = tree_rows(order, parents, session.slots, session.synced, cached)  # [q, kv], [q]
         input_ids = torch.tensor([tokens[node] for node in order], dtype=torch.long)  # [q]
-        out = self.runner.forward_masked(input_ids, positions, mask, session.cache)
-        logprobs = torch.log_softmax(out.logits, dim=-1)  # [q, vocab]
+        reduced = self._reduced_head()
+        out = self.runner.forward_masked(input_ids, positions, mask, session.cache,
+                                         logits_rows=self._logits_rows(reduced, None))
+        logprobs = self._logprobs(out, reduced, 0)  # [q, vocab] or [q, k]
         for row, node in enumerate(order):
             session.logprobs[node] = logprobs[row]
+
+    def _reduced_head(self) -> nn.Module | None:
+        """The draft's reduced output layer where it hands out log-probs over `draft_vocab`, else None
+        (read each forward: the engine may have rewritten the layer since, `draft_vocab` set to None)."""
+        head = self.runner.model.get_output_embeddings()
+        return head if self.draft_vocab is not None and hasattr(head, "reduced_logits") else None
+
+    @staticmethod
+    def _logits_rows(reduced: nn.Module | None, rows: list[int] | None) -> Tensor | None:
+        """The rows whose full-vocabulary logits the forward computes: none where the reduced layer
+        scores the hidden states itself, else `rows` (None = all)."""
+        if reduced is not None:
+            return torch.empty(0, dtype=torch.long)
+        return None if rows is None else torch.tensor(rows, dtype=torch.long)
+
+    @staticmethod
+    def _logprobs(out: ForwardOutput, reduced: nn.Module | None, first_row: int) -> Tensor:
+        """Log-probs [r, k] over the reduced layer's tokens for the hidden rows from `first_row` on, or
+        [r, vocab] from the logits the forward computed."""
+        if reduced is not None:
+            return head_logprobs(reduced, out.hidden[first_row:], reduced=True)
+        return torch.log_softmax(out.logits, dim=-1)
 
 
 def _shape_name(draft: PreTrainedModel) -> str:

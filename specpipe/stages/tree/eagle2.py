@@ -10,7 +10,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.sampling import draw_without_replacement, target_probs
-from specpipe.stages.base import StepDrafter, draft_token_ids
+from specpipe.stages.base import StepDrafter, draft_token_ids, full_vocab_logprobs
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
 from specpipe.types import DecodeState, DraftTree, Proposal
@@ -158,13 +158,8 @@ class Eagle2TreeBuilder:
         draft_cost = getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)
 
-        def full_vocab(logprobs: Tensor) -> Tensor:
-            """[m, vocab] from a drafter's [m, vocab] or [m, k] over draft_vocab: the verifier needs
-            each node's distribution over the whole vocabulary."""
-            if draft_vocab is None:
-                return logprobs
-            full = logprobs.new_full((logprobs.shape[0], state.logits.shape[-1]), float("-inf"))
-            return full.index_copy_(-1, draft_vocab, logprobs)
+        def full_vocab(logprobs: Tensor) -> Tensor:  # the verifier needs each node's whole distribution
+            return full_vocab_logprobs(logprobs, draft_vocab, state.logits.shape[-1])  # [m, vocab]
 
         frontier_probs = target_probs(full_vocab(drafter.start(state)[None]), sampling)  # [1, vocab]
         tokens: list[int] = []
