@@ -58,13 +58,13 @@ def draft_token_ids(columns: Tensor, draft_vocab: Tensor | None) -> Tensor:
     return columns if draft_vocab is None else draft_vocab[columns]
 
 
-def full_vocab_logprobs(logprobs: Tensor, draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
-    """[m, vocab_size] log-probs from a drafter's rows [m, k] over `draft_vocab` [k] (-inf elsewhere), or
-    the rows themselves where it is None: what a verifier's draft distributions need."""
+def to_full_vocab(values: Tensor, draft_vocab: Tensor | None, vocab_size: int) -> Tensor:
+    """[..., vocab_size] from a drafter's logits or log-probs [..., k] over `draft_vocab` [k] (-inf at every
+    other token), or the values themselves where it is None (they cover the whole vocabulary)."""
     if draft_vocab is None:
-        return logprobs
-    full = logprobs.new_full((logprobs.shape[0], vocab_size), float("-inf"))
-    return full.index_copy_(-1, draft_vocab, logprobs)
+        return values
+    full = values.new_full((*values.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, draft_vocab, values)
 
 
 @dataclass(frozen=True)

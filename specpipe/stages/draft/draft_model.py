@@ -27,7 +27,7 @@ from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import local_path
 from specpipe.sampling import sample, target_probs
-from specpipe.stages.base import draft_token_ids, full_vocab_logprobs
+from specpipe.stages.base import draft_token_ids, to_full_vocab
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
 from specpipe.stages.draft.head_checkpoint import folder_layout, wrong_layout
 from specpipe.target import ForwardOutput, TargetModel
@@ -68,9 +68,7 @@ class ReducedVocabHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         # hidden [..., hidden] -> logits [..., vocab]: -inf but at `ids`
-        reduced = self.reduced_logits(hidden)  # [..., k]
-        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.ids, reduced)
+        return to_full_vocab(self.reduced_logits(hidden), self.ids, self.vocab_size)
 
 
 def head_logprobs(head: nn.Module, hidden: Tensor, reduced: bool) -> Tensor:
@@ -241,7 +239,7 @@ class DraftModelDrafter:
             if sampled:
                 # Whether to draw one more is decided before drawing it: a node kept or dropped for
                 # its own token would bias the drafts the verifier tests (and so the output).
-                full = full_vocab_logprobs(logprobs[None], self.draft_vocab, self.vocab_size)  # [1, vocab]
+                full = to_full_vocab(logprobs[None], self.draft_vocab, self.vocab_size)  # [1, vocab]
                 probs = target_probs(full, state.sampling)[0]  # [vocab]
                 if cumulative * float(probs.max()) < self.min_score:
                     break

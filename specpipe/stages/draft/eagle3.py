@@ -30,6 +30,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.stages.base import to_full_vocab
 from specpipe.stages.draft.eagle import EagleDrafter
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
@@ -132,9 +133,8 @@ class DraftVocabHead(nn.Module):
         return self.net.draft_logits(hidden)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        reduced = self.reduced_logits(hidden)  # [..., draft_vocab]
-        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.target_ids, reduced)
+        # hidden [..., hidden] -> logits [..., vocab]: -inf but at the draft vocabulary's tokens
+        return to_full_vocab(self.reduced_logits(hidden), self.target_ids, self.vocab_size)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

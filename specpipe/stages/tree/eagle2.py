@@ -10,7 +10,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.sampling import draw_without_replacement, target_probs
-from specpipe.stages.base import StepDrafter, draft_token_ids, full_vocab_logprobs
+from specpipe.stages.base import StepDrafter, draft_token_ids, to_full_vocab
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
 from specpipe.types import DecodeState, DraftTree, Proposal
@@ -159,7 +159,7 @@ class Eagle2TreeBuilder:
         draft_vocab = getattr(drafter, "draft_vocab", None)
 
         def full_vocab(logprobs: Tensor) -> Tensor:  # the verifier needs each node's whole distribution
-            return full_vocab_logprobs(logprobs, draft_vocab, state.logits.shape[-1])  # [m, vocab]
+            return to_full_vocab(logprobs, draft_vocab, state.logits.shape[-1])  # [m, vocab]
 
         frontier_probs = target_probs(full_vocab(drafter.start(state)[None]), sampling)  # [1, vocab]
         tokens: list[int] = []
@@ -227,7 +227,7 @@ class Eagle2TreeBuilder:
         return nodes > 0 and expected / (self.cost_curve(nodes + 1) + drafting_ms) * one_step >= self.selector.min_gain
 
     def _frontier_to_expand(self, scores: list[float], frontier_scores: list[float], drafting_ms: float,
-                            draft_cost: CostCurve | None, child_rate: float = 1.0) -> tuple[int, float]:
+                            draft_cost: CostCurve | None, child_rate: float) -> tuple[int, float]:
         """How many of the frontier's best nodes (`frontier_scores`, best first) one more level should
         expand (0 = stop), and the estimated milliseconds of that draft forward.
 
@@ -244,9 +244,9 @@ class Eagle2TreeBuilder:
         for count, score in enumerate(frontier_scores, start=1):
             gain += score * child_rate
             step_ms = draft_cost(count) if draft_cost is not None else 0.0
-            optimistic = (best_expected + gain) / (self.cost_curve(best_size + count + 1) + drafting_ms + step_ms)
-            if optimistic > best_rate:
-                expand, expand_ms, best_rate = count, step_ms, optimistic
+            estimated = (best_expected + gain) / (self.cost_curve(best_size + count + 1) + drafting_ms + step_ms)
+            if estimated > best_rate:
+                expand, expand_ms, best_rate = count, step_ms, estimated
         return expand, expand_ms
 
     @staticmethod
