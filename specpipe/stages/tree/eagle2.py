@@ -159,6 +159,8 @@ class Eagle2TreeBuilder:
         draft_vocab = getattr(drafter, "draft_vocab", None)
 
         def full_vocab(logprobs: Tensor) -> Tensor:  # the verifier needs each node's whole distribution
+            if draft_vocab is None:  # the rows cover the whole vocabulary (state.logits may be unset)
+                return logprobs
             return to_full_vocab(logprobs, draft_vocab, state.logits.shape[-1])  # [m, vocab]
 
         frontier_probs = target_probs(full_vocab(drafter.start(state)[None]), sampling)  # [1, vocab]
