@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -23,6 +24,23 @@ from specpipe.stages.base import LookaheadRows
 from specpipe.types import DraftTree
 
 TREE_ATTENTION = "specpipe_tree"
+SDPA_ATTENTION = "specpipe_sdpa"
+
+# cuDNN's attention, torch's first choice for SDPA on Hopper GPUs, builds an execution plan for each new
+# shape of queries, keys and mask. A draft forward meets a new shape at almost every step (its keys grow
+# token by token): on an H100 that made EAGLE's and the draft model's drafting 50-150 ms a step, against
+# 5-10 ms without it (BENCHMARKS run 42). Flash, memory-efficient and math attention set nothing up per shape.
+PLAN_FREE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                 **kwargs) -> tuple[Tensor, None]:
+    """transformers' SDPA attention (same arguments and result), kept off cuDNN's per-shape plans
+    (PLAN_FREE_SDPA_BACKENDS) off the CPU, for the masked forwards of drafters and tree verification."""
+    if query.device.type == "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with sdpa_kernel(PLAN_FREE_SDPA_BACKENDS):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def folded_attention_bias(attention_mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
@@ -56,14 +74,13 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     ([batch, kv_heads, groups * q, head_dim]) so SDPA reads each KV head once instead of
     copying it `groups` times (transformers' repeat_kv) or taking SDPA's slow GQA path: measured
     here 2-5x faster for q = 1-16 over 256-1024 cached tokens. A mask-free prefill (causal
-    over q > 1 rows, which folding would misalign) keeps transformers' own path, and so does a
-    GPU: the folding was measured on CPUs only (`attention=auto` picks the Triton kernel there).
+    over q > 1 rows, which folding would misalign) keeps transformers' own path (`sdpa_forward`), and
+    so does a GPU: the folding was measured on CPUs only (`attention=auto` picks the Triton kernel there).
     """
     batch, heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     if dropout or (attention_mask is None and q > 1) or heads % kv_heads or query.device.type != "cpu":
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     groups = heads // kv_heads
     folded_query = query.reshape(batch, kv_heads, groups * q, head_dim)  # rows ordered (group, query)
     mask = None
@@ -77,8 +94,10 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
 
 
 AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+AttentionInterface.register(SDPA_ATTENTION, sdpa_forward)
 # Prompt prefill passes no mask: build it the way SDPA's own path does (None when plain causal).
 ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_ATTENTION, sdpa_mask)
 
 ATTENTION_CHOICES = ("sdpa", "triton", "auto")
 

@@ -134,6 +134,28 @@ def test_reduced_vocabulary_pipeline_on_gpu_equals_greedy(gpu_mixed, pipeline, t
     check_greedy_over_reduced_vocabulary(gpu_mixed, pipeline, tmp_path, "attention=triton")
 
 
+@pytest.mark.parametrize("pipeline", ["draft_model", "eagle"])
+def test_drafters_attend_on_gpu_without_cudnn_plans(gpu_mixed, pipeline, monkeypatch):
+    """cuDNN's SDPA builds a plan for every new shape, and a drafter's keys grow each step: with it, drafting
+    took 50-150 ms a step on an H100 instead of 5-10 (BENCHMARKS run 42). The drafters' SDPA calls run without
+    it (the target's tree attention is the Triton kernel here), and decoding stays greedy."""
+    prompt = random_prompts(6, seed=3)[0]
+    expected = gpu_mixed.greedy_hf(prompt, 24)  # before the patch: HF's reference runs with torch's defaults
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cudnn_enabled_during_calls = []
+
+    def recording_sdpa(*args, **kwargs):
+        cudnn_enabled_during_calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    pipe = gpu_mixed.pipeline(pipeline, "attention=triton", fresh=True)
+    tokens, steps = run_steps(pipe, prompt, 24)
+    assert tokens == expected
+    assert sum(step.drafted for step in steps) > 0
+    assert cudnn_enabled_during_calls and not any(cudnn_enabled_during_calls)
+
+
 SAMPLED_PIPELINES = ["draft_model", "eagle", "specinfer_mix", "eagle_mix"]  # model drafters: a random model sampled
 # at any temperature is near uniform, so retrieval alone finds nothing to draft
 

@@ -149,3 +149,41 @@ def test_folded_gqa_attention_equals_transformers_sdpa(dtype, atol, heads, kv_he
     out, weights = tree_attention_forward(module, query, key, value, mask, scaling=0.25)
     assert weights is None and out.shape == expected.shape == (2, q, heads, 16) and out.is_contiguous()
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_masked_sdpa_off_the_cpu_runs_without_cudnn_plans(monkeypatch):
+    """Off the CPU, specpipe's SDPA attentions (tree verification with attention=sdpa, and the drafters' own
+    layers) run with cuDNN's attention switched off: it builds a plan per new shape, which made drafting
+    10-20x slower on an H100 (BENCHMARKS run 42). On the CPU nothing is switched, and the setting is
+    restored after each call. Meta tensors stand in for a GPU's: only the device type is read."""
+    from transformers import AttentionInterface, LlamaConfig
+
+    import specpipe.target as target_module
+    from specpipe.stages.draft.eagle import EagleNet
+    from specpipe.stages.draft.eagle3 import Eagle3Net
+    from specpipe.target import SDPA_ATTENTION, TREE_ATTENTION
+
+    cudnn_enabled_during_calls = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        cudnn_enabled_during_calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(target_module, "sdpa_attention_forward", recording_sdpa)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default, which the check below relies on
+    attentions = AttentionInterface()
+    for device in ("meta", "cpu"):
+        query = torch.zeros(1, 4, 3, 8, device=device)  # [batch, heads, q, head_dim]
+        key = value = torch.zeros(1, 2, 5, 8, device=device)  # [batch, kv_heads, kv, head_dim]
+        mask = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device)  # [batch, 1, q, kv]
+        attentions[SDPA_ATTENTION](None, query, key, value, mask)
+        attentions[TREE_ATTENTION](None, query, key, value, None)  # a mask-free prefill: transformers' path
+    assert cudnn_enabled_during_calls == [False, False, True, True]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    # The EAGLE layer and EAGLE-3's midlayer attend through it.
+    def config() -> LlamaConfig:
+        return LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=1, vocab_size=32)
+
+    assert EagleNet(config()).layers[0].self_attn.config._attn_implementation == SDPA_ATTENTION
+    assert Eagle3Net(config(), (0, 1, 2), 8).midlayer.self_attn.config._attn_implementation == SDPA_ATTENTION

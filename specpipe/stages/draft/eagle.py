@@ -42,7 +42,7 @@ from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, he
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
-from specpipe.target import TargetModel
+from specpipe.target import SDPA_ATTENTION, TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class EagleNet(nn.Module):
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
-        config._attn_implementation = "sdpa"  # tree masks go through SDPA as in the target runner
+        config._attn_implementation = SDPA_ATTENTION  # tree masks go through SDPA, kept off cuDNN's per-shape plans
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)

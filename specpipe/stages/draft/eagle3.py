@@ -34,7 +34,7 @@ from specpipe.stages.base import to_full_vocab
 from specpipe.stages.draft.eagle import EagleDrafter
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
-from specpipe.target import TargetModel
+from specpipe.target import SDPA_ATTENTION, TargetModel
 
 DEFAULT_EAGLE3_DIR = "data/eagle3/smollm2_135m"  # the head trained for the embedded model (task=train_heads)
 AUX_LAYER_COUNT = 3
@@ -77,7 +77,7 @@ class Eagle3Net(nn.Module):
 
     def __init__(self, config: LlamaConfig, aux_layers: tuple[int, ...], draft_vocab_size: int) -> None:
         super().__init__()
-        config._attn_implementation = "sdpa"  # tree masks go through SDPA as in the target runner
+        config._attn_implementation = SDPA_ATTENTION  # tree masks go through SDPA, kept off cuDNN's per-shape plans
         self.config = config
         self.aux_layers = tuple(aux_layers)
         hidden = config.hidden_size
