@@ -154,6 +154,8 @@ def test_per_category_takes_the_first_questions_of_each_category(prompts_file):
     questions = read_questions(prompts_file)
     assert [q.question_id for q in select_questions(questions, 1)] == [1, 3]
     assert [q.question_id for q in select_questions(questions, 5, ["qa"])] == [3, 4]
+    # categories take turns, so that a run stopped by its time limit has measured each about equally
+    assert [q.question_id for q in select_questions(questions, 2)] == [1, 3, 2, 4]
 
 
 def test_malformed_jsonl_line_is_reported_with_its_line_number(tmp_path):

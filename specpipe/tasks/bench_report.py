@@ -390,11 +390,16 @@ def write_parquet(records: Sequence[dict], path: Path) -> None:
 
 
 def write_answers(runs: Sequence["QuestionRun"], meta: dict, folder: Path) -> None:
-    """answers/METHOD.jsonl in Spec-Bench's own answer format, one line per question."""
+    """answers/METHOD.jsonl in Spec-Bench's own answer format, one line per question, by question_id as
+    Spec-Bench sorts its answer files (the questions ran with their categories taking turns)."""
     folder.mkdir(parents=True, exist_ok=True)
+
+    def by_question_id(run: "QuestionRun") -> tuple[bool, int | str]:
+        return isinstance(run.question.question_id, str), run.question.question_id  # ints first, then strings
+
     for method in meta["methods"]:
         lines = []
-        for run in (r for r in runs if r.method == method):
+        for run in sorted((r for r in runs if r.method == method), key=by_question_id):
             choice = {
                 "index": 0,
                 "turns": list(run.texts),
