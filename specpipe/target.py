@@ -30,7 +30,7 @@ SDPA_ATTENTION = "specpipe_sdpa"
 # shape of queries, keys and mask. A draft forward meets a new shape at almost every step (its keys grow
 # token by token): on an H100 that made EAGLE's and the draft model's drafting 50-150 ms a step, against
 # 5-10 ms without it (BENCHMARKS run 42). Flash, memory-efficient and math attention set nothing up per shape.
-PLAN_FREE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PLAN_FREE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def sdpa_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -39,7 +39,7 @@ def sdpa_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
     (PLAN_FREE_SDPA_BACKENDS) off the CPU, for the masked forwards of drafters and tree verification."""
     if query.device.type == "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    with sdpa_kernel(PLAN_FREE_SDPA_BACKENDS):
+    with sdpa_kernel(list(PLAN_FREE_SDPA_BACKENDS)):  # it takes a list only
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
