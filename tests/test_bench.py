@@ -43,7 +43,7 @@ def bench_run(prompts_file, tmp_path_factory, tiny_mixed) -> tuple[Path, dict]:
     so drafts are sometimes accepted and sometimes not; the stock one repeats its last token)."""
     out = tmp_path_factory.mktemp("bench_out")
     cfg = compose_config(tiny_overrides(prompts_file, "pipeline=prompt_lookup", "bench.per_category=2",
-                                        "bench.max_new_tokens=8", f"bench.out={out}"))
+                                        "bench.max_new_tokens=8", "bench.relative_to=vanilla", f"bench.out={out}"))
     return out, run_bench(cfg, loaded=tiny_mixed.loaded, hf_model=tiny_mixed.reference)
 
 
@@ -59,6 +59,46 @@ def test_summary_json_has_the_documented_shape(bench_run):
         for metrics in group.values():
             assert METRICS <= set(metrics)
             assert all(isinstance(metrics[key], float) for key in METRICS)
+
+
+def test_relative_to_gives_each_method_its_speed_over_one_method_with_an_interval(bench_run):
+    out, summary = bench_run
+    relative = summary["relative"]
+    assert relative["baseline"] == "vanilla" and set(relative["overall"]) == METHODS - {"vanilla"}
+    for method, cell in relative["overall"].items():
+        # the ratio of mean tok/s, as the summary's own cells give it
+        assert cell["ratio"] == pytest.approx(summary["overall"][method]["tok_s"] / summary["overall"]["vanilla"]["tok_s"])
+        assert cell["low"] <= cell["ratio"] <= cell["high"] and cell["questions"] == 4
+    assert list(relative["categories"]) == ["chat", "qa"]
+    assert "## Speed over `vanilla`" in (out / "summary.md").read_text()
+
+
+def test_paired_intervals_tell_a_slower_method_from_the_noise():
+    import random
+
+    from specpipe.tasks.bench_report import paired_speed_ratios, relative_table
+
+    rng = random.Random(0)
+    records = []
+    for question in range(12):
+        drift = rng.uniform(60.0, 140.0)  # the machine's speed when this question ran, shared by the methods
+        swing = 0.08 if question % 2 else -0.08  # +-8% question by question, 1 on average
+        for method, factor in (("base", 1.0), ("slower", 0.9 * rng.gauss(1.0, 0.02)), ("noisy", 1.0 + swing)):
+            group = "a" if question < 6 else "b"
+            records.append({"question_id": question, "group": group, "method": method, "tok_s": drift * factor})
+    records.append({"question_id": 99, "group": "b", "method": "noisy", "tok_s": 1e6})  # base never ran it
+    relative = paired_speed_ratios(records, ["base", "slower", "noisy"], "base")
+    slower, noisy = relative["overall"]["slower"], relative["overall"]["noisy"]
+    assert slower["high"] < 1.0 and 0.85 < slower["ratio"] < 0.95  # 10% slower: below 1 beyond the noise
+    assert noisy["low"] < 1.0 < noisy["high"]  # 8% noise around 1: not shown slower
+    assert noisy["questions"] == 12 and relative["categories"]["b"]["noisy"]["questions"] == 6  # pairs only
+    assert slower["high"] - slower["low"] < noisy["high"] - noisy["low"]
+    for group in ("a", "b"):
+        cell = relative["categories"][group]["slower"]
+        assert cell["low"] <= cell["ratio"] <= cell["high"]
+    table = relative_table(relative)
+    assert "**0." in table.splitlines()[2] and "**" not in table.splitlines()[3]  # only the slower row is bold
+    assert paired_speed_ratios(records, ["base", "slower", "noisy"], "base") == relative  # seeded
 
 
 def test_reference_is_one_and_greedy_methods_are_exact(bench_run):
@@ -179,6 +219,8 @@ def test_malformed_jsonl_line_is_reported_with_its_line_number(tmp_path):
     (["bench.compare=[[prompt_lookup]]"], InvalidRequest, "bench.compare must list pipelines"),
     (["bench.time_limit_s=0"], InvalidRequest, "time_limit_s must be a positive number of seconds or null"),
     (["bench.time_limit_s=soon"], InvalidRequest, "time_limit_s must be a positive number of seconds or null"),
+    (["bench.relative_to=beam"], InvalidRequest, "relative_to='beam' is not a method of this run; its methods are"),
+    (["bench.relative_to=[vanilla]"], InvalidRequest, "bench.relative_to must name one method"),
 ])
 def test_bad_settings_stop_with_a_clear_error(prompts_file, tmp_path, overrides, error, message):
     cfg = compose_config(tiny_overrides(prompts_file, f"bench.out={tmp_path}", *overrides))

@@ -436,6 +436,7 @@ class BenchSettings:
     group_categories: dict[str, str]  # category -> the category it is reported under
     out: Path
     time_limit_s: float | None = None  # stop before a question that would end past it (warm-up included)
+    relative_to: str | None = None  # a method the report gives every other's speed over, with an interval
 
 
 def read_settings(cfg: DictConfig) -> BenchSettings:
@@ -474,7 +475,18 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         categories=tuple(categories) if categories else None,
         out=output_dir(bench.get("out")),
         time_limit_s=float(time_limit_s) if time_limit_s is not None else None,
+        relative_to=read_relative_to(bench.get("relative_to")),
     )
+
+
+def read_relative_to(name: object) -> str | None:
+    """bench.relative_to: one method name, or null."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"bench.relative_to must name one method of this run (e.g. vanilla, or a pipeline of "
+                             f"bench.compare), or be null; got {name!r}")
+    return name
 
 
 def read_compare(compare: object) -> tuple[str, ...]:
@@ -560,6 +572,9 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
             raise InvalidRequest(f"bench.compare: {other.name!r} is already a method of this run "
                                  f"({', '.join(methods)}); compare other pipelines")
         methods[other.name] = PipelineDecode(other)
+    if settings.relative_to is not None and settings.relative_to not in methods:
+        raise InvalidRequest(f"bench.relative_to={settings.relative_to!r} is not a method of this run; its methods "
+                             f"are {', '.join(methods)}")
     print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}) on "
           f"{pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}, "
           f"warm-up {settings.warmup}", file=sys.stderr)
@@ -591,6 +606,7 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
         "max_new_tokens": settings.max_new_tokens,
         "warmup": settings.warmup,
         "pld_tokens": settings.pld_tokens,
+        "relative_to": settings.relative_to,
         "sampling": OmegaConf.to_container(cfg.sampling, resolve=True),
         "questions": len(runs) // len(methods),
         "questions_selected": len(questions),

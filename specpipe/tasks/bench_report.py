@@ -17,6 +17,11 @@ results.parquet keeps each prompt's own `category` beside its reported `group`):
   accepted drafts of each proposer ({} for `vanilla`; null for the HF methods, which cannot
   tell); `bonus_share`: the share that were the target's own tokens. They sum to 1.
 
+With `bench.relative_to=METHOD`, summary.json's `relative` and summary.md add each method's speed over
+that method, per category and overall, with a paired bootstrap interval over the questions (see
+`paired_speed_ratios`): one run's cell is a draw, and whether a pipeline is slower than another in a
+category is a question of that interval, not of the cell alone.
+
 The sweep merge (`specpipe.tasks.sweep`) renders its table and plot with the same
 functions, from summaries whose row names are `JOB / METHOD`.
 """
@@ -151,6 +156,58 @@ def summarize(records: Sequence[dict], methods: Sequence[str]) -> dict:
     }
 
 
+def paired_speed_ratios(records: Sequence[dict], methods: Sequence[str], baseline: str, level: float = 0.9,
+                        resamples: int = 2000, seed: int = 0) -> dict:
+    """Each method's speed over `baseline`, per reported group and overall: the ratio of their mean tok/s
+    over the questions both ran, and a `level` percentile interval of that ratio over `resamples` paired
+    bootstrap draws of the questions (both methods' times of a drawn question enter together, so the
+    drift a question saw cancels; overall draws within each group, keeping the groups' sizes).
+
+    Why: identical pipelines built twice in one run spread by up to 12% in a 12-question category on the
+    2-core dev VM (BENCHMARKS run 44), so "no category slower" is judged by the interval's upper end.
+    Returns {"baseline", "level", "resamples", "overall": {method: cell}, "categories": {group: {method:
+    cell}}} with cells {"ratio", "low", "high", "questions"}."""
+    import numpy as np
+
+    def tok_s_by_question(group: Sequence[dict], method: str) -> dict:
+        return {r["question_id"]: r["tok_s"] for r in group if r["method"] == method}
+
+    groups = {g: [r for r in records if r["group"] == g] for g in dict.fromkeys(r["group"] for r in records)}
+    generator = np.random.default_rng(seed)
+    tail = (1.0 - level) / 2.0
+    result: dict = {"baseline": baseline, "level": level, "resamples": resamples, "overall": {},
+                    "categories": {g: {} for g in groups}}
+    for method in methods:
+        if method == baseline:
+            continue
+        draws, point_sums = [], [0.0, 0.0]  # per group [resamples, 2] sums of the drawn questions' tok/s
+        for name, group in groups.items():
+            base, other = tok_s_by_question(group, baseline), tok_s_by_question(group, method)
+            shared = [q for q in base if q in other]
+            if not shared:
+                continue
+            pairs = np.array([[other[q], base[q]] for q in shared])  # [n, 2]: method, baseline
+            drawn = pairs[generator.integers(0, len(shared), size=(resamples, len(shared)))].sum(axis=1)  # [B, 2]
+            draws.append(drawn)
+            point_sums[0] += float(pairs[:, 0].sum())
+            point_sums[1] += float(pairs[:, 1].sum())
+            result["categories"][name][method] = _ratio_cell(pairs.sum(axis=0), drawn, tail, len(shared))
+        if draws:
+            questions = sum(cell["questions"] for g in groups for m, cell in result["categories"][g].items()
+                            if m == method)
+            result["overall"][method] = _ratio_cell(np.array(point_sums), sum(draws), tail, questions)
+    return result
+
+
+def _ratio_cell(sums, drawn, tail: float, questions: int) -> dict:
+    """sums [2] (method, baseline), drawn [B, 2] -> the ratio and its percentile interval."""
+    import numpy as np
+
+    ratios = drawn[:, 0] / drawn[:, 1]
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return {"ratio": float(sums[0] / sums[1]), "low": float(low), "high": float(high), "questions": questions}
+
+
 # ---- rendering -------------------------------------------------------------------------
 def _cell(metrics: dict | None) -> str:
     if not metrics:
@@ -274,6 +331,36 @@ def _decoding(sampling: dict | None) -> str:
             f"{sampling.get('top_p', 1.0)}, seed {sampling.get('seed')}): exact rates are not expected to be 1")
 
 
+def relative_table(relative: dict) -> str:
+    """Rows = methods, columns = groups + overall; cells `ratio (low-high)`, bold where the whole interval
+    is below 1 (slower than the baseline beyond the run's noise)."""
+    groups = list(relative["categories"])
+    header = ["method", *groups, "overall"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def cell(metrics: dict | None) -> str:
+        if not metrics:
+            return "-"
+        text = f"{metrics['ratio']:.2f}x ({metrics['low']:.2f}-{metrics['high']:.2f})"
+        return f"**{text}**" if metrics["high"] < 1.0 else text
+
+    for method, overall in relative["overall"].items():
+        cells = [method, *(cell(relative["categories"][g].get(method)) for g in groups), cell(overall)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def relative_section(summary: dict) -> list[str]:
+    """The markdown lines of the speed over `bench.relative_to` ([] when it was not set)."""
+    relative = summary.get("relative")
+    if not relative:
+        return []
+    return ["", f"## Speed over `{relative['baseline']}`", "", relative_table(relative), "",
+            f"Cells: mean tok/s over `{relative['baseline']}`'s on the same questions, and a "
+            f"{relative['level']:.0%} interval over {relative['resamples']} paired bootstrap draws of the questions; "
+            f"bold: the whole interval is below 1."]
+
+
 def summary_markdown(summary: dict, meta: dict) -> str:
     machine = meta["machine"]
     lines = [
@@ -282,6 +369,7 @@ def summary_markdown(summary: dict, meta: dict) -> str:
         markdown_table(summary),
         "",
         TABLE_LEGEND,
+        *relative_section(summary),
         *sources_section(summary),
         "",
         f"- prompts: `{meta['prompts']}`, first {meta['per_category']} per category ({meta['questions']} "
@@ -426,6 +514,8 @@ def write_report(runs: Sequence["QuestionRun"], meta: dict, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     records = run_records(runs, meta.get("group_categories"))
     summary = summarize(records, meta["methods"])
+    if meta.get("relative_to"):
+        summary["relative"] = paired_speed_ratios(records, meta["methods"], meta["relative_to"])
     write_parquet(records, out / "results.parquet")
     write_answers(runs, meta, out / "answers")
     write_text(out / "summary.md", summary_markdown(summary, meta))
