@@ -180,7 +180,7 @@ def paired_speed_ratios(records: Sequence[dict], methods: Sequence[str], baselin
     for method in methods:
         if method == baseline:
             continue
-        draws, point_sums = [], [0.0, 0.0]  # per group [resamples, 2] sums of the drawn questions' tok/s
+        drawn_sums, sums, questions = np.zeros((resamples, 2)), np.zeros(2), 0  # (method, baseline) tok/s sums
         for name, group in groups.items():
             base, other = tok_s_by_question(group, baseline), tok_s_by_question(group, method)
             shared = [q for q in base if q in other]
@@ -188,14 +188,12 @@ def paired_speed_ratios(records: Sequence[dict], methods: Sequence[str], baselin
                 continue
             pairs = np.array([[other[q], base[q]] for q in shared])  # [n, 2]: method, baseline
             drawn = pairs[generator.integers(0, len(shared), size=(resamples, len(shared)))].sum(axis=1)  # [B, 2]
-            draws.append(drawn)
-            point_sums[0] += float(pairs[:, 0].sum())
-            point_sums[1] += float(pairs[:, 1].sum())
             result["categories"][name][method] = _ratio_cell(pairs.sum(axis=0), drawn, tail, len(shared))
-        if draws:
-            questions = sum(cell["questions"] for g in groups for m, cell in result["categories"][g].items()
-                            if m == method)
-            result["overall"][method] = _ratio_cell(np.array(point_sums), sum(draws), tail, questions)
+            drawn_sums += drawn
+            sums += pairs.sum(axis=0)
+            questions += len(shared)
+        if questions:
+            result["overall"][method] = _ratio_cell(sums, drawn_sums, tail, questions)
     return result
 
 
