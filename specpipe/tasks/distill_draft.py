@@ -17,17 +17,19 @@ c. eval on the held-out prompts (a hash of prompt_id): top-1 agreement with the 
    own greedy continuation). A table on stderr and `report.json` beside the checkpoints.
 d. export: `save_draft` to `out` (bf16 layers + JSON sidecar with the command and the eval).
 
-The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar: the first
-5120 answers of the shipped 3.14M-token corpus (`distill_draft.limit=5120`; 1.01M answer positions to
-train on, 3 epochs in 2400 steps). From scratch it took ~41 min of teacher logits and 64 min of training
-(3838 s) on a 2-core AVX-512 EPYC (docs/BENCHMARKS.md, run 40). The draft it replaced learned from
-the 1221 answers the corpus had then (12 epochs): on this run's held-out split it agrees with the
-target 51% of the time against 59% (`bench/draft_eval.py`). Training is
-deterministic on one machine: a second run, stopped and resumed once, matched the first's log to the
-end and exported the same bytes (run 32). Run it niced and in the background:
+The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar: all 14,889
+usable answers of the shipped 3.14M-token corpus (14,120 to train on, 2.79M answer positions; 4.82M trained,
+1.7 epochs, in 4400 steps). The teacher logits took about 3.4 h and the training 2.5 h (9165 s) on a 2-core
+AVX-512 EPYC (docs/BENCHMARKS.md, run 44). The draft it replaced learned from the first 5120 answers
+(`distill_draft.limit=5120`, 2400 steps): on this run's held-out split it agrees with the target 56% of
+the time against 64% (`bench/draft_eval.py`). Training is deterministic on one machine: a second run,
+stopped and resumed once, matched the first's log to the end and exported the same bytes (run 32), and
+the replaced draft, rerun from scratch, exported every tensor bit for bit (run 41). `limit` may change
+on resume (a grown corpus), so start in a checkpoint folder of its own. Run it niced and in the background:
 
-    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft distill_draft.limit=5120 \\
-        >> ~/.cache/specpipe/distill_draft/smollm2_135m/train.log 2>&1 &
+    OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft distill_draft.steps=4400 \\
+        distill_draft.eval_every=1100 distill_draft.checkpoint_dir=~/.cache/specpipe/distill_draft/all_answers \\
+        >> ~/.cache/specpipe/distill_draft/all_answers.log 2>&1 &
 """
 from __future__ import annotations
 
