@@ -207,6 +207,12 @@ def _ratio_cell(sums, drawn, tail: float, questions: int) -> dict:
 
 
 # ---- rendering -------------------------------------------------------------------------
+def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of `header` and `rows` (each as long as the header)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      *("| " + " | ".join(cells) + " |" for cells in rows)])
+
+
 def _cell(metrics: dict | None) -> str:
     if not metrics:
         return "-"
@@ -218,14 +224,13 @@ def markdown_table(summary: dict) -> str:
     """Rows = methods (or `JOB / METHOD`), columns = categories + overall; cells `speedup / mean accepted`."""
     categories = list(summary["categories"])
     header = ["method", *categories, "overall", "vs vanilla", "tok/s", "exact"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for row, overall in summary["overall"].items():
         exact = "n/a" if overall.get("exact_rate") is None else f"{overall['exact_rate']:.2f}"
         vs_vanilla = "n/a" if overall.get("speedup_vs_vanilla") is None else f"{overall['speedup_vs_vanilla']:.2f}x"
-        cells = [row, *(_cell(summary["categories"][c].get(row)) for c in categories), _cell(overall),
-                 vs_vanilla, f"{overall['tok_s']:.1f}", exact]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([row, *(_cell(summary["categories"][c].get(row)) for c in categories), _cell(overall),
+                     vs_vanilla, f"{overall['tok_s']:.1f}", exact])
+    return _markdown(header, rows)
 
 
 def _sources_cell(metrics: dict | None) -> str:
@@ -242,13 +247,9 @@ def sources_table(summary: dict) -> str:
     rows = [row for row, overall in summary["overall"].items() if overall.get("drafted_by_source")]
     if not rows:
         return ""
-    header = ["method", *categories, "overall"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [row, *(_sources_cell(summary["categories"][c].get(row)) for c in categories),
-                 _sources_cell(summary["overall"][row])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _markdown(["method", *categories, "overall"],
+                     [[row, *(_sources_cell(summary["categories"][c].get(row)) for c in categories),
+                       _sources_cell(summary["overall"][row])] for row in rows])
 
 
 SOURCES_LEGEND = ("Where the new tokens came from: the share of all new tokens that were accepted drafts of "
@@ -333,8 +334,6 @@ def relative_table(relative: dict) -> str:
     """Rows = methods, columns = groups + overall; cells `ratio (low-high)`, bold where the whole interval
     is below 1 (slower than the baseline beyond the run's noise)."""
     groups = list(relative["categories"])
-    header = ["method", *groups, "overall"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def cell(metrics: dict | None) -> str:
         if not metrics:
@@ -342,10 +341,9 @@ def relative_table(relative: dict) -> str:
         text = f"{metrics['ratio']:.2f}x ({metrics['low']:.2f}-{metrics['high']:.2f})"
         return f"**{text}**" if metrics["high"] < 1.0 else text
 
-    for method, overall in relative["overall"].items():
-        cells = [method, *(cell(relative["categories"][g].get(method)) for g in groups), cell(overall)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _markdown(["method", *groups, "overall"],
+                     [[method, *(cell(relative["categories"][g].get(method)) for g in groups), cell(overall)]
+                      for method, overall in relative["overall"].items()])
 
 
 def relative_section(summary: dict) -> list[str]:
