@@ -51,20 +51,21 @@ def target_features(model, tokens: list[int], variant: str = "eagle") -> torch.T
     return states[-1][0]
 
 
-def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: list[int], path: list[int]) -> torch.Tensor:
+def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: list[int], path: list[int],
+                       first: int = 0) -> torch.Tensor:
     """[vocab] the head's log-probs after `path` drafted past the root, recomputed with no cache: every
-    row again through a causal forward, the path's rows reading the previous row's prediction (EAGLE-3's
-    committed rows go through its fc first, as its drafter does: one forward then reads them and the
-    path's hidden-size rows together)."""
-    committed = features[: len(tokens) - 1]  # f_p for p = 0 .. L-2
+    row from committed position `first` on again through a causal forward at its own position, the
+    path's rows reading the previous row's prediction (EAGLE-3's committed rows go through its fc
+    first, as its drafter does: one forward then reads them and the path's hidden-size rows together)."""
+    committed = features[first: len(tokens) - 1]  # f_p for p = first .. L-2
     with torch.inference_mode():
         rows_features = list(drafter.net.fc(committed) if drafter.aux_hidden else committed)
-        rows_tokens = list(tokens[1:])  # s_{p+1}
+        rows_tokens = list(tokens[first + 1:])  # s_{p+1}
 
         def predict() -> torch.Tensor:
             q = len(rows_tokens)
-            out = drafter.net(drafter.embed(torch.tensor(rows_tokens)), torch.stack(rows_features), torch.arange(q),
-                              torch.ones(q, q, dtype=torch.bool).tril(), None)
+            out = drafter.net(drafter.embed(torch.tensor(rows_tokens)), torch.stack(rows_features),
+                              torch.arange(first, first + q), torch.ones(q, q, dtype=torch.bool).tril(), None)
             return out[-1]
         feature = predict()
         for token in path:
@@ -116,6 +117,82 @@ def test_tree_nodes_see_exactly_their_path(tiny_mixed, variant):
             walk = parents[walk]
         expected = reference_logprobs(drafter, features, tokens, path[::-1])
         torch.testing.assert_close(session.logprobs[node], columns(expected), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_context_rows_feeds_only_the_newest_committed_rows(tiny_mixed, variant):
+    """With `context_rows`, a prompt longer than it is fed by its last rows only, at their own
+    positions: the root's and a depth-2 node's log-probs equal a cache-free recomputation over just
+    those rows (and differ from the whole prompt's). After a commit the catch-up is cut the same way."""
+    drafter = drafter_for(tiny_mixed, variant=variant)
+    drafter.context_rows = 8
+    with torch.no_grad():  # sharper attention than the random head's near-uniform one: positions matter
+        for name, module in drafter.net.named_modules():
+            if name.endswith(("q_proj", "k_proj")):
+                module.weight *= 6.0
+    prompt = random_prompts(1, seed=41)[0][:30]
+    tokens = prompt + [777]
+    features = target_features(tiny_mixed, tokens + [5, 6], variant)  # the last two rows: a later commit's
+    state = DecodeState(tokens=list(tokens), prompt_length=len(prompt),
+                        **{"prompt_aux_hidden" if variant == "eagle3" else "prompt_hidden": features[:len(prompt)]})
+    drafter.reset(state)
+    columns = (lambda full: full) if drafter.draft_vocab is None else (lambda full: full[..., drafter.draft_vocab])
+    first = len(tokens) - 1 - 8  # committed rows: positions 0 .. len(tokens) - 2, the newest 8 fed
+    torch.testing.assert_close(drafter.start(state), columns(reference_logprobs(drafter, features, tokens, [], first)),
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(drafter.start(state), columns(reference_logprobs(drafter, features, tokens, [])), atol=1e-3)
+    session = state.stage_state[drafter]
+    assert session.cache.get_seq_length() == 8 and session.synced == len(tokens) - 1 and session.unfed == first
+    drafter.step(state, [3], [ROOT], [ROOT])
+    node = drafter.step(state, [3, 4], [ROOT, 0], [1])[0]  # depth 2
+    torch.testing.assert_close(node, columns(reference_logprobs(drafter, features, tokens, [3, 4], first)),
+                               atol=1e-4, rtol=1e-4)
+
+    # the root (777) and two accepted tokens commit: 3 rows pending, context_rows=2 feeds the last two
+    drafter.context_rows = 2
+    from specpipe.types import VerifyResult
+    state.tokens += [5, 6, 7]
+    hidden = features[len(tokens) - 1:]  # [3, ...] the verify rows of the root and the two kept nodes
+    drafter.on_commit(state, VerifyResult(accepted=[0, 1], bonus=7, logits=torch.zeros(3, 1),
+                                          hidden=hidden if variant == "eagle" else None,
+                                          aux_hidden=hidden if variant == "eagle3" else None))
+    root = drafter.start(state)
+    committed = tokens + [5, 6]
+    rows = len(committed) - 1
+    assert session.cache.get_seq_length() == 8 + 2 and session.unfed == first + 1
+    # the reference: the 8 rows fed first, then the two newest (position rows - 2 is never fed)
+    with torch.inference_mode():
+        kept = [*range(first, first + 8), rows - 1, rows]
+        row_features = features[kept]
+        row_features = drafter.net.fc(row_features) if drafter.aux_hidden else row_features
+        row_tokens = [[*committed, 7][p + 1] for p in kept]
+        out = drafter.net(drafter.embed(torch.tensor(row_tokens)), row_features, torch.tensor(kept),
+                          torch.ones(10, 10, dtype=torch.bool).tril(), None)[-1]
+        expected = torch.log_softmax(drafter.head(out[None]).float(), dim=-1)[0]
+    torch.testing.assert_close(root, columns(expected), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pipeline", ["eagle", "eagle_mix"])
+def test_context_rows_stays_lossless(tiny_mixed, pipeline):
+    """Heads fed only the newest rows (a 40-token prompt's last 4, and catch-ups after a gate's skips)
+    still give the target's greedy output: what the head sees changes the drafts only."""
+    head = eagle_head_dir(tiny_mixed.loaded.model.config, "random")
+    pipe = build_pipeline(tiny_mixed.config(pipeline, f"pipeline.drafters.eagle.path={head}",
+                                            "pipeline.drafters.eagle.context_rows=4", cost_curve="online"),
+                          loaded=tiny_mixed.loaded)
+    drafter = pipe.decoder.drafters[0]
+    assert drafter.context_rows == 4
+    for i, prompt in enumerate(random_prompts(6, seed=43)):
+        tokens, steps = run_steps(pipe, prompt, 30)
+        assert tokens == tiny_mixed.greedy_hf(prompt, 30), f"{pipeline}, prompt {i}"
+        assert sum(step.stats.tree_size for step in steps) > 0
+
+
+def test_context_rows_below_one_is_refused(tiny_mixed):
+    target = TargetModel(tiny_mixed.loaded.model, name=tiny_mixed.name)
+    with pytest.raises(ConfigError, match="context_rows must be >= 1"):
+        load_eagle(target, tiny_mixed.tokenizer, path=str(eagle_head_dir(tiny_mixed.loaded.model.config, "random")),
+                   vocab_top_k=0, context_rows=0)
 
 
 def test_the_tree_holds_the_heads_best_tokens_of_its_draft_vocabulary(tiny_mixed):

@@ -150,10 +150,11 @@ def unfed_ancestors_first(nodes: list[int], parents: list[int], fed) -> list[int
 
 
 def tree_rows(nodes: list[int], parents: list[int], slots: dict[int, int], committed: int,
-              cached: int) -> tuple[Tensor, Tensor]:
+              cached: int, unfed: int = 0) -> tuple[Tensor, Tensor]:
     """Mask [q, cached + q] bool and positions [q] of tree nodes fed as q new rows after `cached`
-    cache rows: each sees the `committed` rows (the root is the last, at position committed - 1),
-    its ancestors' rows and its own (`slots`: node -> cache row, the new nodes included)."""
+    cache rows: each sees the `committed` cache rows (the root is the last, at position
+    committed + unfed - 1, where `unfed` committed positions never got a row), its ancestors' rows
+    and its own (`slots`: node -> cache row, the new nodes included)."""
     q = len(nodes)
     mask = torch.zeros(q, cached + q, dtype=torch.bool)
     mask[:, :committed] = True
@@ -161,7 +162,7 @@ def tree_rows(nodes: list[int], parents: list[int], slots: dict[int, int], commi
     for row, node in enumerate(nodes):
         path = path_to(node, parents)
         mask[row, [slots[walk] for walk in path]] = True
-        positions[row] = committed - 1 + len(path)
+        positions[row] = committed + unfed - 1 + len(path)
     return mask, positions
 
 

@@ -97,6 +97,7 @@ class EagleSession:
 
     cache: PositionIndexedCache
     synced: int = 0
+    unfed: int = 0  # committed positions that never got a cache row (`context_rows`); the rest have one each
     rows: int = 0  # committed rows accounted for: synced + pending
     pending_features: list[Tensor] = field(default_factory=list)  # [k, hidden] each
     pending_tokens: list[int] = field(default_factory=list)
@@ -112,9 +113,12 @@ class EagleDrafter:
     per step as a Proposer (`pipeline.proposers`, `tree=trie`)."""
 
     def __init__(self, target: TargetModel, net: nn.Module, head: nn.Module, name: str = "eagle",
-                 chain_length: int = 5, min_score: float = 0.05, aux_hidden: bool = False) -> None:
+                 chain_length: int = 5, min_score: float = 0.05, aux_hidden: bool = False,
+                 context_rows: int | None = None) -> None:
         if chain_length < 1:
             raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
+        if context_rows is not None and context_rows < 1:
+            raise ConfigError(f"{name}: context_rows must be >= 1 (or null: feed every committed row), got {context_rows}")
         self.name = name
         self.target = target
         self.net = net.to(device=target.device, dtype=target.dtype).eval()
@@ -131,6 +135,9 @@ class EagleDrafter:
         # Committed rows read the target's last hidden states (EAGLE-1), or with `aux_hidden` the
         # layers the target runner captures for the head (EAGLE-3, specpipe.stages.draft.eagle3).
         self.aux_hidden = aux_hidden
+        # At most this many committed rows are fed at once: a long prompt's last ones, or the last ones of
+        # the steps a drafter gate skipped. The older ones never get a row and the head never attends to them.
+        self.context_rows = context_rows
         self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
         self.cost_curve: CostCurve | None = None
 
@@ -182,16 +189,19 @@ class EagleDrafter:
         """Feeds the committed rows not fed yet; returns the draft's log-probs [vocab] after the root
         ([k] over `draft_vocab` where the head scores a reduced vocabulary, as `step`'s rows)."""
         session: EagleSession = state.stage_state[self]
-        session.cache.crop(session.synced)  # this step's tree rows go
+        committed_rows = session.synced - session.unfed
+        session.cache.crop(committed_rows)  # this step's tree rows go
         if session.pending_tokens:
-            features = torch.cat(session.pending_features).to(self.target.dtype)  # [q, hidden]
-            q = features.shape[0]
-            tokens = torch.tensor(session.pending_tokens, dtype=torch.long)  # [q]
-            predicted = self._forward(features, tokens, torch.arange(session.synced, session.synced + q),
-                                      causal_rows(session.synced, q), session.cache)
+            q = len(session.pending_tokens)
+            unfed = q - min(q, self.context_rows or q)  # the oldest pending rows, beyond `context_rows`
+            features = torch.cat(session.pending_features)[unfed:].to(self.target.dtype)  # [q - unfed, hidden]
+            tokens = torch.tensor(session.pending_tokens[unfed:], dtype=torch.long)  # [q - unfed]
+            predicted = self._forward(features, tokens, torch.arange(session.synced + unfed, session.synced + q),
+                                      causal_rows(committed_rows, q - unfed), session.cache)
             session.root_feature = predicted[-1]
             session.root_logprobs = self._logprobs(predicted[-1:])[0]
             session.synced += q
+            session.unfed += unfed
             session.pending_features, session.pending_tokens = [], []
         session.slots, session.features, session.logprobs = {}, {}, {}
         return session.root_logprobs
@@ -212,7 +222,8 @@ class EagleDrafter:
         cached = session.cache.get_seq_length()
         for row, node in enumerate(nodes):
             session.slots[node] = cached + row
-        mask, positions = tree_rows(nodes, parents, session.slots, session.synced, cached)  # [q, kv], [q]
+        mask, positions = tree_rows(nodes, parents, session.slots, session.synced - session.unfed, cached,
+                                    session.unfed)  # [q, kv], [q]
         features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
                                 for node in nodes])  # [q, hidden]
         ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
@@ -368,11 +379,12 @@ def default_eagle_dir(dtype: torch.dtype) -> str:
 
 def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                name: str = "eagle", chain_length: int = 5, min_score: float = 0.05, vocab_top_k: int = 8192,
-               vocab_counts: str | None = None) -> EagleDrafter:
+               vocab_counts: str | None = None, context_rows: int | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
     the head trained for the embedded model (data/eagle/): the one trained on features in the
     target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
     folder = head_folder(path, default_eagle_dir(target.dtype), name, "EAGLE head", "python run.py task=train_heads")
     net = read_eagle_net(folder, tokenizer, int(target.model.config.hidden_size), target.vocab_size, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
-    return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score)
+    return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score,
+                        context_rows=context_rows)
