@@ -20,6 +20,7 @@ from conftest import eagle3_head_dir, eagle_head_dir, random_prompts, run_steps
 from specpipe.engine.cpu import onednn_available
 from specpipe.engine.onednn import OneDNNLinear
 from specpipe.errors import ConfigError
+from specpipe.kv_cache import PositionIndexedCache
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.eagle import ROOT, EagleDrafter, load_eagle
@@ -476,6 +477,49 @@ def test_the_heads_own_output_layers_run_under_the_targets_engine(tiny_mixed, tm
         heads = build_pipeline(tiny_mixed.config(name), loaded=tiny_mixed.loaded).decoder.drafters[0].heads
         linears = [module for module in heads.modules() if isinstance(module, (nn.Linear, OneDNNLinear))]
         assert linears and all(isinstance(module, OneDNNLinear) for module in linears), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kernels(tiny_mixed, dtype):
+    """engine=fast hands the EAGLE head the kernels' RMSNorm and attention, and inference runs its layers
+    inline: a prompt's rows and then tree rows under a tree mask (the kernel's attention) give the stock
+    layers' predicted features, fp32 to float rounding (bf16: to bf16 rounding)."""
+    from specpipe.engine.onednn import OneDNNEngine
+
+    stock = drafter_for(tiny_mixed).net.to(dtype)
+    lean = drafter_for(tiny_mixed).net.to(dtype)
+    OneDNNEngine().apply(lean)
+    assert lean.lean and not stock.lean
+    if lean.attention_kernel is None:
+        pytest.skip("specpipe's CPU kernel does not build here: the lean loop runs SDPA (covered by the pipelines)")
+    rows_seen = []
+    kernel = lean.attention_kernel
+    lean.attention_kernel = lambda query, *rest: rows_seen.append(query.shape[2]) or kernel(query, *rest)
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    generator = torch.Generator().manual_seed(45)
+    features = torch.randn(73, hidden, generator=generator).to(dtype)
+    tokens = torch.randint(0, 1000, (73,), generator=generator)
+    tree_mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree_mask[2, 1] = False  # two siblings under the first node
+    outputs = []
+    for net in (stock, lean):
+        cache = PositionIndexedCache()
+        with torch.inference_mode():
+            prompt = net(tokens_embedding(tiny_mixed, tokens[:70], dtype), features[:70], torch.arange(70),
+                         torch.ones(70, 70, dtype=torch.bool).tril(), cache)
+            mask = torch.cat([torch.ones(3, 70, dtype=torch.bool), tree_mask], dim=1)  # [3, 73]
+            tree = net(tokens_embedding(tiny_mixed, tokens[70:], dtype), features[70:], torch.tensor([70, 71, 71]),
+                       mask, cache)
+        outputs.append((prompt, tree))
+    assert rows_seen == [3]  # the tree's rows; a 70-row block goes to SDPA (KERNEL_ATTENTION_MAX_ROWS)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
+    for stock_rows, lean_rows in zip(*outputs):
+        torch.testing.assert_close(lean_rows.float(), stock_rows.float(), **tolerance)
+
+
+def tokens_embedding(model, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.reference.get_input_embeddings()(tokens).to(dtype)  # [q, hidden]
 
 
 def test_a_bf16_target_drafts_with_the_head_trained_on_bf16_features(tmp_path, monkeypatch):

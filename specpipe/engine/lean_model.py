@@ -17,6 +17,8 @@ swap is not run by the lean loop (the engine owns the model from then on). Calls
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache
@@ -28,7 +30,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMo
 
 from specpipe.engine.cpu_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
-from specpipe.target import folded_attention_bias, tree_attention_forward
+from specpipe.target import folded_attention_bias, sdpa_forward, tree_attention_forward
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
@@ -42,6 +44,11 @@ LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"
 # SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding); a longer block (a drafter feeding its
 # committed text) goes to SDPA, which splits it over threads by rows.
 KERNEL_ATTENTION_MAX_ROWS = 64
+# The attention functions the kernel stands in for where it serves: the target's tree attention, and the
+# plain SDPA the drafters' own layers (an EAGLE head) are configured with. Both compute exact attention
+# under a boolean mask; the kernel sums in another order (a draft may flip a near-tie, the target's
+# output is checked against its own verify forward either way).
+KERNEL_REPLACES = (tree_attention_forward, sdpa_forward)
 TRANSFORMERS_HOOK = "output_capturing_hook"  # transformers' own hook; inert unless it collects
 
 
@@ -92,38 +99,10 @@ class LeanLlamaModel(LlamaModel):
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   past_key_values=past_key_values, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                  eager_attention_forward)
-        lean_attention = {"attention_function": attention_function,
-                          "rotary": rotary_tables(position_embeddings)}  # made once for every layer
-        heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
-        if attention_function is tree_attention_forward and self._kernel_attends(hidden, mask):
-            lean_attention["attention_function"] = KernelAttention(self.attention_kernel)
-        elif (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
-                and mask.dim() == 4 and heads % kv_heads == 0):
-            lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
         recorded = [hidden] if output_hidden_states else None
-        kernel = self.norm_kernel
-        if kernel is not None and (hidden.dtype != self.norm.weight.dtype or hidden.device.type != "cpu"):
-            kernel = None  # the norms' weights were cast or moved since the swap
-
-        def normalize(norm: LlamaRMSNorm, states: Tensor) -> Tensor:
-            if kernel is not None:
-                return kernel(states, norm.weight, norm.variance_epsilon)
-            return rms_norm(norm, states)
-
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            # LlamaDecoderLayer.forward: pre-norm attention and MLP, each added to its input
-            attention = layer.self_attn
-            looked_up = lean_attention if type(attention) is FusedQKVAttention else {}
-            attended, _ = attention.forward(
-                hidden_states=normalize(layer.input_layernorm, hidden), attention_mask=mask,
-                position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                position_embeddings=position_embeddings, **looked_up)
-            hidden = hidden + attended
-            hidden = hidden + layer.mlp.forward(normalize(layer.post_attention_layernorm, hidden))
-            if recorded is not None:
-                recorded.append(hidden)
+        normalize = norm_function(self.norm_kernel, self.norm.weight, hidden)
+        hidden = lean_decoder_layers(self, self.layers[: self.config.num_hidden_layers], hidden, normalize, mask,
+                                     position_ids, past_key_values, use_cache, position_embeddings, recorded)
         hidden = normalize(self.norm, hidden)
         if recorded is not None:
             recorded[-1] = hidden  # transformers ties the last recorded state to the normed output
@@ -132,19 +111,69 @@ class LeanLlamaModel(LlamaModel):
                                        hidden_states=tuple(recorded) if recorded is not None else None)
 
 
-    def _kernel_attends(self, hidden: Tensor, mask: Tensor | None) -> bool:
-        """Whether the attention kernel serves this forward: hidden [batch, q, hidden_size], mask as the
-        attention function receives it. One sequence of a few rows on the CPU in fp32 or bf16, with an
-        explicit boolean mask [1, 1, q, kv] or none for one row (a mask-free prefill is causal over many
-        rows: SDPA's)."""
-        batch, q = hidden.shape[:2]
-        if (self.attention_kernel is None or batch != 1 or not 1 <= q <= KERNEL_ATTENTION_MAX_ROWS
-                or hidden.dtype not in (torch.float32, torch.bfloat16) or hidden.device.type != "cpu"
-                or self.config.num_attention_heads % self.config.num_key_value_heads):
-            return False
-        if mask is None:
-            return q == 1
-        return mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q)
+
+def kernel_attends(attention_kernel, config, hidden: Tensor, mask: Tensor | None) -> bool:
+    """Whether `attention_kernel` (None: not loaded) serves a forward of a model with `config`: hidden
+    [batch, q, hidden_size], mask as the attention function receives it. One sequence of a few rows on
+    the CPU in fp32 or bf16, with an explicit boolean mask [1, 1, q, kv] or none for one row (a
+    mask-free prefill is causal over many rows: SDPA's)."""
+    batch, q = hidden.shape[:2]
+    if (attention_kernel is None or batch != 1 or not 1 <= q <= KERNEL_ATTENTION_MAX_ROWS
+            or hidden.dtype not in (torch.float32, torch.bfloat16) or hidden.device.type != "cpu"
+            or config.num_attention_heads % config.num_key_value_heads):
+        return False
+    if mask is None:
+        return q == 1
+    return mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q)
+
+
+def norm_function(norm_kernel, norm_weight: Tensor, hidden: Tensor) -> Callable[[nn.Module, Tensor], Tensor]:
+    """What computes norm(states) for the lean loop: the kernel's RMSNorm where it was given and still serves
+    (the norms' weights, like `norm_weight`, not cast or moved since the swap), else torch.rms_norm. A
+    norm that is nn.Identity (EAGLE-1's first layer has no input norm) passes its input through."""
+    kernel = norm_kernel
+    if kernel is not None and (hidden.dtype != norm_weight.dtype or hidden.device.type != "cpu"):
+        kernel = None
+
+    def normalize(norm: nn.Module, states: Tensor) -> Tensor:
+        if type(norm) is nn.Identity:
+            return states
+        if kernel is not None:
+            return kernel(states, norm.weight, norm.variance_epsilon)
+        return rms_norm(norm, states)
+    return normalize
+
+
+def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable[[nn.Module, Tensor], Tensor],
+                        mask: Tensor | None, position_ids: Tensor, past_key_values, use_cache: bool,
+                        position_embeddings: tuple[Tensor, Tensor], recorded: list[Tensor] | None = None) -> Tensor:
+    """LlamaDecoderLayer.forward of each of `layers` inline (pre-norm attention and MLP, each added to its
+    input): hidden [batch, q, hidden_size] -> [batch, q, hidden_size]; each layer's output is appended to
+    `recorded` where given. `owner` carries the model's `config` and `attention_kernel` (None: SDPA); the
+    attention function, the rotary tables and the folded tree mask are made once for every layer."""
+    config = owner.config
+    attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+    lean_attention = {"attention_function": attention_function,
+                      "rotary": rotary_tables(position_embeddings)}  # made once for every layer
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    kernel_serves = attention_function in KERNEL_REPLACES and kernel_attends(owner.attention_kernel, config, hidden, mask)
+    if kernel_serves:
+        lean_attention["attention_function"] = KernelAttention(owner.attention_kernel)
+    elif (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
+            and mask.dim() == 4 and heads % kv_heads == 0):
+        lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
+    for layer in layers:
+        attention = layer.self_attn
+        looked_up = lean_attention if type(attention) is FusedQKVAttention else {}
+        attended, _ = attention.forward(
+            hidden_states=normalize(layer.input_layernorm, hidden), attention_mask=mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **looked_up)
+        hidden = hidden + attended
+        hidden = hidden + layer.mlp.forward(normalize(layer.post_attention_layernorm, hidden))
+        if recorded is not None:
+            recorded.append(hidden)
+    return hidden
 
 
 class KernelAttention:
@@ -179,11 +208,10 @@ def lean_model_applies(model: nn.Module) -> bool:
             and not any(_hooked(module) for module in model.modules()))
 
 
-def _norm_kernel_serves(model: LlamaModel) -> bool:
-    """Whether every norm of `model` has one 1-D weight of one dtype and width the kernel's norm serves."""
-    weights = [model.norm.weight, *(norm.weight for layer in model.layers
-                                    for norm in (layer.input_layernorm, layer.post_attention_layernorm))]
-    return (len({weight.dtype for weight in weights}) == 1 and weights[0].dtype in NORM_DTYPES
+def _norm_kernel_serves(model: nn.Module) -> bool:
+    """Whether every RMSNorm of `model` has one 1-D weight of one dtype and width the kernel's norm serves."""
+    weights = [module.weight for module in model.modules() if isinstance(module, LlamaRMSNorm)]
+    return (bool(weights) and len({weight.dtype for weight in weights}) == 1 and weights[0].dtype in NORM_DTYPES
             and all(weight.dim() == 1 and weight.shape == weights[0].shape for weight in weights)
             and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
@@ -194,7 +222,11 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None) -
     CpuKernel.attention, for their decoding steps and tree verifies."""
     swapped = 0
     for module in list(model.modules()):
-        if lean_model_applies(module):
+        if getattr(module, "accepts_lean_kernels", False):  # a draft head with a lean loop of its own (EagleNet)
+            module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
+            module.attention_kernel = attention_kernel
+            swapped += 1
+        elif lean_model_applies(module):
             module.__class__ = LeanLlamaModel
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel = attention_kernel

@@ -33,6 +33,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
+from specpipe.engine.blocks import FusedQKVAttention
+from specpipe.engine.lean_model import lean_decoder_layers, norm_function
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import REPO_ROOT
@@ -57,7 +59,16 @@ BASE_MODEL_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
 class EagleNet(nn.Module):
     """fc over [token embedding, feature] then Llama decoder layers (the first without its input
-    norm, as released EAGLE-1 heads have it); returns the predicted next features."""
+    norm, as released EAGLE-1 heads have it); returns the predicted next features.
+
+    Under engine=fast the engine hands it its RMSNorm and attention kernels (`norm_kernel`,
+    `attention_kernel`, as to the target's lean forward) and inference runs the layers inline
+    (specpipe.engine.lean_model.lean_decoder_layers): ~0.1 ms less per draft level of a bf16 head on
+    the 2-core EPYC (0.30 against 0.40 ms), of which a step runs 2-4."""
+
+    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the two below
+    norm_kernel = None
+    attention_kernel = None
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
@@ -76,10 +87,21 @@ class EagleNet(nn.Module):
         cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]."""
         hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
         rotary = self.rotary_emb(hidden, position_ids)
+        if self.lean:
+            normalize = norm_function(self.norm_kernel, self.layers[0].post_attention_layernorm.weight, hidden)
+            return lean_decoder_layers(self, self.layers, hidden, normalize, mask, position_ids, cache,
+                                       cache is not None, rotary)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
         return hidden
+
+    @property
+    def lean(self) -> bool:
+        """Whether inference runs the layers inline: the engine made every attention block lean (and so
+        checked that each computes LlamaAttention's forward) and every layer is transformers' own."""
+        return (not self.training and all(type(layer).forward is LlamaDecoderLayer.forward
+                                          and type(layer.self_attn) is FusedQKVAttention for layer in self.layers))
 
     def forward(self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
                 cache: PositionIndexedCache | None) -> Tensor:
