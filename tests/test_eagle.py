@@ -224,7 +224,8 @@ def test_the_head_cache_after_commits_equals_recomputing_the_committed_rows(tiny
     [target feature f_p, token s_{p+1}] for every committed position."""
     head = eagle3_head_dir(tiny_mixed.loaded.model, "random") if variant == "eagle3" \
         else eagle_head_dir(tiny_mixed.loaded.model.config, "random")
-    pipe = build_pipeline(tiny_mixed.config(variant, f"pipeline.drafters.{variant}.path={head}"), loaded=tiny_mixed.loaded)
+    pipe = build_pipeline(tiny_mixed.config(variant, f"pipeline.drafters.{variant}.path={head}",
+                                            f"pipeline.drafters.{variant}.context_rows=null"), loaded=tiny_mixed.loaded)
     drafter = pipe.decoder.drafters[0]
     captured = {}
 
