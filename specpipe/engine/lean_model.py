@@ -111,7 +111,6 @@ class LeanLlamaModel(LlamaModel):
                                        hidden_states=tuple(recorded) if recorded is not None else None)
 
 
-
 def kernel_attends(attention_kernel, config, hidden: Tensor, mask: Tensor | None) -> bool:
     """Whether `attention_kernel` (None: not loaded) serves a forward of a model with `config`: hidden
     [batch, q, hidden_size], mask as the attention function receives it. One sequence of a few rows on
