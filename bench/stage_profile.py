@@ -13,7 +13,9 @@ A method is a pipeline name, `+override` for each config override of its own (`+
 an override that starts with `+`, e.g. `rag_lookahead++retriever@pipeline.proposers.rest=token_datastore`),
 and optionally `@full_vocab`: its drafters hand the tree builder log-probs over the whole vocabulary even where
 their head scores a reduced one (how EAGLE drafted before run 16). `vanilla` (the first pipeline
-without drafting) is always added. First turns only; each question is a new request. Stages that learn
+without drafting) is always added. `--warmup` questions (1) go through every method first, uncounted
+(what a pipeline loads at its first request, such as a RAG store, would otherwise fall on whichever method
+meets the first question first). First turns only; each question is a new request. Stages that learn
 from finished answers (the store of past outputs) learn nothing here: the second round would draft from
 the first round's answer to the same question. `task=bench` measures them learning across questions.
 """
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--override", action="append", default=[], help="a config override for every method")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="questions run through every method first, not counted (as the benchmark's bench.warmup)")
     args = parser.parse_args()
 
     questions = select_questions(read_questions(resolve_prompts_path(args.prompts)), args.per_category)
@@ -80,6 +84,11 @@ def main() -> None:
     totals = {method: collections.defaultdict(collections.Counter) for method in pipelines}  # method -> category -> sums
     order = list(pipelines.items())
     with learning_paused(*pipelines.values()):
+        for question in questions[: args.warmup]:
+            for _, pipeline in order:
+                for _ in pipeline.steps([{"role": "user", "content": question.turns[0]}],
+                                        max_new_tokens=args.max_new_tokens):
+                    pass
         run_rounds(order, questions, args.max_new_tokens, totals)
 
     def rate(sums: collections.Counter) -> float:
