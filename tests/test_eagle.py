@@ -53,25 +53,29 @@ def target_features(model, tokens: list[int], variant: str = "eagle") -> torch.T
 
 
 def reference_logprobs(drafter: EagleDrafter, features: torch.Tensor, tokens: list[int], path: list[int],
-                       first: int = 0) -> torch.Tensor:
-    """[vocab] the head's log-probs after `path` drafted past the root, recomputed with no cache: every
-    row from committed position `first` on again through a causal forward at its own position, the
-    path's rows reading the previous row's prediction (EAGLE-3's committed rows go through its fc
-    first, as its drafter does: one forward then reads them and the path's hidden-size rows together)."""
-    committed = features[first: len(tokens) - 1]  # f_p for p = first .. L-2
+                       fed: list[int] | None = None) -> torch.Tensor:
+    """[vocab] the head's log-probs after `path` drafted past the root, recomputed with no cache: the
+    rows of the committed positions `fed` (default: every one, 0 .. len(tokens) - 2) again through a
+    causal forward at their own positions, then the path's rows, each reading the previous row's
+    prediction (EAGLE-3's committed rows go through its fc first, as its drafter does: one forward then
+    reads them and the path's hidden-size rows together)."""
+    fed = list(range(len(tokens) - 1)) if fed is None else fed
+    committed = features[fed]  # f_p for p in fed
     with torch.inference_mode():
         rows_features = list(drafter.net.fc(committed) if drafter.aux_hidden else committed)
-        rows_tokens = list(tokens[first + 1:])  # s_{p+1}
+        rows_tokens = [tokens[p + 1] for p in fed]  # s_{p+1}
+        positions = list(fed)
 
         def predict() -> torch.Tensor:
             q = len(rows_tokens)
             out = drafter.net(drafter.embed(torch.tensor(rows_tokens)), torch.stack(rows_features),
-                              torch.arange(first, first + q), torch.ones(q, q, dtype=torch.bool).tril(), None)
+                              torch.tensor(positions), torch.ones(q, q, dtype=torch.bool).tril(), None)
             return out[-1]
         feature = predict()
         for token in path:
             rows_features.append(feature)
             rows_tokens.append(token)
+            positions.append(positions[-1] + 1)
             feature = predict()
         return torch.log_softmax(drafter.head(feature[None]).float(), dim=-1)[0]
 
@@ -139,14 +143,15 @@ def test_context_rows_feeds_only_the_newest_committed_rows(tiny_mixed, variant):
     drafter.reset(state)
     columns = (lambda full: full) if drafter.draft_vocab is None else (lambda full: full[..., drafter.draft_vocab])
     first = len(tokens) - 1 - 8  # committed rows: positions 0 .. len(tokens) - 2, the newest 8 fed
-    torch.testing.assert_close(drafter.start(state), columns(reference_logprobs(drafter, features, tokens, [], first)),
+    newest = list(range(first, len(tokens) - 1))
+    torch.testing.assert_close(drafter.start(state), columns(reference_logprobs(drafter, features, tokens, [], newest)),
                                atol=1e-4, rtol=1e-4)
     assert not torch.allclose(drafter.start(state), columns(reference_logprobs(drafter, features, tokens, [])), atol=1e-3)
     session = state.stage_state[drafter]
     assert session.cache.get_seq_length() == 8 and session.synced == len(tokens) - 1 and session.unfed == first
     drafter.step(state, [3], [ROOT], [ROOT])
     node = drafter.step(state, [3, 4], [ROOT, 0], [1])[0]  # depth 2
-    torch.testing.assert_close(node, columns(reference_logprobs(drafter, features, tokens, [3, 4], first)),
+    torch.testing.assert_close(node, columns(reference_logprobs(drafter, features, tokens, [3, 4], newest)),
                                atol=1e-4, rtol=1e-4)
 
     # the root (777) and two accepted tokens commit: 3 rows pending, context_rows=2 feeds the last two
@@ -158,19 +163,11 @@ def test_context_rows_feeds_only_the_newest_committed_rows(tiny_mixed, variant):
                                           hidden=hidden if variant == "eagle" else None,
                                           aux_hidden=hidden if variant == "eagle3" else None))
     root = drafter.start(state)
-    committed = tokens + [5, 6]
-    rows = len(committed) - 1
     assert session.cache.get_seq_length() == 8 + 2 and session.unfed == first + 1
-    # the reference: the 8 rows fed first, then the two newest (position rows - 2 is never fed)
-    with torch.inference_mode():
-        kept = [*range(first, first + 8), rows - 1, rows]
-        row_features = features[kept]
-        row_features = drafter.net.fc(row_features) if drafter.aux_hidden else row_features
-        row_tokens = [[*committed, 7][p + 1] for p in kept]
-        out = drafter.net(drafter.embed(torch.tensor(row_tokens)), row_features, torch.tensor(kept),
-                          torch.ones(10, 10, dtype=torch.bool).tril(), None)[-1]
-        expected = torch.log_softmax(drafter.head(out[None]).float(), dim=-1)[0]
-    torch.testing.assert_close(root, columns(expected), atol=1e-4, rtol=1e-4)
+    # the 8 rows fed first, then the two newest (committed position len(tokens) - 1, the old root, never is)
+    fed = [*newest, len(tokens), len(tokens) + 1]
+    torch.testing.assert_close(root, columns(reference_logprobs(drafter, features, state.tokens, [], fed)),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("pipeline", ["eagle", "eagle_mix"])
