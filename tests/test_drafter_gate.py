@@ -124,6 +124,56 @@ def test_eagle2_skips_a_drafter_whose_nodes_add_nothing_beside_the_trie_and_keep
     assert sampled.grown_steps == list(range(8))
 
 
+def test_a_growth_after_skipped_steps_is_charged_the_usual_feed_not_its_catch_up():
+    gate = DrafterGate(decay=1.0)
+    assert gate.charge("head", sync_ms=9.0, levels_ms=0.5, caught_up=True) == 0.5  # no feed seen yet
+    assert gate.charge("head", sync_ms=1.0, levels_ms=0.5, caught_up=False) == 1.5
+    assert gate.charge("head", sync_ms=3.0, levels_ms=0.5, caught_up=False) == 3.5
+    assert gate.charge("head", sync_ms=40.0, levels_ms=0.5, caught_up=True) == 2.5  # the mean feed, 2 ms
+    assert gate.charge("other head", sync_ms=40.0, levels_ms=0.5, caught_up=True) == 0.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CatchingUpDrafter(CountingDrafter):
+    """Feeding the committed rows takes 10 ms where the drafter was not grown in the step before (the prompt
+    or the skipped steps' rows), 1 ms otherwise; each draft level 0.5 ms, on `clock`."""
+
+    def __init__(self, clock: Clock, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.clock = clock
+
+    def start(self, state):
+        caught_up = not self.grown_steps or self.grown_steps[-1] != self.step_index - 1
+        self.clock.now += (10.0 if caught_up else 1.0) / 1000.0
+        return super().start(state)
+
+    def step(self, state, tokens, parents, frontier):
+        self.clock.now += 0.5 / 1000.0
+        return super().step(state, tokens, parents, frontier)
+
+
+def test_eagle2_charges_the_gate_a_drafters_usual_feed_where_it_catches_up(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("specpipe.stages.tree.eagle2.time.perf_counter", clock)
+    gate = DrafterGate(warmup=2, explore_every=4, decay=1.0)
+    builder = Eagle2TreeBuilder(CostCurve.flat(), depth=1, top_k=1, children=1, min_score=0.0, gate=gate)
+    useless = CatchingUpDrafter(clock, name="head", token=7)
+    decode_steps(builder, useless, accepted=[3], steps=10)
+    assert useless.grown_steps == [0, 1, 5, 9]
+    # charged: step 0 its level only (no usual feed yet), step 1 in full, steps 5 and 9 the level and
+    # step 1's feed; the catch-ups' 10 ms would make it 8.25 ms
+    weight, added, milliseconds = gate.estimate("head", gate.bucket(0.9))
+    assert (weight, added) == (3.0, 0.0)  # step 9 is credited at the next step
+    assert milliseconds == pytest.approx((0.5 + 1.5 + 1.5) / 3)
+
+
 def test_gate_settings_are_checked():
     with pytest.raises(ValueError, match="buckets, warmup and explore_every must be >= 1"):
         DrafterGate(warmup=0)

@@ -83,8 +83,8 @@ class Eagle2TreeBuilder:
         # greedy steps only: a sampled tree keeps the drafter's nodes beside equal ones of other sources,
         # so the committed tokens do not tell whose node was accepted
         gated = self.gate is not None and bool(other_scores) and state.sampling.greedy
-        if self.gate is not None:
-            self.gate.learn_last_step(state)  # the step before this one only
+        # the step before this one only: the drafters grown in it fed all but its own committed rows
+        grown_before = self.gate.learn_last_step(state) if self.gate is not None else frozenset()
         if gated:
             bucket = self.gate.bucket(other_scores[0])  # the other sources' best node score
             other_rate = self.selector.best_cut(other_scores)[2]
@@ -94,9 +94,13 @@ class Eagle2TreeBuilder:
             if gated and not self.gate.should_grow(name, bucket, other_rate):
                 continue
             started = time.perf_counter()
-            proposal, milliseconds = self.grow(state, drafter, other_scores)
+            root_logprobs = drafter.start(state)
+            synced = time.perf_counter()
+            proposal, milliseconds = self._grow_from(state, drafter, root_logprobs, other_scores)
             if gated:
-                timed[name] = (bucket, 1000.0 * (time.perf_counter() - started))
+                timed[name] = (bucket, self.gate.charge(name, sync_ms=1000.0 * (synced - started),
+                                                        levels_ms=1000.0 * (time.perf_counter() - synced),
+                                                        caught_up=name not in grown_before))
             grown.append(proposal)
             drafting_ms += milliseconds
         tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
@@ -110,13 +114,16 @@ class Eagle2TreeBuilder:
         """The drafter's expanded tree as one proposal (scores: cumulative draft probability), and the
         estimated milliseconds its draft forwards took. `other_scores`: the other sources' node scores,
         which the tree will hold too (whether one more level pays depends on them)."""
+        return self._grow_from(state, drafter, drafter.start(state), other_scores)
+
+    def _grow_from(self, state: DecodeState, drafter: StepDrafter, root_logprobs: Tensor,
+                   other_scores: list[float]) -> tuple[Proposal, float]:
+        """`grow` after `drafter.start(state)` returned `root_logprobs` ([vocab], or [k] over its draft_vocab)."""
         if state.sampling.greedy:
             return self._grow_top(state, drafter, other_scores)
-        return self._grow_sampled(state, drafter, other_scores)
+        return self._grow_sampled(state, drafter, root_logprobs, other_scores)
 
-    def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
-                  ) -> tuple[Proposal, float]:
-        drafter.start(state)
+    def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float]) -> tuple[Proposal, float]:
         draft_cost = getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
         tokens: list[int] = []
@@ -152,8 +159,8 @@ class Eagle2TreeBuilder:
                             scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
         return proposal, drafting_ms
 
-    def _grow_sampled(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
-                      ) -> tuple[Proposal, float]:
+    def _grow_sampled(self, state: DecodeState, drafter: StepDrafter, root_logprobs: Tensor,
+                      other_scores: list[float]) -> tuple[Proposal, float]:
         sampling = state.sampling
         draft_cost = getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)
@@ -163,7 +170,7 @@ class Eagle2TreeBuilder:
                 return logprobs
             return to_full_vocab(logprobs, draft_vocab, state.logits.shape[-1])  # [m, vocab]
 
-        frontier_probs = target_probs(full_vocab(drafter.start(state)[None]), sampling)  # [1, vocab]
+        frontier_probs = target_probs(full_vocab(root_logprobs[None]), sampling)  # [1, vocab]
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
