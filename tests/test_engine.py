@@ -581,34 +581,41 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_lean_forward_runs_steps_and_tree_verifies_through_the_kernels_attention(dtype):
-    """One token and a tree verify go through the kernel's attention (a prefill and a long block do not),
-    and give the logits SDPA's path gives: fp32 to float rounding with the same argmax in every row."""
-    from specpipe.engine import lean_model
+def test_the_lean_forward_runs_prompts_steps_and_tree_verifies_through_the_kernels_attention(dtype):
+    """A prompt (causal, no mask given), one token and a tree verify go through the kernel's attention (a
+    block above KERNEL_ATTENTION_MAX_ROWS does not), and give the hidden states and logits SDPA's path
+    gives: fp32 to float rounding with the same argmax in every row."""
+    from specpipe.engine import cpu_kernel, lean_model
 
     with_kernel, with_sdpa = fresh_tiny(dtype), fresh_tiny(dtype)
     OneDNNEngine().apply(with_kernel)
     OneDNNEngine(kernel_attention=False).apply(with_sdpa)
     assert with_kernel.model.attention_kernel is not None and with_sdpa.model.attention_kernel is None
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    isa = cpu_kernel.kernel_isa()
+    assert with_kernel.model.attention_max_rows[torch_dtype] == lean_model.KERNEL_ATTENTION_MAX_ROWS[isa][torch_dtype]
+    prompt = random_prompts(1, seed=4)[0]
+    limit = max(len(prompt), 8)  # the prompt's rows are the most the kernel serves here
+    with_kernel.model.attention_max_rows = {torch_dtype: limit}
     rows_seen = []
     kernel = with_kernel.model.attention_kernel
     with_kernel.model.attention_kernel = lambda query, *rest: rows_seen.append(query.shape[2]) or kernel(query, *rest)
-    prompt = random_prompts(1, seed=4)[0]
     tree = DraftTree.from_parents(torch.arange(300, 305), torch.tensor([-1, 0, 0, 1, 3]))
-    long_tree = DraftTree.from_parents(torch.arange(300, 300 + lean_model.KERNEL_ATTENTION_MAX_ROWS),
-                                       torch.arange(-1, lean_model.KERNEL_ATTENTION_MAX_ROWS - 1))
-    outputs = []
+    long_tree = DraftTree.from_parents(torch.arange(300, 300 + limit), torch.arange(-1, limit - 1))
+    outputs, prompt_hidden = [], []
     for model in (with_kernel, with_sdpa):
         target = TargetModel(model, engine="fast")
         cache = target.new_cache()
-        target.prefill(prompt, cache)
+        prefill = target.prefill(prompt, cache)
         step = target.forward_tree(prompt[-1], DraftTree.empty(), cache)
         verify = target.forward_tree(300, tree, cache)
-        long_verify = target.forward_tree(301, long_tree, cache)  # 1 + 64 rows: SDPA's
-        outputs.append((step.logits, verify.logits, long_verify.logits))
+        long_verify = target.forward_tree(301, long_tree, cache)  # 1 + limit rows: SDPA's
+        outputs.append((prefill.logits, step.logits, verify.logits, long_verify.logits))
+        prompt_hidden.append(prefill.hidden)  # [len(prompt), hidden]: every row's causal attention
     layers = with_kernel.config.num_hidden_layers
-    assert rows_seen == [1] * layers + [6] * layers
+    assert rows_seen == [len(prompt)] * layers + [1] * layers + [6] * layers
     tolerance = 1e-4 if dtype == "fp32" else 0.1
+    torch.testing.assert_close(*prompt_hidden, atol=tolerance, rtol=0)
     for got, expected in zip(*outputs):
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
         if dtype == "fp32":

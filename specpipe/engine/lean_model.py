@@ -17,7 +17,8 @@ swap is not run by the lean loop (the engine owns the model from then on). Calls
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +41,19 @@ except ImportError:  # releases that read the class attribute instead, which Lea
 # Keyword arguments the lean forward serves; any other (attention weights, packed-sequence
 # lengths, ...) goes to the stock forward.
 LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"})
-# The most query rows the attention kernel serves: a step and a tree verify (4-13 us per layer of
-# SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding); a longer block (a drafter feeding its
-# committed text) goes to SDPA, which splits it over threads by rows.
-KERNEL_ATTENTION_MAX_ROWS = 64
+# The most query rows the attention kernel serves, per build of it (CpuKernel.isa) and dtype. A step and a
+# tree verify: 4-13 us per layer of SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding. A
+# prompt's causal block (the prefill, a drafter fed its committed text) where the kernel is faster too:
+# 9 heads over 3 KV heads on the 2-core Zen 5 dev VM (docs/BENCHMARKS.md run 46), the kernel against SDPA's
+# flash path at 100 / 390 / 800 / 1500 rows:
+#   avx512_bf16, bf16: 0.11 / 1.33 / 5.1 / 16.7 ms against 0.26 / 2.28 / 6.5 / 19.7 (level at 3000 rows);
+#   avx512_bf16, fp32: 0.12 / 1.53 / 5.9 / 20.7 ms against 0.21 / 2.15 / 6.1 / 18.9;
+#   avx512 (no BF16 pairs), bf16 and fp32: 1.3-1.4x faster at 390 rows, 0.82-0.97x at 800;
+#   avx2 (ATen held to AVX2 too): 1.26-1.40x faster at 100 rows, 0.81-0.84x at 200-390.
+# Longer blocks go to SDPA.
+KERNEL_ATTENTION_MAX_ROWS = {"avx512_bf16": {torch.bfloat16: 2048, torch.float32: 512},
+                             "avx512": {torch.bfloat16: 512, torch.float32: 512},
+                             "avx2": {torch.bfloat16: 64, torch.float32: 64}}
 # The attention functions the kernel stands in for where it serves: the target's tree attention, and the
 # plain SDPA the drafters' own layers (an EAGLE head) are configured with. Both compute exact attention
 # under a boolean mask; the kernel sums in another order (a draft may flip a near-tie, the target's
@@ -74,9 +84,10 @@ class LeanLlamaModel(LlamaModel):
 
     norm_kernel = None
     # `attention_kernel` (set by swap_lean_model): CpuKernel.attention, which computes the attention of a
-    # step of up to KERNEL_ATTENTION_MAX_ROWS query rows on the CPU (one token, a tree verify) in place
-    # of SDPA, the folded tree mask and the transposes around it; None = tree_attention_forward's SDPA.
+    # forward of up to KERNEL_ATTENTION_MAX_ROWS query rows on the CPU (one token, a tree verify, a prompt)
+    # in place of SDPA, the folded tree mask and the transposes around it; None = tree_attention_forward's SDPA.
     attention_kernel = None
+    attention_max_rows: Mapping[torch.dtype, int] = MappingProxyType({})  # dtype -> rows, for its build
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -111,19 +122,18 @@ class LeanLlamaModel(LlamaModel):
                                        hidden_states=tuple(recorded) if recorded is not None else None)
 
 
-def kernel_attends(attention_kernel, config, hidden: Tensor, mask: Tensor | None) -> bool:
+def kernel_attends(attention_kernel, max_rows: Mapping[torch.dtype, int], config, hidden: Tensor,
+                   mask: Tensor | None) -> bool:
     """Whether `attention_kernel` (None: not loaded) serves a forward of a model with `config`: hidden
-    [batch, q, hidden_size], mask as the attention function receives it. One sequence of a few rows on
-    the CPU in fp32 or bf16, with an explicit boolean mask [1, 1, q, kv] or none for one row (a
-    mask-free prefill is causal over many rows: SDPA's)."""
+    [batch, q, hidden_size], mask as the attention function receives it. One sequence of up to
+    `max_rows[dtype]` rows (KERNEL_ATTENTION_MAX_ROWS of the kernel's build) on the CPU, with an explicit
+    boolean mask [1, 1, q, kv], or none: one row, or a causal block (a prefill; `lean_decoder_layers` gives
+    the kernel its mask)."""
     batch, q = hidden.shape[:2]
-    if (attention_kernel is None or batch != 1 or not 1 <= q <= KERNEL_ATTENTION_MAX_ROWS
-            or hidden.dtype not in (torch.float32, torch.bfloat16) or hidden.device.type != "cpu"
-            or config.num_attention_heads % config.num_key_value_heads):
+    if (attention_kernel is None or batch != 1 or not 1 <= q <= max_rows.get(hidden.dtype, 0)
+            or hidden.device.type != "cpu" or config.num_attention_heads % config.num_key_value_heads):
         return False
-    if mask is None:
-        return q == 1
-    return mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q)
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q))
 
 
 def norm_function(norm_kernel, norm_weight: Tensor, hidden: Tensor) -> Callable[[nn.Module, Tensor], Tensor]:
@@ -155,9 +165,14 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
     lean_attention = {"attention_function": attention_function,
                       "rotary": rotary_tables(position_embeddings)}  # made once for every layer
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    kernel_serves = attention_function in KERNEL_REPLACES and kernel_attends(owner.attention_kernel, config, hidden, mask)
+    kernel_serves = attention_function in KERNEL_REPLACES and kernel_attends(
+        owner.attention_kernel, owner.attention_max_rows, config, hidden, mask)
     if kernel_serves:
         lean_attention["attention_function"] = KernelAttention(owner.attention_kernel)
+        q = hidden.shape[1]
+        if mask is None and q > 1:  # causal over the block: row r sees the cached rows and block rows <= r
+            cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+            mask = torch.ones(q, cached + q, dtype=torch.bool, device=hidden.device).tril(cached)[None, None]
     elif (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
             and mask.dim() == 4 and heads % kv_heads == 0):
         lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
@@ -215,20 +230,22 @@ def _norm_kernel_serves(model: nn.Module) -> bool:
             and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
 
-def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None) -> int:
+def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2") -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
-    CpuKernel.attention, for their decoding steps and tree verifies."""
+    CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
+    (`attention_isa`: the build's CpuKernel.isa)."""
+    max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
     for module in list(model.modules()):
         if getattr(module, "accepts_lean_kernels", False):  # a draft head with a lean loop of its own (EagleNet)
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
-            module.attention_kernel = attention_kernel
+            module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
             swapped += 1
         elif lean_model_applies(module):
             module.__class__ = LeanLlamaModel
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
-            module.attention_kernel = attention_kernel
+            module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

@@ -189,7 +189,7 @@ class OneDNNEngine:
     # fp32 and bf16 models: the lean forward runs LlamaRMSNorm as one C++ call (specpipe.engine.cpu_kernel's
     # extension, built where the product kernel builds; bitwise transformers' norm, checked when it loads)
     kernel_norm: bool = True
-    # fp32 and bf16 models: the lean forward's decoding steps and tree verifies (up to
+    # fp32 and bf16 models: the lean forward's decoding steps, tree verifies and prompts (up to
     # lean_model.KERNEL_ATTENTION_MAX_ROWS query rows) run their attention in the same extension
     # (fp32 sums; checked against SDPA when it loads) instead of SDPA over folded heads
     kernel_attention: bool = True
@@ -246,7 +246,8 @@ class OneDNNEngine:
             extension = kernel if kernel is not None else self._extension(path)
             norm, norm_why = self._norm_kernel(path, extension)
             attention, attention_why = self._attention_kernel(path, extension)
-            lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention)
+            lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
+                                          attention_isa=extension.isa if extension is not None else "avx2")
         rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []

@@ -34,7 +34,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
 from specpipe.engine.blocks import FusedQKVAttention
-from specpipe.engine.lean_model import lean_decoder_layers, norm_function
+from specpipe.engine.lean_model import LeanLlamaModel, lean_decoder_layers, norm_function
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import REPO_ROOT
@@ -66,9 +66,10 @@ class EagleNet(nn.Module):
     (specpipe.engine.lean_model.lean_decoder_layers): ~0.1 ms less per draft level of a bf16 head on
     the 2-core EPYC (0.30 against 0.40 ms), of which a step runs 2-4."""
 
-    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the two below
+    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the three below
     norm_kernel = None
     attention_kernel = None
+    attention_max_rows = LeanLlamaModel.attention_max_rows
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
