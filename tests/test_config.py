@@ -3,6 +3,7 @@ discovered from conf/, so new files are covered without touching this test)."""
 from __future__ import annotations
 
 import functools
+import re
 import inspect
 import time
 
@@ -213,3 +214,50 @@ def test_bf16_builds_and_generates(pipeline):
     with torch.inference_mode():
         first = pipe.target.model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax()
     assert out.token_ids[0] == int(first)
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `run.py` command in the README's and docs/SCALING.md's shell blocks: (file, its arguments),
+    continuation lines joined, $HOME expanded as the shell would, redirections and comments dropped."""
+    import os
+    import re
+    import shlex
+
+    commands = []
+    for name in ("README.md", "docs/SCALING.md"):
+        text = (CONF_DIR.parent / name).read_text()
+        for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if "run.py" not in line:
+                    continue
+                words = shlex.split(os.path.expandvars(line), comments=True)
+                if "run.py" not in words:
+                    continue
+                args = words[words.index("run.py") + 1:]
+                ends = [i for i, word in enumerate(args) if word in ("&", "&&", "|", ">", ">>", "2>&1")]
+                commands.append((name, args[: ends[0]] if ends else args))
+    return commands
+
+
+def test_documented_commands_compose():
+    """The overrides of every command the docs tell users to run parse and name keys that exist (the
+    README's reproduction command once passed an unquoted `~`, which Hydra's override grammar refuses).
+    Sweeps (-m) compose one value of each swept override; launcher and hydra.* overrides are composed
+    with the Hydra config."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    commands = documented_commands()
+    assert len(commands) >= 30  # the README's commands were found
+    failures = []
+    for name, args in commands:
+        overrides = [arg for arg in args if arg not in ("-m", "--multirun")]
+        if "-m" in args or "--multirun" in args:  # a sweep: its first value of each swept key
+            overrides = [re.sub(r"=([^,\[{'\"]+),.*$", r"=\1", arg) for arg in overrides]
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        except Exception as error:  # noqa: BLE001 (every failure is collected and reported)
+            failures.append(f"{name}: run.py {' '.join(args)}\n    {type(error).__name__}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
