@@ -47,6 +47,11 @@ def build(method: str, dtype: str, overrides: list[str]) -> Pipeline:
     return built
 
 
+def first_turn_steps(pipeline: Pipeline, question, max_new_tokens: int):
+    """The steps of one question's first turn, as a new request."""
+    return pipeline.steps([{"role": "user", "content": question.turns[0]}], max_new_tokens=max_new_tokens)
+
+
 def run_rounds(order: list[tuple[str, Pipeline]], questions: list, max_new_tokens: int,
                totals: dict[str, dict[str, collections.Counter]]) -> None:
     """Two rounds, the second in reverse order, each question through every method in turn."""
@@ -55,8 +60,7 @@ def run_rounds(order: list[tuple[str, Pipeline]], questions: list, max_new_token
             for method, pipeline in round_order:
                 sums = totals[method][question.category]
                 started = time.perf_counter()
-                for step in pipeline.steps([{"role": "user", "content": question.turns[0]}],
-                                           max_new_tokens=max_new_tokens):
+                for step in first_turn_steps(pipeline, question, max_new_tokens):
                     if "prefill" in step.stats.seconds:
                         continue
                     sums["steps"] += 1
@@ -86,8 +90,7 @@ def main() -> None:
     with learning_paused(*pipelines.values()):
         for question in questions[: args.warmup]:
             for _, pipeline in order:
-                for _ in pipeline.steps([{"role": "user", "content": question.turns[0]}],
-                                        max_new_tokens=args.max_new_tokens):
+                for _ in first_turn_steps(pipeline, question, args.max_new_tokens):
                     pass
         run_rounds(order, questions, args.max_new_tokens, totals)
 
