@@ -3,8 +3,8 @@ discovered from conf/, so new files are covered without touching this test)."""
 from __future__ import annotations
 
 import functools
-import re
 import inspect
+import re
 import time
 
 import pytest
@@ -167,18 +167,22 @@ def test_task_options_compose(option):
     assert cfg.task.name == option
 
 
-@pytest.mark.parametrize("launcher,target", [
-    ("basic", "BasicLauncher"), ("joblib", "JoblibLauncher"), ("submitit_local", "LocalLauncher"),
-    ("submitit_slurm", "SlurmLauncher"), ("slurm_gpu", "SlurmLauncher")])
-def test_sweep_launchers_compose(launcher, target):
-    """The Hydra launcher plugins are installed and the project's own Slurm preset composes on them."""
+def compose_with_hydra(overrides: list[str]):
+    """The config with its `hydra` node (launchers, hydra.* overrides), as `run.py` composes it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}", "task=bench"],
-                      return_hydra_config=True)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("launcher,target", [
+    ("basic", "BasicLauncher"), ("joblib", "JoblibLauncher"), ("submitit_local", "LocalLauncher"),
+    ("submitit_slurm", "SlurmLauncher"), ("slurm_gpu", "SlurmLauncher")])
+def test_sweep_launchers_compose(launcher, target):
+    """The Hydra launcher plugins are installed and the project's own Slurm preset composes on them."""
+    cfg = compose_with_hydra([f"hydra/launcher={launcher}", "task=bench"])
     assert cfg.hydra.launcher._target_.endswith(target)
     if launcher == "slurm_gpu":
         assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.additional_parameters.exclusive
@@ -220,7 +224,6 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     """Every `run.py` command in the README's and docs/SCALING.md's shell blocks: (file, its arguments),
     continuation lines joined, $HOME expanded as the shell would, redirections and comments dropped."""
     import os
-    import re
     import shlex
 
     commands = []
@@ -244,9 +247,6 @@ def test_documented_commands_compose():
     README's reproduction command once passed an unquoted `~`, which Hydra's override grammar refuses).
     Sweeps (-m) compose one value of each swept override; launcher and hydra.* overrides are composed
     with the Hydra config."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     commands = documented_commands()
     assert len(commands) >= 30  # the README's commands were found
     failures = []
@@ -254,10 +254,8 @@ def test_documented_commands_compose():
         overrides = [arg for arg in args if arg not in ("-m", "--multirun")]
         if "-m" in args or "--multirun" in args:  # a sweep: its first value of each swept key
             overrides = [re.sub(r"=([^,\[{'\"]+),.*$", r"=\1", arg) for arg in overrides]
-        GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-                compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            compose_with_hydra(overrides)
         except Exception as error:  # noqa: BLE001 (every failure is collected and reported)
             failures.append(f"{name}: run.py {' '.join(args)}\n    {type(error).__name__}: {str(error).splitlines()[0]}")
     assert not failures, "\n".join(failures)
