@@ -335,3 +335,36 @@ def test_bad_distillation_settings_are_refused_before_the_teacher_pass(tmp_path,
         run_distill_draft(compose_config(["task=distill_draft", "model=tiny_random", "distill_draft.layers=[0]",
                                           f"distill_draft.checkpoint_dir={tmp_path / 'ck'}", override]))
     assert not (tmp_path / "ck").exists()
+
+
+def test_the_loss_head_runs_onednn_with_torchs_products_and_gradient():
+    """frozen_loss_head: a frozen fp32 output layer's product and its gradient to the input equal
+    torch's (float rounding apart); a layer that trains, has a bias or is bf16 stays as it is."""
+    from specpipe.distill.training import FrozenPackedLinear, frozen_loss_head
+    from specpipe.engine.cpu import onednn_available
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 300, bias=False)
+    linear.requires_grad_(False)
+    head = frozen_loss_head(linear)
+    if not onednn_available():
+        assert head is linear
+        pytest.skip("no oneDNN in this torch build")
+    assert isinstance(head, FrozenPackedLinear)
+    rows = torch.randn(37, 48)
+    weights = torch.randn(37, 300)
+    grads = []
+    for module in (linear, head):
+        x = rows.clone().requires_grad_(True)
+        out = module(x)
+        (out * weights).sum().backward()
+        grads.append((out.detach(), x.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-5)
+    assert linear.weight.grad is None
+    trained = torch.nn.Linear(48, 300, bias=False)
+    assert frozen_loss_head(trained) is trained
+    with_bias = torch.nn.Linear(48, 300).requires_grad_(False)
+    assert frozen_loss_head(with_bias) is with_bias
+    bf16 = torch.nn.Linear(48, 300, bias=False).to(torch.bfloat16).requires_grad_(False)
+    assert frozen_loss_head(bf16) is bf16
