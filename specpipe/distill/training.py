@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specpipe.distill.corpus import write_atomically
+from specpipe.engine.cpu import onednn_available, pack_weight, packed_linear
 from specpipe.errors import ConfigError
 
 
@@ -310,15 +311,11 @@ class _FrozenProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, packed: torch.Tensor, packed_transposed: torch.Tensor) -> torch.Tensor:
-        from specpipe.engine.cpu import packed_linear
-
         ctx.packed_transposed = packed_transposed
         return packed_linear(rows, packed, None)  # [n, out]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from specpipe.engine.cpu import packed_linear
-
         return packed_linear(grad.contiguous(), ctx.packed_transposed, None), None, None  # [n, in]
 
 
@@ -330,8 +327,6 @@ class FrozenPackedLinear(torch.nn.Module):
     the weight (it and its transpose)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        from specpipe.engine.cpu import pack_weight
-
         super().__init__()
         weight = weight.detach()
         self.packed = pack_weight(weight)  # [out, in] blocked
@@ -344,8 +339,6 @@ class FrozenPackedLinear(torch.nn.Module):
 def frozen_loss_head(linear: torch.nn.Linear) -> torch.nn.Module:
     """The output layer a training loss should run: `linear` as a FrozenPackedLinear where oneDNN can pack
     it (a frozen fp32 weight without a bias, on the CPU), else `linear` itself."""
-    from specpipe.engine.cpu import onednn_available
-
     weight = linear.weight
     if (linear.bias is not None or weight.requires_grad or weight.dtype != torch.float32
             or weight.device.type != "cpu" or not onednn_available()):
