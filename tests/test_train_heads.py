@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from specpipe.distill.training import frozen_product
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.tasks.distill_draft import Example
@@ -193,7 +194,7 @@ def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
     example = Example("x", tokens, len(prompt), np.asarray(answer, np.int64), len(answer))
     batch = HeadBatch([example], {"x": hidden.numpy()}, pad_id=0)
     weight = tiny_mixed.reference.lm_head.weight.detach()
-    loss, stats = head_loss(batch.next_features, batch, weight, 0.1, torch.arange(weight.shape[0]))
+    loss, stats = head_loss(batch.next_features, batch, frozen_product(weight), 0.1, torch.arange(weight.shape[0]))
     scored = batch.labels >= 0
     assert stats["positions"] == int(scored.sum()) == len(answer) and stats["misses"] == 0
     assert stats["top1"] == stats["positions"] and stats["regression"] == 0.0
@@ -301,14 +302,14 @@ def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_
         examples.append(Example(pid, tokens, len(prompt), answer, len(answer)))
         features[pid] = rng.standard_normal((length, net.config.hidden_size)).astype(np.float32)
     batch = HeadBatch(examples, features, pad_id=0)
-    weight = tiny_mixed.reference.lm_head.weight.detach()[:300]
+    reduced_head = frozen_product(tiny_mixed.reference.lm_head.weight.detach()[:300])
     to_reduced = torch.full((tiny_mixed.reference.config.vocab_size,), -1, dtype=torch.long)
     to_reduced[:300] = torch.arange(300)
     with torch.no_grad():
         plain, plain_stats = head_loss(run_net(net, embed, batch.tokens, batch.features, batch.attention_mask()),
-                                       batch, weight, 0.1, to_reduced)
-        one, one_stats = eagle_rollout_loss(net, embed, batch, batch.features, weight, 0.1, to_reduced, 1, 0.8)
-        two, two_stats = eagle_rollout_loss(net, embed, batch, batch.features, weight, 0.1, to_reduced, 2, 0.5)
+                                       batch, reduced_head, 0.1, to_reduced)
+        one, one_stats = eagle_rollout_loss(net, embed, batch, batch.features, reduced_head, 0.1, to_reduced, 1, 0.8)
+        two, two_stats = eagle_rollout_loss(net, embed, batch, batch.features, reduced_head, 0.1, to_reduced, 2, 0.5)
     assert float(one) == pytest.approx(float(plain), rel=1e-5)
     assert one_stats["positions"] == plain_stats["positions"] == two_stats["positions"] > 0
     assert len(two_stats["top1_per_step"]) == 2
@@ -326,7 +327,7 @@ def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_
         out1 = net.rows(embed(batch.tokens), shifted, positions, rollout_mask(batch.valid, 1), cache)
         keep = positions[batch.labels >= 0] >= 1  # over the labelled rows
         assert int(keep.sum()) == int((batch.labels >= 0).sum()) - 1  # "a"'s row 0 has no committed row under it
-        second, _ = head_loss(out1, batch, weight, 0.1, to_reduced, keep)
+        second, _ = head_loss(out1, batch, reduced_head, 0.1, to_reduced, keep)
     assert float(two) == pytest.approx(float(one) + 0.5 * float(second), rel=1e-5)
 
 

@@ -336,6 +336,14 @@ class FrozenPackedLinear(torch.nn.Module):
         return _FrozenProduct.apply(rows.contiguous(), self.packed, self.packed_transposed)
 
 
+def frozen_product(weight: torch.Tensor) -> torch.nn.Module:
+    """rows [n, in] -> rows @ weight.T [n, out] for a training loss, weight [out, in] frozen: as
+    `frozen_loss_head` runs it (oneDNN's packed kernels where they serve)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+    return frozen_loss_head(linear)
+
+
 def frozen_loss_head(linear: torch.nn.Linear) -> torch.nn.Module:
     """The output layer a training loss should run: `linear` as a FrozenPackedLinear where oneDNN can pack
     it (a frozen fp32 weight without a bias, on the CPU), else `linear` itself."""

@@ -65,7 +65,7 @@ from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
-                                       finished_message, lock_folder, progress_bar, write_json)
+                                       finished_message, frozen_product, lock_folder, progress_bar, write_json)
 from specpipe.paths import local_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
                                           pad_examples, pad_id_of, read_task_corpus, split_held_out)
@@ -164,28 +164,28 @@ def run_net(net: EagleNet, embed: torch.nn.Module, tokens: torch.Tensor, feature
     return net.rows(embed(tokens), features, positions, mask)
 
 
-def target_log_probs(batch: HeadBatch, head_weight: torch.Tensor) -> torch.Tensor:
+def target_log_probs(batch: HeadBatch, reduced_head: torch.nn.Module) -> torch.Tensor:
     """[n, K] the target's next-token log-probs over the reduced vocabulary at the n labelled rows."""
-    return F.log_softmax(batch.next_features[batch.labels >= 0] @ head_weight.T, dim=-1)
+    return F.log_softmax(reduced_head(batch.next_features[batch.labels >= 0]), dim=-1)
 
 
-def head_loss(predicted: torch.Tensor, batch: HeadBatch, head_weight: torch.Tensor, class_weight: float,
+def head_loss(predicted: torch.Tensor, batch: HeadBatch, reduced_head: torch.nn.Module, class_weight: float,
               to_reduced: torch.Tensor, keep: torch.Tensor | None = None,
               target_log_p: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """EAGLE-1's loss over the scored rows: SmoothL1(predicted, f_{p+1}) + class_weight * CE(target's
-    next-token distribution, the head's), both over the reduced vocabulary (head_weight [K, H]).
+    next-token distribution, the head's), both over the reduced vocabulary (reduced_head: [n, H] -> [n, K]).
     to_reduced [vocab]: reduced index of each token, -1 outside; a label outside counts as a miss.
     The scored rows are the labelled ones, or those of them `keep` [n] selects; `target_log_p` [n, K]
-    is `target_log_probs(batch, head_weight)` where the caller already has it."""
+    is `target_log_probs(batch, reduced_head)` where the caller already has it."""
     scored = batch.labels >= 0  # [b, T]
     predicted, truth = predicted[scored], batch.next_features[scored]  # [n, H]
     if target_log_p is None:
-        target_log_p = target_log_probs(batch, head_weight)
+        target_log_p = target_log_probs(batch, reduced_head)
     labels = to_reduced[batch.labels[scored]]  # [n]
     if keep is not None:
         predicted, truth, target_log_p, labels = predicted[keep], truth[keep], target_log_p[keep], labels[keep]
     regression = F.smooth_l1_loss(predicted, truth)  # mean over positions and feature dimensions, as EAGLE-1
-    draft_log_q = F.log_softmax(predicted @ head_weight.T, dim=-1)  # [n, K]
+    draft_log_q = F.log_softmax(reduced_head(predicted), dim=-1)  # [n, K]
     classification = -(target_log_p.exp() * draft_log_q).sum(-1).mean()
     inside = labels >= 0
     stats = {"positions": int(labels.shape[0]), "top1": int((draft_log_q.argmax(-1) == labels)[inside].sum()),
@@ -220,7 +220,7 @@ class HeadTrainer(ResumableTrainer):
         return stats
 
 
-def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
+def eagle_loss_of(net: EagleNet, embed, reduced_head: torch.nn.Module, to_reduced: torch.Tensor, features: dict,
                   cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
     rollouts = rollout_steps(cfg)
 
@@ -230,10 +230,10 @@ def eagle_loss_of(net: EagleNet, embed, head_weight: torch.Tensor, to_reduced: t
         if float(cfg.feature_noise):  # EAGLE's augmentation: the head drafts from its own, imperfect features
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * float(cfg.feature_noise)
         if rollouts > 1:
-            return eagle_rollout_loss(net, embed, batch, inputs, head_weight, float(cfg.class_weight), to_reduced,
+            return eagle_rollout_loss(net, embed, batch, inputs, reduced_head, float(cfg.class_weight), to_reduced,
                                       rollouts, float(cfg.rollout_decay))
         predicted = run_net(net, embed, batch.tokens, inputs, batch.attention_mask())
-        return head_loss(predicted, batch, head_weight, float(cfg.class_weight), to_reduced)
+        return head_loss(predicted, batch, reduced_head, float(cfg.class_weight), to_reduced)
     return loss_of
 
 
@@ -247,7 +247,7 @@ def rollout_steps(cfg: DictConfig) -> int:
     return steps
 
 
-def eagle_rollout_loss(net: EagleNet, embed, batch: HeadBatch, inputs: torch.Tensor, head_weight: torch.Tensor,
+def eagle_rollout_loss(net: EagleNet, embed, batch: HeadBatch, inputs: torch.Tensor, reduced_head: torch.nn.Module,
                        class_weight: float, to_reduced: torch.Tensor, steps: int,
                        decay: float) -> tuple[torch.Tensor, dict]:
     """EAGLE-1's loss with EAGLE-3's training-time test (as HASS applies it to EAGLE heads): rollout 0
@@ -256,12 +256,12 @@ def eagle_rollout_loss(net: EagleNet, embed, batch: HeadBatch, inputs: torch.Ten
     under `rollout_mask`. Every rollout is scored by `head_loss` on the same labels (the true next
     feature and token; a node is only worth drafting where its ancestors were right), on the rows
     with a committed row under their chain, weighted decay^k. Stats are rollout 0's."""
-    target_log_p = target_log_probs(batch, head_weight)  # [n, K], the same labels for every rollout
+    target_log_p = target_log_probs(batch, reduced_head)  # [n, K], the same labels for every rollout
     where = labelled_positions(batch)  # [n]
-    total = head_weight.new_zeros(())
+    total = torch.zeros(())
     stats: dict = {}
     for step, out in enumerate(rollout_outputs(net, embed(batch.tokens), inputs, batch.valid, steps)):
-        loss, step_stats = head_loss(out, batch, head_weight, class_weight, to_reduced, where >= step, target_log_p)
+        loss, step_stats = head_loss(out, batch, reduced_head, class_weight, to_reduced, where >= step, target_log_p)
         total = total + decay ** step * loss
         if step == 0:
             stats = step_stats
@@ -307,18 +307,18 @@ def labelled_positions(batch: HeadBatch) -> torch.Tensor:
     return torch.arange(labelled.shape[1])[None].expand_as(labelled)[labelled]
 
 
-def eagle3_loss(net, embed, batch: HeadBatch, head_weight: torch.Tensor, to_reduced: torch.Tensor, steps: int,
+def eagle3_loss(net, embed, batch: HeadBatch, reduced_head: torch.nn.Module, to_reduced: torch.Tensor, steps: int,
                 decay: float) -> tuple[torch.Tensor, dict]:
     """EAGLE-3's loss: `steps` rollouts over the batch, rollout k reading the features the draft itself
     produced at rollout k - 1 (one position earlier), each scored by the cross-entropy from the
-    target's next-token distribution (over the draft vocabulary, head_weight [K, H]) at its answer
+    target's next-token distribution (over the draft vocabulary, reduced_head [n, H] -> [n, K]) at its answer
     positions, weighted decay^k. The head's lm_head starts as these K rows of the target's."""
     scored = batch.labels >= 0  # [b, T]
-    target_log_p = target_log_probs(batch, head_weight)  # [n, K]
+    target_log_p = target_log_probs(batch, reduced_head)  # [n, K]
     where = labelled_positions(batch)  # [n] each scored row's p
     labels = to_reduced[batch.labels[scored]]  # [n]
     inside = labels >= 0
-    total = head_weight.new_zeros(())
+    total = torch.zeros(())
     stats = {"positions": int(scored.sum()), "misses": int((~inside).sum()), "top1_per_step": []}
     # rollout 0 reads the target's layers [b, T, 3H], later ones the draft's own outputs [b, T, H]
     for step, out in enumerate(rollout_outputs(net, embed(batch.tokens), batch.features, batch.valid, steps)):
@@ -333,11 +333,11 @@ def eagle3_loss(net, embed, batch: HeadBatch, head_weight: torch.Tensor, to_redu
     return total, stats
 
 
-def eagle3_loss_of(net, embed, head_weight: torch.Tensor, to_reduced: torch.Tensor, features: dict,
+def eagle3_loss_of(net, embed, reduced_head: torch.nn.Module, to_reduced: torch.Tensor, features: dict,
                    aux_features: dict, cfg: DictConfig, pad_id: int) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
     def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
         batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
-        return eagle3_loss(net, embed, batch, head_weight, to_reduced, rollout_steps(cfg), float(cfg.rollout_decay))
+        return eagle3_loss(net, embed, batch, reduced_head, to_reduced, rollout_steps(cfg), float(cfg.rollout_decay))
     return loss_of
 
 
@@ -377,20 +377,20 @@ def medusa_rows(examples: list[Example], features: dict, heads: int) -> list[tup
     return [tuple(torch.cat(column) for column in zip(*part)) if part else empty for part in parts]
 
 
-def medusa_loss(module: MedusaHeads | HydraHeads, rows, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+def medusa_loss(module: MedusaHeads | HydraHeads, rows, reduced_head: torch.nn.Module, to_reduced: torch.Tensor,
                 decay: float, embed) -> tuple[torch.Tensor, dict]:
     """Sum over heads of decay^k x the cross-entropy from the target's distribution at the guessed
     position (over the reduced vocabulary) to head k's, through the target's frozen output layer
     (Hydra heads also read the embeddings of the true tokens before their guess: teacher forcing)."""
-    total = head_weight.new_zeros(())
+    total = torch.zeros(())
     stats = {"positions": 0, "top1": 0, "misses": 0, "top1_per_head": []}
     for k, (inputs, targets, labels, before) in enumerate(rows):
         if not len(inputs):
             stats["top1_per_head"].append(0.0)
             continue
         prefix = embed(before) if module.hydra else None  # [n, k + 1, H]
-        log_q = F.log_softmax(module.run(k, inputs, prefix) @ head_weight.T, dim=-1)  # [n, K]
-        log_p = F.log_softmax(targets @ head_weight.T, dim=-1)  # [n, K]
+        log_q = F.log_softmax(reduced_head(module.run(k, inputs, prefix)), dim=-1)  # [n, K]
+        log_p = F.log_softmax(reduced_head(targets), dim=-1)  # [n, K]
         total = total + decay ** k * -(log_p.exp() * log_q).sum(-1).mean()
         reduced = to_reduced[labels]
         top1 = int((log_q.argmax(-1) == reduced)[reduced >= 0].sum())
@@ -400,16 +400,16 @@ def medusa_loss(module: MedusaHeads | HydraHeads, rows, head_weight: torch.Tenso
     return total, stats
 
 
-def medusa_loss_of(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor, to_reduced: torch.Tensor,
+def medusa_loss_of(module: MedusaHeads | HydraHeads, reduced_head: torch.nn.Module, to_reduced: torch.Tensor,
                    features: dict, cfg: DictConfig, embed) -> Callable[[list[Example]], tuple[torch.Tensor, dict]]:
     def loss_of(examples: list[Example]) -> tuple[torch.Tensor, dict]:
         rows = medusa_rows(examples, features, len(module))
-        return medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay), embed)
+        return medusa_loss(module, rows, reduced_head, to_reduced, float(cfg.medusa_decay), embed)
     return loss_of
 
 
 @torch.inference_mode()
-def evaluate_medusa(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor, reduced_ids: torch.Tensor,
+def evaluate_medusa(module: MedusaHeads | HydraHeads, reduced_head: torch.nn.Module, reduced_ids: torch.Tensor,
                     to_reduced: torch.Tensor, examples: list[Example], features: dict, cfg: DictConfig, embed) -> dict:
     """Head k's top-1 agreement with the target's token k + 2 places on, and the chain acceptance per
     depth of the heads' argmax chain (what `propose` drafts) at every held-out answer position that
@@ -417,7 +417,7 @@ def evaluate_medusa(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor,
     first wrong draft those are the drafts, and the chain counts no further.)"""
     heads = len(module)
     rows = medusa_rows(examples, features, heads)
-    loss, stats = medusa_loss(module, rows, head_weight, to_reduced, float(cfg.medusa_decay), embed)
+    loss, stats = medusa_loss(module, rows, reduced_head, to_reduced, float(cfg.medusa_decay), embed)
     accepted = np.zeros(heads + 1, np.int64)
     chains = 0
     for example in examples:
@@ -429,7 +429,7 @@ def evaluate_medusa(module: MedusaHeads | HydraHeads, head_weight: torch.Tensor,
         ids = torch.from_numpy(sequence)
         prefixes = [embed(torch.stack([ids[positions + 1 + j] for j in range(k + 1)], dim=1)) if module.hydra else None
                     for k in range(heads)]  # [n, k + 1, H]: the root and the tokens before head k's guess
-        drafted = np.stack([reduced_ids[(module.run(k, f[positions], prefixes[k]) @ head_weight.T).argmax(-1)].numpy()
+        drafted = np.stack([reduced_ids[reduced_head(module.run(k, f[positions], prefixes[k])).argmax(-1)].numpy()
                             for k in range(heads)], axis=1)  # [n, heads]: the chain each position drafts
         truth = np.stack([sequence[positions + 2 + k] for k in range(heads)], axis=1)  # [n, heads]
         matched = np.cumprod(drafted == truth, axis=1).sum(axis=1)  # [n]
@@ -626,20 +626,21 @@ def run_train_heads(cfg: DictConfig) -> dict:
     reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
     to_reduced = torch.full((vocab,), -1, dtype=torch.long)
     to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
-    head_weight = output_weight(target, "train_heads").detach().float()[reduced_ids]  # [K, H]
+    # rows [n, H] -> [n, K]: the target's frozen output layer over the reduced vocabulary
+    reduced_head = frozen_product(output_weight(target, "train_heads").detach().float()[reduced_ids])
     embed = target.get_input_embeddings()
     embed.requires_grad_(False)
     if h.kind == "eagle":
         net = new_head(target, init_state) if not h.get("init_from") else head_from(h.init_from, target, tokenizer)
-        loss_of = eagle_loss_of(net, embed, head_weight, to_reduced, features, h, pad_id)
+        loss_of = eagle_loss_of(net, embed, reduced_head, to_reduced, features, h, pad_id)
     elif h.kind == "eagle3":
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
-        loss_of = eagle3_loss_of(net, embed, head_weight, to_reduced, features, aux_features, h, pad_id)
+        loss_of = eagle3_loss_of(net, embed, reduced_head, to_reduced, features, aux_features, h, pad_id)
     else:
         heads_class = HydraHeads if h.kind == "hydra" else MedusaHeads
         net = heads_class(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
         net.start_as_medusa()
-        loss_of = medusa_loss_of(net, head_weight, to_reduced, features, h, embed)
+        loss_of = medusa_loss_of(net, reduced_head, to_reduced, features, h, embed)
     run_folder = folder / f"{h.kind}-{dtype}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = HeadTrainer(net, loss_of, train, h, run_folder)
@@ -656,17 +657,17 @@ def run_train_heads(cfg: DictConfig) -> dict:
             def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
                 batch = HeadBatch(examples, features, pad_id)
                 predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
-                return head_loss(predicted, batch, head_weight, float(h.class_weight), to_reduced)
-            result = evaluate(net, embed, lambda feature: feature @ head_weight.T, reduced_ids, depth_one, held_out,
+                return head_loss(predicted, batch, reduced_head, float(h.class_weight), to_reduced)
+            result = evaluate(net, embed, reduced_head, reduced_ids, depth_one, held_out,
                               features, h, bool(h.progress))
         elif h.kind == "eagle3":
             def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
                 batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
-                return eagle3_loss(net, embed, batch, head_weight, to_reduced, 1, 1.0)
+                return eagle3_loss(net, embed, batch, reduced_head, to_reduced, 1, 1.0)
             result = evaluate(net, embed, net.draft_logits, reduced_ids, depth_one, held_out, aux_features, h,
                               bool(h.progress))
         else:
-            result = evaluate_medusa(net, head_weight, reduced_ids, to_reduced, held_out, features, h, embed)
+            result = evaluate_medusa(net, reduced_head, reduced_ids, to_reduced, held_out, features, h, embed)
         result.update(step=trainer.step, epochs=round(trainer.epochs(), 3), positions_trained=trainer.positions,
                       train_seconds=round(trainer.seconds, 1), eval_seconds=round(time.perf_counter() - started, 1))
         _log(format_eval(result, trainer.step))
