@@ -24,10 +24,13 @@ usable answers of the shipped 3.14M-token corpus (14,120 to train on, 2.79M answ
 AVX-512 EPYC (docs/BENCHMARKS.md, run 44); since run 47 the teacher runs through the engine (4.65M tokens at
 ~1160 tok/s, ~1.1 h) and the loss's output layer through oneDNN (~1.7K trained tokens/s against ~830).
 The draft it replaced learned from the first 5120 answers (`distill_draft.limit=5120`, 2400 steps): on this
-run's held-out split it agrees with the target 56% of the time against 64% (`bench/draft_eval.py`). Training is deterministic on one machine: a second run,
-stopped and resumed once, matched the first's log to the end and exported the same bytes (run 32), and
-the replaced draft, rerun from scratch, exported every tensor bit for bit (run 41). `limit` may change
-on resume (a grown corpus), so start in a checkpoint folder of its own. Run it niced and in the background:
+run's held-out split it agrees with the target 56% of the time against 64% (`bench/draft_eval.py`).
+Training is deterministic on one machine: a second run, stopped and resumed once, matched the first's log
+to the end and exported the same bytes (run 32), and the replaced draft, rerun from scratch, exported every
+tensor bit for bit (run 41). The shipped draft, rerun by the command below with the engine's teacher and the
+oneDNN loss, matched its held-out evals to every printed digit; its weights differ by float rounding (run
+48). `limit` may change on resume (a grown corpus), so start in a checkpoint folder of its own. Run it
+niced and in the background:
 
     OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft distill_draft.steps=4400 \\
         distill_draft.eval_every=1100 distill_draft.checkpoint_dir=$HOME/.cache/specpipe/distill_draft/all_answers \\
