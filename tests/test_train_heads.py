@@ -370,3 +370,47 @@ def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
         run_train_heads(config(second, "ck3", 2, f"train_heads.init_from={first}", "train_heads.kind=medusa"))
     with pytest.raises(ConfigError, match="rollout_steps must be >= 1"):
         run_train_heads(config(second, "ck4", 2, "train_heads.rollout_steps=0"))
+
+
+def test_the_medusa_eval_pools_its_batches_into_the_whole_split_s_numbers(tiny_mixed):
+    """The Medusa/Hydra eval runs its loss in batches of `batch` tokens (all held-out rows at once ran
+    a 24 GB machine out of memory on the whole chat corpus): pooled per head, the batches give the
+    numbers of one batch over the whole split (top-1 and acceptance exactly, the loss to rounding)."""
+    from omegaconf import OmegaConf
+
+    from specpipe.stages.draft.medusa import HydraHeads
+    from specpipe.tasks.train_heads import evaluate_medusa, medusa_loss, medusa_rows
+
+    model = tiny_mixed.reference
+    torch.manual_seed(0)
+    heads = HydraHeads(model.config.hidden_size, 3, layers=1)
+    rng = np.random.default_rng(0)
+    examples, features = [], {}
+    for i in range(6):
+        prompt = rng.integers(5, 500, size=3 + i).tolist()
+        answer = rng.integers(5, 500, size=4 + 2 * i).tolist()  # answers of unequal length: heads score unequal rows
+        tokens = np.asarray((prompt + answer)[:-1], np.int64)
+        with torch.inference_mode():
+            hidden = model(input_ids=torch.from_numpy(tokens)[None], output_hidden_states=True).hidden_states[-1][0]
+        examples.append(Example(f"p{i}", tokens, len(prompt), np.asarray(answer, np.int64), len(answer)))
+        features[f"p{i}"] = hidden.numpy()
+    weight = model.lm_head.weight.detach()
+    reduced_ids = torch.arange(0, weight.shape[0], 2)  # half the vocabulary: some labels miss it
+    to_reduced = torch.full((weight.shape[0],), -1, dtype=torch.long)
+    to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
+
+    def evaluate(batch_tokens: int) -> dict:
+        cfg = OmegaConf.create({"batch": batch_tokens, "medusa_decay": 0.8})
+        return evaluate_medusa(heads, frozen_product(weight[reduced_ids]), reduced_ids, to_reduced, examples, features,
+                               cfg, model.get_input_embeddings())
+
+    whole, batched = evaluate(10_000), evaluate(24)
+    assert whole["positions"] == batched["positions"] > 0 and 0 < whole["vocab_miss_rate"] < 1
+    assert batched["top1_per_head"] == whole["top1_per_head"] and batched["top1"] == whole["top1"]
+    assert batched["acceptance_per_depth"] == whole["acceptance_per_depth"]
+    with torch.inference_mode():  # the training loss over every held-out row at once: what the eval reports
+        loss, stats = medusa_loss(heads, medusa_rows(examples, features, 3), frozen_product(weight[reduced_ids]),
+                                  to_reduced, 0.8, model.get_input_embeddings())
+    assert len(set(stats["rows_per_head"])) > 1  # the heads score unequal rows: a pooling slip would show
+    assert batched["top1_per_head"] == stats["top1_per_head"] and batched["positions"] == stats["positions"]
+    assert batched["loss"] == pytest.approx(float(loss), rel=1e-6) == whole["loss"]
