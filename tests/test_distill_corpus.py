@@ -4,6 +4,7 @@ nothing with the dev prompt sets."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,8 +14,9 @@ import torch
 
 from specpipe.distill.corpus import (BatchedGreedy, CorpusError, ShardFolder, chat_prompt_ids, distill,
                                      merge_shards, read_corpus, read_corpus_metadata)
-from specpipe.distill.prompts import (SOURCE_COUNTS, ChatPrompt, build_prompt_source, dev_prompt_files,
-                                      find_overlaps, load_dev_turns, prompt_id)
+from specpipe.distill.prompts import (SOURCE_COUNTS, ChatPrompt, _fill_slots, _situated_request, build_prompt_source,
+                                      dev_prompt_files, find_overlaps, load_dev_turns, prompt_id)
+from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.stores.manifest import sha256_file
 
@@ -410,6 +412,24 @@ def test_growing_the_source_keeps_every_prompt_already_answered(source):
                          columns=["prompt_id", "history"]).to_pylist()
     answered = {row["prompt_id"] for row in rows if not row["history"]}
     assert answered and answered <= now
+
+
+def test_situated_requests_fill_every_slot_and_keep_the_constraint_with_the_ask(source):
+    """Every situated request formats with the slots the builder fills (a misspelt slot raises KeyError),
+    and a constraint goes after the ask, never after the document an extraction request quotes."""
+    rng = random.Random(0)
+    for category, requests in SITUATED_REQUESTS.items():
+        assert category in CONSTRAINTS and CONSTRAINTS[category][0] == ""  # "" = no constraint, one draw in k
+        for request in requests:
+            filled = _fill_slots(request, rng)
+            assert "{" not in filled.replace("{2}", "").replace("{4}", ""), filled  # only the regex's own braces
+    make = _situated_request("extraction")
+    made = [make(rng) for _ in range(200)]
+    constrained = [(text, c) for text in made for c in CONSTRAINTS["extraction"][1:] if c in text]
+    assert len(constrained) > 100
+    assert all(c in text.split("\n\n")[0] for text, c in constrained)
+    situated = {p.source for p in source.prompts if p.source.endswith("_situated")}
+    assert situated == {f"{category}_situated" for category in SITUATED_REQUESTS}
 
 
 def test_prompt_source_shares_nothing_with_dev_prompts(source):

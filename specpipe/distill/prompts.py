@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpipe.distill import subjects as S
+from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
 from specpipe.paths import REPO_ROOT
 
 DEFAULT_SEED = 20240611
@@ -44,8 +45,12 @@ SOURCE_COUNTS: dict[str, int] = {
     "pydoc": 500, "stdlib_module": 400, "stdlib_function": 400,
     "writing_2": 660, "roleplay_2": 240, "roleplay_situation_2": 400, "stem_2": 420, "humanities_2": 360,
     "advice_2": 120,
+    "writing_situated": 120, "roleplay_situated": 120, "reasoning_situated": 120, "math_situated": 120,
+    "coding_situated": 120, "extraction_situated": 100, "stem_situated": 120, "humanities_situated": 120,
+    "advice_situated": 60,
 }
-# Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
+# Session 46 added the `*_situated` builders (requests that carry the asker's situation,
+# `specpipe.distill.requests`). Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
 # builder's draw (its first prompts stay the same; tests/test_distill_corpus.py checks the old source is a subset),
 # and the `*_2` builders draw from a second set of subjects.
 
@@ -467,6 +472,31 @@ def _stdlib_function(rng: random.Random, count: int) -> list[str]:
     return _sample(rng, [t.format(name, doc) for name, doc in functions for t in templates], count)
 
 
+# ---- situated requests ---------------------------------------------------------------------------------
+def _fill_slots(template: str, rng: random.Random) -> str:
+    """A situated request with its slots ({name}, {city}, {n}, ...) drawn from the seeded generator."""
+    first, second = rng.sample(S.FIRST_NAMES, 2)
+    product, price = rng.choice(S.PRODUCTS)
+    return template.format(
+        name=first, name2=second, last=rng.choice(S.LAST_NAMES), city=rng.choice(S.CITIES),
+        company=rng.choice(S.COMPANIES), product=product, price=f"{price * 1.2:.2f}", job=rng.choice(S.JOB_TITLES),
+        month=rng.choice(S.MONTHS), language=rng.choice(S.CODING_LANGUAGES),
+        n=rng.randint(2, 9), m=rng.randint(2, 9), k=rng.randint(2, 5))
+
+
+def _situated_request(category: str) -> Callable[[random.Random], str]:
+    """A maker of one category's situated requests: a request of `requests.SITUATED_REQUESTS` with its slots
+    filled, and one of the category's constraints (or none) after the ask, before any quoted document."""
+    def make(rng: random.Random) -> str:
+        text = _fill_slots(rng.choice(SITUATED_REQUESTS[category]), rng)
+        constraint = rng.choice(CONSTRAINTS[category])
+        if not constraint:
+            return text
+        ask, sep, document = text.partition("\n\n")
+        return f"{ask} {constraint}{sep}{document}"
+    return make
+
+
 # ---- assembly ---------------------------------------------------------------------------------------
 def _repeat(make: Callable[[random.Random], str]) -> Callable[[random.Random, int], list[str]]:
     """A builder drawing `count` distinct problems from a random problem maker."""
@@ -507,6 +537,7 @@ BUILDERS: dict[str, tuple[str, Callable[[random.Random, int], list[str]]]] = {
     "stem_2": ("stem", lambda rng, n: _sample(rng, _product(S.STEM_TEMPLATES, S.STEM_CONCEPTS_2), n)),
     "humanities_2": ("humanities", lambda rng, n: _sample(rng, _product(S.HUMANITIES_TEMPLATES, S.HUMANITIES_TOPICS_2), n)),
     "advice_2": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS_2), n)),
+    **{f"{category}_situated": (category, _repeat(_situated_request(category))) for category in SITUATED_REQUESTS},
 }
 
 
