@@ -419,7 +419,7 @@ def test_situated_requests_fill_every_slot_and_keep_the_constraint_with_the_ask(
     and a constraint goes after the ask, never after the document an extraction request quotes."""
     rng = random.Random(0)
     for category, requests in SITUATED_REQUESTS.items():
-        assert category in CONSTRAINTS and CONSTRAINTS[category][0] == ""  # "" = no constraint, one draw in k
+        assert category in CONSTRAINTS and CONSTRAINTS[category][0] == ""  # the first entry: no constraint
         for request in requests:
             filled = _fill_slots(request, rng)
             assert "{" not in filled.replace("{2}", "").replace("{4}", ""), filled  # only the regex's own braces

@@ -49,10 +49,10 @@ SOURCE_COUNTS: dict[str, int] = {
     "coding_situated": 120, "extraction_situated": 100, "stem_situated": 120, "humanities_situated": 120,
     "advice_situated": 60,
 }
-# Session 46 added the `*_situated` builders (requests that carry the asker's situation,
-# `specpipe.distill.requests`). Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
+# Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
 # builder's draw (its first prompts stay the same; tests/test_distill_corpus.py checks the old source is a subset),
-# and the `*_2` builders draw from a second set of subjects.
+# and the `*_2` builders draw from a second set of subjects. Session 46 added the `*_situated` builders:
+# requests that carry the asker's situation (`specpipe.distill.requests`).
 
 # Near-duplicate rule (on normalised text): a shared run of this many words, or a word-trigram
 # Jaccard similarity at least this high, or a whole dev turn (of at least MIN_CONTAINED words)
@@ -537,7 +537,8 @@ BUILDERS: dict[str, tuple[str, Callable[[random.Random, int], list[str]]]] = {
     "stem_2": ("stem", lambda rng, n: _sample(rng, _product(S.STEM_TEMPLATES, S.STEM_CONCEPTS_2), n)),
     "humanities_2": ("humanities", lambda rng, n: _sample(rng, _product(S.HUMANITIES_TEMPLATES, S.HUMANITIES_TOPICS_2), n)),
     "advice_2": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS_2), n)),
-    **{f"{category}_situated": (category, _repeat(_situated_request(category))) for category in SITUATED_REQUESTS},
+    **{f"{category}_situated": (category, _repeat(_situated_request(category)))
+       for category in SITUATED_REQUESTS},
 }
 
 
