@@ -5,7 +5,8 @@ autumn."). Real chat requests carry the asker's situation, a purpose, an audienc
 the heads trained on the bare ones accept 15-18% fewer tokens on such questions than on their own
 corpus's held-out prompts, while training-free drafting (Jacobi) accepts the same on both (BENCHMARKS.md,
 run 50). Each request below names a situation and an ask of one category; slots ({name}, {city}, {n}, ...)
-are filled from the seeded generator, and one of the category's constraints (or none) is appended.
+are filled from the seeded generator, and one of the category's constraints (or none) follows the ask,
+before any document the request quotes.
 
 Written for this project; nothing here is taken from a benchmark, and `find_overlaps` still drops any
 prompt that comes near a dev prompt.
@@ -202,7 +203,7 @@ SITUATED_REQUESTS: dict[str, list[str]] = {
     ],
 }
 
-# Appended to a request (or nothing, the first entry): the length, format, tone or audience a real
+# Added after a request's ask (or nothing, the first entry): the length, format, tone or audience a real
 # asker often adds.
 CONSTRAINTS: dict[str, list[str]] = {
     "writing": ["", "Keep it under 150 words.", "Make it warm but not over the top.", "Keep it short and a bit funny.",
