@@ -8,6 +8,10 @@ run 50). Each request below names a situation and an ask of one category; slots 
 are filled from the seeded generator, and one of the category's constraints (or none) follows the ask,
 before any document the request quotes.
 
+Tested in run 51: an EAGLE-1 head trained with their answers accepted no more on held-out situated requests
+than the head trained without them, so the template answers' predictability, not their prompts' wording,
+looks like what the heads had fitted.
+
 Written for this project; nothing here is taken from a benchmark, and `find_overlaps` still drops any
 prompt that comes near a dev prompt.
 """
