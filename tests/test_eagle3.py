@@ -169,12 +169,13 @@ def test_train_heads_eagle3_trains_and_exports_a_head_the_pipeline_loads(tmp_pat
 
     corpus, out, checkpoints = tmp_path / "corpus.parquet", tmp_path / "eagle3", tmp_path / "ck"
     write_corpus(corpus)
-    result = run_train_heads(compose_config([
-        "task=train_heads", "model=tiny_random", "train_heads.kind=eagle3", "train_heads.aux_layers=[0,1,1]",
+    settings = [
+        "task=train_heads", "model=tiny_random", "train_heads.kind=eagle3",
         f"train_heads.corpus={corpus}", f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}",
         "train_heads.steps=6", "train_heads.lr=0.003", "train_heads.warmup=0", "train_heads.batch=128",
         "train_heads.checkpoint_every=2", "train_heads.eval_every=0", "train_heads.eval_fraction=0.3",
-        "train_heads.vocab_top_k=2000", "train_heads.eval_chains=8", "train_heads.progress=false"]))
+        "train_heads.vocab_top_k=2000", "train_heads.eval_chains=8", "train_heads.progress=false"]
+    result = run_train_heads(compose_config([*settings, "train_heads.aux_layers=[0,1,1]"]))
     losses = [entry["loss"] for entry in result["train_log"]]
     assert result["step"] == 6 and losses[-1] < losses[0]
     assert sorted((checkpoints / "features-fp32-layers-0-1-1").glob("*.feat.npy"))
@@ -188,3 +189,10 @@ def test_train_heads_eagle3_trains_and_exports_a_head_the_pipeline_loads(tmp_pat
     assert pipe.decoder.target.aux_layers == (0, 1, 1)
     assert_greedy(pipe)
     assert np.isfinite(losses).all()
+    # eval_of reads the head's own layers (no aux_layers given; the default ones do not fit this target)
+    # and its own draft vocabulary: the exported eval again, up to the bf16 export's rounding
+    scored = run_train_heads(compose_config([*settings, f"train_heads.eval_of={out}"]))["eval"]
+    assert scored["positions"] == result["eval"]["positions"]
+    assert scored["loss"] == pytest.approx(result["eval"]["loss"], rel=0.02)
+    with pytest.raises(ConfigError, match=r"eval_of fuses layers \[0, 1, 1\]; drop train_heads.aux_layers"):
+        run_train_heads(compose_config([*settings, f"train_heads.eval_of={out}", "train_heads.aux_layers=[1,1,1]"]))

@@ -102,6 +102,27 @@ def test_train_heads_trains_resumes_and_exports(tmp_path, capsys):
                           loaded=loaded)
     assert_greedy(pipe)
 
+    # eval_of: the exported head scored again on this split, nothing trained. Its loss is the exported
+    # eval's up to the bf16 export's rounding, far from the untrained head's (step 0).
+    checkpoint_files = sorted((checkpoints / "eagle-fp32").iterdir())
+    report_text = Path(second["report"]).read_text()
+    scored = run_train_heads(config(8, f"train_heads.eval_of={out}"))["eval"]
+    trained, untrained = report["evals"][-1], report["evals"][0]
+    assert (scored["positions"], scored["chains"]) == (trained["positions"], trained["chains"])
+    assert scored["loss"] == pytest.approx(trained["loss"], rel=0.02)
+    assert abs(untrained["loss"] - trained["loss"]) > 0.1 * trained["loss"]
+    assert sorted((checkpoints / "eagle-fp32").iterdir()) == checkpoint_files
+    # a run's checkpoints do not pin eval_of: those written before the option existed still resume
+    saved = torch.load(checkpoint_files[0], weights_only=True)["settings"]
+    assert "eval_of" not in saved and "lr" in saved
+    assert Path(second["report"]).read_text() == report_text
+    with pytest.raises(ConfigError, match=r"train_heads.eval_of=.*nowhere is not a directory"):
+        run_train_heads(config(8, f"train_heads.eval_of={tmp_path / 'nowhere'}"))
+    with pytest.raises(ConfigError, match=r"train_heads.eval_of.*EAGLE-1"):  # the layout, named
+        run_train_heads(config(8, "train_heads.kind=eagle3", f"train_heads.eval_of={out}"))
+    with pytest.raises(ConfigError, match=r"eval_of evaluates a trained head and trains nothing"):
+        run_train_heads(config(8, f"train_heads.eval_of={out}", f"train_heads.init_from={out}"))
+
 
 @pytest.mark.parametrize("override,match", [
     ("train_heads.steps=-3", "train_heads.steps must be >= 0"),
@@ -178,6 +199,12 @@ def test_a_run_resumed_with_other_settings_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"other settings \(batch=128 there, 64 now\)"):
         run_train_heads(config("train_heads.steps=4", "train_heads.batch=64"))
     assert run_train_heads(config("train_heads.steps=4", "train_heads.eval_chains=6"))["step"] == 4  # may change
+    # eval_of scores the exported heads over the ranking pinned beside them; another kind's are refused
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())["specpipe"]["eval"]
+    scored = run_train_heads(config("train_heads.steps=4", f"train_heads.eval_of={tmp_path / 'out'}"))["eval"]
+    assert scored["loss"] == pytest.approx(exported["loss"], rel=0.02) and scored["positions"] == exported["positions"]
+    with pytest.raises(ConfigError, match=r"out holds Medusa heads, not Hydra heads"):
+        run_train_heads(config("train_heads.steps=4", "train_heads.kind=hydra", f"train_heads.eval_of={tmp_path / 'out'}"))
 
 
 def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):

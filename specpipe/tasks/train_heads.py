@@ -29,6 +29,9 @@ c. eval on the held-out answers: top-1 agreement with the target's greedy token 
 d. export: the head(s) in the released EAGLE-1 / EAGLE-3 / Medusa layout (config.json +
    model.safetensors, bf16; Hydra in Medusa's with `hydra: true`) to `out`, the command and the
    eval in config.json's `specpipe` entry.
+`eval_of=DIR` runs c. alone on the head(s) of `kind` in DIR (trained elsewhere, or on another corpus,
+whose own sidecar eval used that corpus's split), over the vocabulary they draft with in the pipeline:
+two heads compared on one held-out split.
 
 The shipped heads' commands (each took minutes to an hour on 2 cores; run niced in the background):
 
@@ -43,6 +46,7 @@ The shipped heads' commands (each took minutes to an hour on 2 cores; run niced 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import sys
 import time
@@ -59,10 +63,13 @@ from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import corpus_ranking, output_weight
-from specpipe.stages.draft.eagle import EagleNet, read_eagle_net, save_eagle
-from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, save_eagle3
-from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, save_medusa
+from specpipe.stages.draft.draft_vocab import pinned_vocab_path
+from specpipe.stages.draft.eagle import EagleNet, frequent_ids, read_eagle_net, save_eagle
+from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, build_eagle3_net, save_eagle3
+from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
+from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, build_medusa_heads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
+from specpipe.target import TargetModel
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        finished_message, frozen_product, lock_folder, progress_bar, write_json)
@@ -528,8 +535,8 @@ def evaluate(net: torch.nn.Module, embed, scores: Callable[[torch.Tensor], torch
             "mean_accepted_per_chain": float(sum(per_depth.values())), "chain_depth": depth}
 
 
-def format_eval(result: dict, step: int) -> str:
-    lines = [f"eval at step {step}: {result['positions']} held-out answer positions, {result['chains']} chains",
+def format_eval(result: dict, title: str) -> str:
+    lines = [f"{title}: {result['positions']} held-out answer positions, {result['chains']} chains",
              f"  top-1 agreement with the target (true features) {result['top1']:.3f}; tokens outside the reduced "
              f"vocabulary {result['vocab_miss_rate']:.3f}; loss {result['loss']:.3f}",
              "  depth  chain acceptance"]
@@ -553,15 +560,46 @@ def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] 
             if not k.startswith("input_layernorm")}
 
 
-def head_from(folder: str, target, tokenizer) -> EagleNet:
+def head_from(folder: str, target, tokenizer, option: str = "train_heads.init_from") -> EagleNet:
     """The EAGLE-1 head in directory `folder` (the released layout, e.g. the shipped head), in fp32, to
-    fine-tune: on features of another dtype, a grown corpus, or with rollouts."""
+    fine-tune: on features of another dtype, a grown corpus, or with rollouts (or to evaluate: `option`
+    names the setting that gave the folder)."""
     path = local_path(folder)
     if not path.is_dir():
-        raise ConfigError(f"train_heads.init_from={folder} is not a directory: give an EAGLE-1 head's folder "
+        raise ConfigError(f"{option}={folder} is not a directory: give an EAGLE-1 head's folder "
                           f"(e.g. data/eagle/smollm2_135m)")
     return read_eagle_net(path, tokenizer, int(target.config.hidden_size), int(target.config.vocab_size),
-                          "train_heads.init_from").float()
+                          option).float()
+
+
+def trained_head(kind: str, folder: str, target, tokenizer, top_k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """train_heads.eval_of: the trained head(s) of `kind` in directory `folder`, in fp32, and the token
+    ids [K] they draft over in the pipeline: EAGLE-3's own draft vocabulary, else the `top_k` most
+    frequent tokens of the ranking pinned beside the head (the shipped chat corpus's where none is),
+    as drafter.vocab_top_k=top_k drafts."""
+    option = "train_heads.eval_of"
+    vocab = int(target.config.vocab_size)
+    if kind == "eagle":
+        net = head_from(folder, target, tokenizer, option)
+    else:
+        path = local_path(folder)
+        if not path.is_dir():
+            raise ConfigError(f"{option}={folder} is not a directory: give the folder of a head that "
+                              f"`task=train_heads train_heads.kind={kind}` exported (e.g. data/{kind}/smollm2_135m)")
+        what = "EAGLE-3 head" if kind == "eagle3" else "Medusa checkpoint"
+        config, tensors = read_checkpoint(path, option, what, layout=kind)
+        check_tokenizer(config, tokenizer, path, option)
+        runner = TargetModel(target)
+        if kind == "eagle3":
+            net = build_eagle3_net(config, tensors, runner, option).float()
+            return net, net.target_ids()
+        net = build_medusa_heads(config, tensors, runner, option).float()
+        if net.own_outputs():
+            raise ConfigError(f"{option}={folder}: these Medusa heads carry their own output layers; the eval "
+                              f"scores heads that share the target's (as train_heads trains them)")
+    ids = frequent_ids(tokenizer, vocab, 0 if top_k == vocab else top_k, None, option,
+                       pinned_vocab_path(local_path(folder)))
+    return net, torch.arange(vocab) if ids is None else ids
 
 
 def new_head(target, init_state: dict[str, torch.Tensor] | None) -> EagleNet:
@@ -582,6 +620,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     check_task_settings(h, "train_heads", {**{key: AT_LEAST_ONE for key in ("feature_batch", "medusa_heads", "medusa_layers")},
                                            "vocab_top_k": (lambda v: v >= 0 and v == int(v),
                                                            "a whole number >= 0 (0: the full vocabulary)")})
+    if h.get("eval_of") and (h.get("init_from") or h.get("init_layer") is not None):
+        raise ConfigError("train_heads.eval_of evaluates a trained head and trains nothing: drop train_heads.init_from "
+                          "and train_heads.init_layer")
     if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
         raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
                           f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
@@ -596,7 +637,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     build_engine(cfg).apply(loaded.model)
     target, tokenizer = loaded.model.eval(), loaded.tokenizer
     aux_layers = None
-    if h.kind == "eagle3":  # checked before any feature pass: an out-of-range layer failed mid-extraction
+    # checked before any feature pass (an out-of-range layer failed mid-extraction); eval_of: the head's own, below
+    if h.kind == "eagle3" and (h.get("aux_layers") or not h.get("eval_of")):
         given = {"eagle_aux_hidden_state_layer_ids": list(h.aux_layers)} if h.get("aux_layers") else {}
         aux_layers = aux_layers_of(given, int(target.config.num_hidden_layers), "train_heads.aux_layers")
     corpus = local_path(h.corpus)
@@ -619,6 +661,13 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if top_k > vocab:
         raise ConfigError(f"train_heads.vocab_top_k must be between 0 (the full vocabulary) and {vocab}, "
                           f"got {h.vocab_top_k}")
+    # train_heads.eval_of: read (and refused) before any feature pass; an EAGLE-3 head reads its own layers
+    evaluated = trained_head(h.kind, str(h.eval_of), target, tokenizer, top_k) if h.get("eval_of") else None
+    if evaluated is not None and h.kind == "eagle3" and aux_layers != evaluated[0].aux_layers:
+        if h.get("aux_layers"):
+            raise ConfigError(f"train_heads.aux_layers={list(h.aux_layers)}: the head in train_heads.eval_of fuses "
+                              f"layers {list(evaluated[0].aux_layers)}; drop train_heads.aux_layers")
+        aux_layers = evaluated[0].aux_layers
     pad_id = pad_id_of(tokenizer)
     dtype = str(cfg.model.dtype)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
@@ -644,14 +693,45 @@ def run_train_heads(cfg: DictConfig) -> dict:
         check_features(aux_features, examples, aux_cache)
 
     # b. train (c. and d. along the way)
-    ranking = corpus_ranking(str(corpus), tokenizer)  # exported beside the head: the tokens it drafts over
-    reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
+    embed = target.get_input_embeddings()
+    embed.requires_grad_(False)
+    if evaluated is not None:  # c. alone, on a head trained elsewhere: over the vocabulary it drafts with
+        net, reduced_ids = evaluated
+    else:
+        ranking = corpus_ranking(str(corpus), tokenizer)  # exported beside the head: the tokens it drafts over
+        reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
     to_reduced = torch.full((vocab,), -1, dtype=torch.long)
     to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
     # rows [n, H] -> [n, K]: the target's frozen output layer over the reduced vocabulary
     reduced_head = frozen_product(output_weight(target, "train_heads").detach().float()[reduced_ids])
-    embed = target.get_input_embeddings()
-    embed.requires_grad_(False)
+
+    def evaluate_head() -> dict:
+        started = time.perf_counter()
+        if h.kind == "eagle":
+            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+                batch = HeadBatch(examples, features, pad_id)
+                predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
+                return head_loss(predicted, batch, reduced_head, float(h.class_weight), to_reduced)
+            result = evaluate(net, embed, reduced_head, reduced_ids, depth_one, held_out,
+                              features, h, bool(h.progress))
+        elif h.kind == "eagle3":
+            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
+                batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
+                return eagle3_loss(net, embed, batch, reduced_head, to_reduced, 1, 1.0)
+            result = evaluate(net, embed, net.draft_logits, reduced_ids, depth_one, held_out, aux_features, h,
+                              bool(h.progress))
+        else:
+            result = evaluate_medusa(net, reduced_head, reduced_ids, to_reduced, held_out, features, h, embed)
+        result["eval_seconds"] = round(time.perf_counter() - started, 1)
+        return result
+
+    if evaluated is not None:
+        result = {"head": str(local_path(str(h.eval_of))), **evaluate_head()}
+        _log(format_eval(result, f"eval of {result['head']}"))
+        report_path = folder / f"eval-of-{h.kind}-{dtype}-{hashlib.sha256(result['head'].encode()).hexdigest()[:8]}.json"
+        write_json(report_path, {**result, "command": task_command("train_heads"),
+                                 "settings": OmegaConf.to_container(h)})
+        return {"eval": result, "report": str(report_path)}
     if h.kind == "eagle":
         net = new_head(target, init_state) if not h.get("init_from") else head_from(h.init_from, target, tokenizer)
         loss_of = eagle_loss_of(net, embed, reduced_head, to_reduced, features, h, pad_id)
@@ -674,25 +754,10 @@ def run_train_heads(cfg: DictConfig) -> dict:
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"evals": []}
 
     def run_eval(export: bool) -> dict:
-        started = time.perf_counter()
-        if h.kind == "eagle":
-            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
-                batch = HeadBatch(examples, features, pad_id)
-                predicted = run_net(net, embed, batch.tokens, batch.features, batch.attention_mask())
-                return head_loss(predicted, batch, reduced_head, float(h.class_weight), to_reduced)
-            result = evaluate(net, embed, reduced_head, reduced_ids, depth_one, held_out,
-                              features, h, bool(h.progress))
-        elif h.kind == "eagle3":
-            def depth_one(examples: list[Example]) -> tuple[torch.Tensor, dict]:
-                batch = HeadBatch(examples, features, pad_id, inputs=aux_features)
-                return eagle3_loss(net, embed, batch, reduced_head, to_reduced, 1, 1.0)
-            result = evaluate(net, embed, net.draft_logits, reduced_ids, depth_one, held_out, aux_features, h,
-                              bool(h.progress))
-        else:
-            result = evaluate_medusa(net, reduced_head, reduced_ids, to_reduced, held_out, features, h, embed)
+        result = evaluate_head()
         result.update(step=trainer.step, epochs=round(trainer.epochs(), 3), positions_trained=trainer.positions,
-                      train_seconds=round(trainer.seconds, 1), eval_seconds=round(time.perf_counter() - started, 1))
-        _log(format_eval(result, trainer.step))
+                      train_seconds=round(trainer.seconds, 1))
+        _log(format_eval(result, f"eval at step {trainer.step}"))
         report["evals"] = [r for r in report["evals"] if r["step"] != trainer.step] + [result]
         report.update(kind=h.kind, model=loaded.name, command=task_command("train_heads"),
                       settings=OmegaConf.to_container(h))
