@@ -69,7 +69,6 @@ from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, build_eagle3_
 from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, build_medusa_heads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.target import TargetModel
 from specpipe.tasks import repo_path, task_command
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        finished_message, frozen_product, lock_folder, progress_bar, write_json)
@@ -560,45 +559,42 @@ def init_layer_state(target, init_layer: int | None) -> dict[str, torch.Tensor] 
             if not k.startswith("input_layernorm")}
 
 
-def head_from(folder: str, target, tokenizer, option: str = "train_heads.init_from") -> EagleNet:
+def head_from(folder: str, target, tokenizer) -> EagleNet:
     """The EAGLE-1 head in directory `folder` (the released layout, e.g. the shipped head), in fp32, to
-    fine-tune: on features of another dtype, a grown corpus, or with rollouts (or to evaluate: `option`
-    names the setting that gave the folder)."""
+    fine-tune: on features of another dtype, a grown corpus, or with rollouts."""
     path = local_path(folder)
     if not path.is_dir():
-        raise ConfigError(f"{option}={folder} is not a directory: give an EAGLE-1 head's folder "
+        raise ConfigError(f"train_heads.init_from={folder} is not a directory: give an EAGLE-1 head's folder "
                           f"(e.g. data/eagle/smollm2_135m)")
     return read_eagle_net(path, tokenizer, int(target.config.hidden_size), int(target.config.vocab_size),
-                          option).float()
+                          "train_heads.init_from").float()
 
 
-def trained_head(kind: str, folder: str, target, tokenizer, top_k: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    """train_heads.eval_of: the trained head(s) of `kind` in directory `folder`, in fp32, and the token
+def trained_head(kind: str, path: Path, target, tokenizer, top_k: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """train_heads.eval_of: the trained head(s) of `kind` in directory `path`, in fp32, and the token
     ids [K] they draft over in the pipeline: EAGLE-3's own draft vocabulary, else the `top_k` most
     frequent tokens of the ranking pinned beside the head (the shipped chat corpus's where none is),
     as drafter.vocab_top_k=top_k drafts."""
     option = "train_heads.eval_of"
-    vocab = int(target.config.vocab_size)
+    if not path.is_dir():
+        raise ConfigError(f"{option}={path} is not a directory: give the folder of a head that "
+                          f"`task=train_heads train_heads.kind={kind}` exported (e.g. data/{kind}/smollm2_135m)")
+    config = target.config
+    vocab = int(config.vocab_size)
     if kind == "eagle":
-        net = head_from(folder, target, tokenizer, option)
+        net = read_eagle_net(path, tokenizer, int(config.hidden_size), vocab, option).float()
     else:
-        path = local_path(folder)
-        if not path.is_dir():
-            raise ConfigError(f"{option}={folder} is not a directory: give the folder of a head that "
-                              f"`task=train_heads train_heads.kind={kind}` exported (e.g. data/{kind}/smollm2_135m)")
         what = "EAGLE-3 head" if kind == "eagle3" else "Medusa checkpoint"
-        config, tensors = read_checkpoint(path, option, what, layout=kind)
-        check_tokenizer(config, tokenizer, path, option)
-        runner = TargetModel(target)
+        checkpoint, tensors = read_checkpoint(path, option, what, layout=kind)
+        check_tokenizer(checkpoint, tokenizer, path, option)
         if kind == "eagle3":
-            net = build_eagle3_net(config, tensors, runner, option).float()
+            net = build_eagle3_net(checkpoint, tensors, config, option).float()
             return net, net.target_ids()
-        net = build_medusa_heads(config, tensors, runner, option).float()
+        net = build_medusa_heads(checkpoint, tensors, config, option).float()
         if net.own_outputs():
-            raise ConfigError(f"{option}={folder}: these Medusa heads carry their own output layers; the eval "
+            raise ConfigError(f"{option}={path}: these Medusa heads carry their own output layers; the eval "
                               f"scores heads that share the target's (as train_heads trains them)")
-    ids = frequent_ids(tokenizer, vocab, 0 if top_k == vocab else top_k, None, option,
-                       pinned_vocab_path(local_path(folder)))
+    ids = frequent_ids(tokenizer, vocab, 0 if top_k == vocab else top_k, None, option, pinned_vocab_path(path))
     return net, torch.arange(vocab) if ids is None else ids
 
 
@@ -662,7 +658,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
         raise ConfigError(f"train_heads.vocab_top_k must be between 0 (the full vocabulary) and {vocab}, "
                           f"got {h.vocab_top_k}")
     # train_heads.eval_of: read (and refused) before any feature pass; an EAGLE-3 head reads its own layers
-    evaluated = trained_head(h.kind, str(h.eval_of), target, tokenizer, top_k) if h.get("eval_of") else None
+    evaluated_path = local_path(str(h.eval_of)) if h.get("eval_of") else None
+    evaluated = trained_head(h.kind, evaluated_path, target, tokenizer, top_k) if evaluated_path else None
     if evaluated is not None and h.kind == "eagle3" and aux_layers != evaluated[0].aux_layers:
         if h.get("aux_layers"):
             raise ConfigError(f"train_heads.aux_layers={list(h.aux_layers)}: the head in train_heads.eval_of fuses "
@@ -726,7 +723,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
         return result
 
     if evaluated is not None:
-        result = {"head": str(local_path(str(h.eval_of))), **evaluate_head()}
+        result = {"head": str(evaluated_path), **evaluate_head()}
         _log(format_eval(result, f"eval of {result['head']}"))
         report_path = folder / f"eval-of-{h.kind}-{dtype}-{hashlib.sha256(result['head'].encode()).hexdigest()[:8]}.json"
         write_json(report_path, {**result, "command": task_command("train_heads"),

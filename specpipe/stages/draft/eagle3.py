@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -148,8 +148,9 @@ def aux_layers_of(config: dict, layer_count: int, name: str) -> tuple[int, ...]:
     return layers
 
 
-def build_eagle3_net(config: dict, tensors: dict[str, Tensor], target: TargetModel, name: str) -> Eagle3Net:
-    """An Eagle3Net from an EAGLE-3 checkpoint, checked against the target (sizes, vocabulary, layers)."""
+def build_eagle3_net(config: dict, tensors: dict[str, Tensor], target_config: PretrainedConfig,
+                     name: str) -> Eagle3Net:
+    """An Eagle3Net from an EAGLE-3 checkpoint, checked against the target's config (sizes, vocabulary, layers)."""
     keys = set(tensors)
     if "fc.weight" in keys and any(key.startswith("layers.") for key in keys) and "d2t" not in keys:
         raise ConfigError(f"{name}: this is an EAGLE-1 checkpoint (fc.weight, layers.N.*): load it with "
@@ -162,20 +163,20 @@ def build_eagle3_net(config: dict, tensors: dict[str, Tensor], target: TargetMod
     if missing or not any(key.startswith("midlayer.") for key in keys):
         raise ConfigError(f"{name}: not an EAGLE-3 checkpoint: it lacks {missing or ['midlayer.*']} (keys: "
                           f"{', '.join(sorted(keys)[:6])}...)")
-    target_config = target.model.config
     hidden = int(target_config.hidden_size)
+    vocab_size, layer_count = int(target_config.vocab_size), int(target_config.num_hidden_layers)
     if int(config.get("hidden_size", hidden)) != hidden or int(config.get("target_hidden_size", hidden)) != hidden:
         raise ConfigError(f"{name}: the head's hidden_size is {config.get('hidden_size')} (target_hidden_size "
                           f"{config.get('target_hidden_size')}), the target's {hidden}: this head is for another model")
     vocab = config.get("vocab_size")
-    if vocab is not None and int(vocab) != target.vocab_size:
+    if vocab is not None and int(vocab) != vocab_size:
         raise ConfigError(f"{name}: the head was trained for a vocabulary of {vocab} tokens, the target has "
-                          f"{target.vocab_size}: it is for another model")
+                          f"{vocab_size}: it is for another model")
     declared = int(config.get("num_hidden_layers", 1))
     if declared != 1:
         raise ConfigError(f"{name}: config.json declares {declared} draft layers; the EAGLE-3 layout holds one "
                           f"(midlayer)")
-    layers = aux_layers_of(config, target.layer_count, name)
+    layers = aux_layers_of(config, layer_count, name)
     if tuple(tensors["fc.weight"].shape) != (hidden, AUX_LAYER_COUNT * hidden):
         raise ConfigError(f"{name}: the head's fc.weight is {tuple(tensors['fc.weight'].shape)}, the target's hidden "
                           f"size {hidden} needs ({hidden}, {AUX_LAYER_COUNT * hidden}): this head is for another model")
@@ -185,13 +186,13 @@ def build_eagle3_net(config: dict, tensors: dict[str, Tensor], target: TargetMod
         raise ConfigError(f"{name}: d2t is {d2t.dtype} {tuple(d2t.shape)}, the config's draft_vocab_size needs "
                           f"int64 ({draft_vocab},)")
     mapped = torch.arange(draft_vocab) + d2t.long()
-    if int(mapped.min()) < 0 or int(mapped.max()) >= target.vocab_size or len(set(mapped.tolist())) != draft_vocab:
-        raise ConfigError(f"{name}: d2t maps draft ids outside the target's {target.vocab_size} tokens or two onto "
+    if int(mapped.min()) < 0 or int(mapped.max()) >= vocab_size or len(set(mapped.tolist())) != draft_vocab:
+        raise ConfigError(f"{name}: d2t maps draft ids outside the target's {vocab_size} tokens or two onto "
                           f"one: it is for another vocabulary")
     fields = {key: value for key, value in config.items()
               if key not in ("architectures", "model_type", "specpipe", "eagle_config", "draft_vocab_size",
                              "eagle_aux_hidden_state_layer_ids", "target_hidden_size")}
-    net = Eagle3Net(LlamaConfig(**{**fields, "num_hidden_layers": 1, "vocab_size": target.vocab_size}), layers,
+    net = Eagle3Net(LlamaConfig(**{**fields, "num_hidden_layers": 1, "vocab_size": vocab_size}), layers,
                     draft_vocab)
     state = {key: value for key, value in tensors.items() if key not in UNUSED_KEYS}
     state["d2t"] = d2t.long()
@@ -226,7 +227,7 @@ def load_eagle3(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
                          "python run.py task=train_heads train_heads.kind=eagle3")
     config, tensors = read_checkpoint(folder, name, "EAGLE-3 head", layout="eagle3")
     check_tokenizer(config, tokenizer, folder, name)
-    net = build_eagle3_net(config, tensors, target, name)
+    net = build_eagle3_net(config, tensors, target.model.config, name)
     target.capture_layers(net.aux_layers, name)
     return EagleDrafter(target, net, DraftVocabHead(net, target.vocab_size), name=name, chain_length=chain_length,
                         min_score=min_score, aux_hidden=True, context_rows=context_rows)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers import PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
@@ -288,10 +289,11 @@ def medusa_state(config: dict, tensors: dict[str, Tensor], name: str) -> tuple[i
     return heads, layers, state
 
 
-def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetModel,
+def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target_config: PretrainedConfig,
                        name: str) -> MedusaHeads | HydraHeads:
+    """Medusa or Hydra heads from either released layout, checked against the target's config."""
     heads, layers, state = medusa_state(config, tensors, name)
-    hidden = int(target.model.config.hidden_size)
+    hidden, vocab_size = int(target_config.hidden_size), int(target_config.vocab_size)
     if config.get("hydra"):
         projection = state.get("0.input.weight")
         if projection is None or tuple(projection.shape) != (hidden, 2 * hidden):
@@ -309,9 +311,9 @@ def build_medusa_heads(config: dict, tensors: dict[str, Tensor], target: TargetM
                           f"needs ({hidden}, {hidden}): these heads are for another model")
     output = state.get(f"0.{layers}.weight")
     vocab = int(output.shape[0]) if output is not None else 0
-    if vocab and vocab != target.vocab_size:
+    if vocab and vocab != vocab_size:
         raise ConfigError(f"{name}: the heads' output layers have {vocab} tokens, the target's vocabulary "
-                          f"{target.vocab_size}: these heads are for another model")
+                          f"{vocab_size}: these heads are for another model")
     module = MedusaHeads(hidden, heads, layers, vocab, bias="0.0.linear.bias" in state)
     load_fitting(module, state, name, f"{heads} heads of {layers} block(s)")
     return module
@@ -338,7 +340,7 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
                          "Hydra heads" if hydra else "Medusa heads", f"python run.py task=train_heads train_heads.kind={kind}")
     config, tensors = read_checkpoint(folder, name, "Medusa checkpoint", layout=kind)
     check_tokenizer(config, tokenizer, folder, name)
-    module = build_medusa_heads(config, tensors, target, name)
+    module = build_medusa_heads(config, tensors, target.model.config, name)
     if heads is not None:
         if not 1 <= heads <= len(module):
             raise ConfigError(f"{name}: heads must be between 1 and the checkpoint's {len(module)}, got {heads}")
