@@ -134,6 +134,9 @@ def test_train_heads_trains_resumes_and_exports(tmp_path, capsys):
     ("train_heads.eval_chains=0", "train_heads.eval_chains must be >= 1"),
     ("train_heads.feature_batch=0", "train_heads.feature_batch must be >= 1"),
     ("train_heads.medusa_heads=0", "train_heads.medusa_heads must be >= 1"),
+    ("train_heads.eagle_layers=0", "train_heads.eagle_layers must be >= 1"),
+    ("train_heads.eagle_layers=2 train_heads.kind=medusa", r"eagle_layers=2 sizes an EAGLE-1 head \(kind=eagle\)"),
+    ("train_heads.eagle_layers=2 train_heads.init_layer=0", "init_layer starts a one-layer head"),
     ("train_heads.steps=abc", "train_heads.steps must be a number"),
     ("train_heads.vocab_top_k=-1", r"train_heads.vocab_top_k must be a whole number >= 0 \(0: the full vocabulary\)"),
     ("train_heads.vocab_top_k=abc", "train_heads.vocab_top_k must be a number"),
@@ -144,7 +147,7 @@ def test_bad_training_settings_are_refused_before_any_work(tmp_path, override, m
     acceptance (steps=-3 ran and exported the head as initialised)."""
     with pytest.raises(ConfigError, match=match):
         run_train_heads(compose_config(["task=train_heads", "model=tiny_random", f"train_heads.out={tmp_path / 'out'}",
-                                        f"train_heads.checkpoint_dir={tmp_path / 'ck'}", override]))
+                                        f"train_heads.checkpoint_dir={tmp_path / 'ck'}", *override.split()]))
     assert not (tmp_path / "out").exists() and not (tmp_path / "ck").exists()
 
 
@@ -397,6 +400,46 @@ def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
         run_train_heads(config(second, "ck3", 2, f"train_heads.init_from={first}", "train_heads.kind=medusa"))
     with pytest.raises(ConfigError, match="rollout_steps must be >= 1"):
         run_train_heads(config(second, "ck4", 2, "train_heads.rollout_steps=0"))
+
+
+def test_a_two_layer_head_trains_beside_the_one_layer_head_and_drafts_losslessly(tmp_path):
+    """train_heads.eagle_layers=2: the head's loss falls, its checkpoints sit beside the one-layer head's on the
+    same features, the export declares two layers and the pipeline drafts with both of them, greedy-exact; a
+    one-layer head is not fine-tuned as a two-layer one."""
+    from safetensors.torch import load_file
+
+    corpus, checkpoints = tmp_path / "corpus.parquet", tmp_path / "ck"
+    write_corpus(corpus)
+
+    def config(out: Path, *extra: str):
+        return compose_config(["task=train_heads", "model=tiny_random", f"train_heads.corpus={corpus}",
+                               f"train_heads.checkpoint_dir={checkpoints}", f"train_heads.out={out}",
+                               "train_heads.steps=6", "train_heads.lr=0.003", "train_heads.warmup=0",
+                               "train_heads.batch=128", "train_heads.checkpoint_every=2", "train_heads.eval_every=0",
+                               "train_heads.eval_init=false", "train_heads.eval_fraction=0.3",
+                               "train_heads.vocab_top_k=2000", "train_heads.eval_chains=4",
+                               "train_heads.progress=false", *extra])
+
+    run_train_heads(config(tmp_path / "one"))
+    shards = sorted((checkpoints / "features-fp32").glob("*.npy"))
+    result = run_train_heads(config(tmp_path / "two", "train_heads.eagle_layers=2"))
+    losses = [entry["loss"] for entry in result["train_log"]]
+    assert result["step"] == 6 and losses[-1] < losses[0]
+    assert sorted((checkpoints / "features-fp32").glob("*.npy")) == shards  # not extracted again
+    assert (checkpoints / "eagle-fp32").is_dir() and (checkpoints / "eagle-2L-fp32").is_dir()
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert {key.split(".")[1] for key in load_file(tmp_path / "two" / "model.safetensors")
+            if key.startswith("layers.")} == {"0", "1"}
+
+    loaded = load_model(compose_config(["model=tiny_random"]).model)
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=eagle", "cost_curve=flat",
+                                          f"pipeline.drafters.eagle.path={tmp_path / 'two'}",
+                                          "pipeline.drafters.eagle.vocab_top_k=0"]), loaded=loaded)
+    assert [len(drafter.net.layers) for drafter in pipe.decoder.drafters] == [2]
+    assert_greedy(pipe)
+    with pytest.raises(ConfigError, match=r"that head has 1 decoder layer\(s\), train_heads.eagle_layers=2"):
+        run_train_heads(config(tmp_path / "three", f"train_heads.init_from={tmp_path / 'one'}",
+                               "train_heads.eagle_layers=2", f"train_heads.checkpoint_dir={tmp_path / 'ck3'}"))
 
 
 def test_the_medusa_eval_pools_its_batches_into_the_whole_split_s_numbers(tiny_mixed):

@@ -224,7 +224,7 @@ class ResumableTrainer:
     RESUMABLE_SETTINGS = frozenset({"steps", "eval_every", "eval_init", "eval_chains", "chain_depth", "eval_batch",
                                     "checkpoint_every", "keep_checkpoints", "progress", "out", "checkpoint_dir",
                                     "teacher_only", "feature_batch", "teacher_batch", "loss_chunk", "corpus", "limit",
-                                    "eval_of"})
+                                    "eval_of", "eagle_layers"})
 
     def __init__(self, module: torch.nn.Module, examples: list, lengths: Callable[[object], int], cfg: DictConfig,
                  folder: Path, params=None) -> None:

@@ -598,12 +598,12 @@ def trained_head(kind: str, path: Path, target, tokenizer, top_k: int) -> tuple[
     return net, torch.arange(vocab) if ids is None else ids
 
 
-def new_head(target, init_state: dict[str, torch.Tensor] | None) -> EagleNet:
-    """A 1-layer EAGLE-1 head shaped like the target's layers; with `init_state` (init_layer_state),
-    its decoder layer starts from those weights."""
+def new_head(target, init_state: dict[str, torch.Tensor] | None, layers: int = 1) -> EagleNet:
+    """An EAGLE-1 head of `layers` decoder layers shaped like the target's; with `init_state`
+    (init_layer_state, one-layer heads only), its decoder layer starts from those weights."""
     config = copy.deepcopy(target.config)
     fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
-    net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}), fc_bias=True)
+    net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": layers}), fc_bias=True)
     if init_state is not None:
         net.layers[0].load_state_dict(init_state)
     return net.float()
@@ -613,7 +613,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     h = cfg.train_heads
     if h.kind not in HEAD_KINDS:
         raise ConfigError(f"train_heads.kind={h.kind!r}: choose one of {', '.join(HEAD_KINDS)}")
-    check_task_settings(h, "train_heads", {**{key: AT_LEAST_ONE for key in ("feature_batch", "medusa_heads", "medusa_layers")},
+    check_task_settings(h, "train_heads", {**{key: AT_LEAST_ONE
+                                              for key in ("feature_batch", "medusa_heads", "medusa_layers", "eagle_layers")},
                                            "vocab_top_k": (lambda v: v >= 0 and v == int(v),
                                                            "a whole number >= 0 (0: the full vocabulary)")})
     if h.get("eval_of") and (h.get("init_from") or h.get("init_layer") is not None):
@@ -622,6 +623,13 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if h.get("init_from") and (h.kind != "eagle" or h.get("init_layer") is not None):
         raise ConfigError("train_heads.init_from starts an EAGLE-1 head (kind=eagle) from a trained one; it does not "
                           f"combine with kind={h.kind}" + (" or init_layer" if h.kind == "eagle" else ""))
+    eagle_layers = int(h.get("eagle_layers") or 1)
+    if eagle_layers != 1 and h.kind != "eagle":
+        raise ConfigError(f"train_heads.eagle_layers={eagle_layers} sizes an EAGLE-1 head (kind=eagle); kind={h.kind} "
+                          f"has its own layout")
+    if eagle_layers != 1 and h.get("init_layer") is not None:
+        raise ConfigError(f"train_heads.init_layer starts a one-layer head from a target layer; it does not combine with "
+                          f"train_heads.eagle_layers={eagle_layers}")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(h.seed))
@@ -730,7 +738,11 @@ def run_train_heads(cfg: DictConfig) -> dict:
                                  "settings": OmegaConf.to_container(h)})
         return {"eval": result, "report": str(report_path)}
     if h.kind == "eagle":
-        net = new_head(target, init_state) if not h.get("init_from") else head_from(h.init_from, target, tokenizer)
+        net = new_head(target, init_state, eagle_layers) if not h.get("init_from") else head_from(h.init_from, target,
+                                                                                                  tokenizer)
+        if len(net.layers) != eagle_layers:
+            raise ConfigError(f"train_heads.init_from={h.init_from}: that head has {len(net.layers)} decoder layer(s), "
+                              f"train_heads.eagle_layers={eagle_layers}: set it to {len(net.layers)} to fine-tune it")
         loss_of = eagle_loss_of(net, embed, reduced_head, to_reduced, features, h, pad_id)
     elif h.kind == "eagle3":
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
@@ -740,7 +752,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
         net = heads_class(int(target.config.hidden_size), int(h.medusa_heads), int(h.medusa_layers))
         net.start_as_medusa()
         loss_of = medusa_loss_of(net, reduced_head, to_reduced, features, h, embed)
-    run_folder = folder / f"{h.kind}-{dtype}"
+    # heads of other depths train beside the one-layer head on the same features
+    run_folder = folder / (f"{h.kind}-{dtype}" if eagle_layers == 1 else f"{h.kind}-{eagle_layers}L-{dtype}")
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = HeadTrainer(net, loss_of, train, h, run_folder)
     if trainer.resume(_log):
