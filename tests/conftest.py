@@ -98,8 +98,9 @@ def save_model_dir(model, tokenizer, name: str) -> Path:
     return folder
 
 
-def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
-    """An EAGLE-1 head for a model of `config`, saved once per session in the released layout.
+def eagle_head_dir(config, kind: str = "identity", seed: int = 0, layers: int = 1) -> Path:
+    """An EAGLE-1 head of `layers` decoder layers for a model of `config`, saved once per session in the
+    released layout.
 
     kind "identity": fc passes the feature through and the layer's output projections are zero, so
     the head predicts the feature it reads: it drafts the root token again at every depth (the
@@ -109,11 +110,11 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0) -> Path:
 
     from specpipe.stages.draft.eagle import EagleNet, save_eagle
 
-    key = (config.hidden_size, config.vocab_size, config.num_attention_heads, kind, seed)
+    key = (config.hidden_size, config.vocab_size, config.num_attention_heads, kind, seed, layers)
     if key not in _EAGLE_HEAD_DIRS:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("architectures", "model_type")}
         torch.manual_seed(seed)
-        net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": 1}))
+        net = EagleNet(LlamaConfig(**{**fields, "num_hidden_layers": layers}))
         if kind == "identity":
             with torch.no_grad():
                 hidden = config.hidden_size

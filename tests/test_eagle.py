@@ -33,11 +33,11 @@ VARIANTS = ["eagle", "eagle3"]  # EAGLE-1 reads the target's last hidden states,
 EAGLE3_LAYERS = (0, 1, 1)  # what conftest.eagle3_head_dir's heads read on the 2-layer tiny models
 
 
-def drafter_for(model, kind: str = "random", variant: str = "eagle") -> EagleDrafter:
+def drafter_for(model, kind: str = "random", variant: str = "eagle", layers: int = 1) -> EagleDrafter:
     target = TargetModel(model.loaded.model, name=model.name)
     if variant == "eagle3":
         return load_eagle3(target, model.tokenizer, path=str(eagle3_head_dir(model.loaded.model, kind)))
-    return load_eagle(target, model.tokenizer, path=str(eagle_head_dir(model.loaded.model.config, kind)),
+    return load_eagle(target, model.tokenizer, path=str(eagle_head_dir(model.loaded.model.config, kind, layers=layers)),
                       vocab_top_k=0)
 
 
@@ -477,15 +477,18 @@ def test_the_heads_own_output_layers_run_under_the_targets_engine(tiny_mixed, tm
         assert linears and all(isinstance(module, OneDNNLinear) for module in linears), name
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kernels(tiny_mixed, dtype):
+def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kernels(tiny_mixed, dtype, layers):
     """engine=fast hands the EAGLE head the kernels' RMSNorm and attention, and inference runs its layers
     inline: a prompt's rows and then tree rows under a tree mask (both the kernel's attention) give the stock
-    layers' predicted features, fp32 to float rounding (bf16: to bf16 rounding)."""
+    layers' predicted features, fp32 to float rounding (bf16: to bf16 rounding); a second layer's input norm,
+    which the first layer lacks, included."""
     from specpipe.engine.onednn import OneDNNEngine
 
-    stock = drafter_for(tiny_mixed).net.to(dtype)
-    lean = drafter_for(tiny_mixed).net.to(dtype)
+    stock = drafter_for(tiny_mixed, layers=layers).net.to(dtype)
+    lean = drafter_for(tiny_mixed, layers=layers).net.to(dtype)
+    assert len(stock.layers) == layers
     OneDNNEngine().apply(lean)
     assert lean.lean and not stock.lean
     if lean.attention_kernel is None:
@@ -509,8 +512,8 @@ def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kerne
             tree = net(tokens_embedding(tiny_mixed, tokens[70:], dtype), features[70:], torch.tensor([70, 71, 71]),
                        mask, cache)
         outputs.append((prompt, tree))
-    # the prompt's rows under its causal mask where the kernel's build serves 70 rows (not AVX2's), the tree's
-    assert rows_seen == ([70] if lean.attention_max_rows[dtype] >= 70 else []) + [3]
+    # per layer, the prompt's rows under its causal mask where the kernel's build serves 70 rows (not AVX2's), the tree's
+    assert rows_seen == ([70] * layers if lean.attention_max_rows[dtype] >= 70 else []) + [3] * layers
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
     for stock_rows, lean_rows in zip(*outputs):
         torch.testing.assert_close(lean_rows.float(), stock_rows.float(), **tolerance)
