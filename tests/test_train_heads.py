@@ -405,7 +405,7 @@ def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
 def test_a_two_layer_head_trains_beside_the_one_layer_head_and_drafts_losslessly(tmp_path):
     """train_heads.eagle_layers=2: the head's loss falls, its checkpoints sit beside the one-layer head's on the
     same features, the export declares two layers and the pipeline drafts with both of them, greedy-exact; a
-    one-layer head is not fine-tuned as a two-layer one."""
+    one-layer head is not fine-tuned as a two-layer one (refused before any feature pass)."""
     from safetensors.torch import load_file
 
     corpus, checkpoints = tmp_path / "corpus.parquet", tmp_path / "ck"
@@ -440,6 +440,7 @@ def test_a_two_layer_head_trains_beside_the_one_layer_head_and_drafts_losslessly
     with pytest.raises(ConfigError, match=r"that head has 1 decoder layer\(s\), train_heads.eagle_layers=2"):
         run_train_heads(config(tmp_path / "three", f"train_heads.init_from={tmp_path / 'one'}",
                                "train_heads.eagle_layers=2", f"train_heads.checkpoint_dir={tmp_path / 'ck3'}"))
+    assert not (tmp_path / "ck3" / "features-fp32").exists()  # refused before the feature pass
 
 
 def test_the_medusa_eval_pools_its_batches_into_the_whole_split_s_numbers(tiny_mixed):

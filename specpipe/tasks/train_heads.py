@@ -673,6 +673,11 @@ def run_train_heads(cfg: DictConfig) -> dict:
             raise ConfigError(f"train_heads.aux_layers={list(h.aux_layers)}: the head in train_heads.eval_of fuses "
                               f"layers {list(evaluated[0].aux_layers)}; drop train_heads.aux_layers")
         aux_layers = evaluated[0].aux_layers
+    # train_heads.init_from: read (and refused) before any feature pass too
+    initial = head_from(h.init_from, target, tokenizer) if h.get("init_from") else None
+    if initial is not None and len(initial.layers) != eagle_layers:
+        raise ConfigError(f"train_heads.init_from={h.init_from}: that head has {len(initial.layers)} decoder layer(s), "
+                          f"train_heads.eagle_layers={eagle_layers}: set it to {len(initial.layers)} to fine-tune it")
     pad_id = pad_id_of(tokenizer)
     dtype = str(cfg.model.dtype)
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
@@ -738,11 +743,7 @@ def run_train_heads(cfg: DictConfig) -> dict:
                                  "settings": OmegaConf.to_container(h)})
         return {"eval": result, "report": str(report_path)}
     if h.kind == "eagle":
-        net = new_head(target, init_state, eagle_layers) if not h.get("init_from") else head_from(h.init_from, target,
-                                                                                                  tokenizer)
-        if len(net.layers) != eagle_layers:
-            raise ConfigError(f"train_heads.init_from={h.init_from}: that head has {len(net.layers)} decoder layer(s), "
-                              f"train_heads.eagle_layers={eagle_layers}: set it to {len(net.layers)} to fine-tune it")
+        net = new_head(target, init_state, eagle_layers) if initial is None else initial
         loss_of = eagle_loss_of(net, embed, reduced_head, to_reduced, features, h, pad_id)
     elif h.kind == "eagle3":
         net = new_eagle3_head(target, aux_cache.layers, reduced_ids)
