@@ -173,10 +173,13 @@ def test_context_rows_feeds_only_the_newest_committed_rows(tiny_mixed, variant):
 @pytest.mark.parametrize("pipeline", ["eagle", "eagle_mix"])
 def test_context_rows_stays_lossless(tiny_mixed, pipeline):
     """Heads fed only the newest rows (a 40-token prompt's last 4, and catch-ups after a gate's skips)
-    still give the target's greedy output: what the head sees changes the drafts only."""
+    still give the target's greedy output: what the head sees changes the drafts only. eagle_mix's gate
+    skips by the online curve's timings (the catch-ups); `eagle` drafts by the flat curve, since on a slow
+    machine the online curve found that the tiny model's drafts never pay and drafted nothing at all."""
     head = eagle_head_dir(tiny_mixed.loaded.model.config, "random")
     pipe = build_pipeline(tiny_mixed.config(pipeline, f"pipeline.drafters.eagle.path={head}",
-                                            "pipeline.drafters.eagle.context_rows=4", cost_curve="online"),
+                                            "pipeline.drafters.eagle.context_rows=4",
+                                            cost_curve="online" if pipeline == "eagle_mix" else "flat"),
                           loaded=tiny_mixed.loaded)
     drafter = pipe.decoder.drafters[0]
     assert drafter.context_rows == 4
