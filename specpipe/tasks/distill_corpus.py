@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from specpipe.distill.corpus import (AnswerStream, BatchedGreedy, DistillStats, ShardFolder, distill,
                                      merge_shards, shards_from_corpus)
+from specpipe.distill.magpie import QUERIES_FILE, MagpieSampler, MagpieSettings
 from specpipe.distill.prompts import ChatPrompt, build_prompt_source, follow_up_prompts
 from specpipe.distill.training import check_folder, check_output_file, check_task_settings
 from specpipe.errors import ConfigError
@@ -32,6 +33,7 @@ from specpipe.tasks import hydra_overrides, repo_path
 
 LINEARS = ("onednn", "torch")
 GENERATORS = ("continuous", "hf")
+PROMPT_SOURCES = ("templates", "magpie")
 COMMAND = ("OMP_WAIT_POLICY=PASSIVE python run.py task=distill_corpus distill.merge=false, then "
            "python run.py task=distill_corpus distill.merge_only=true")
 
@@ -48,17 +50,30 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         torch.set_num_threads(int(cfg.threads))
     check_output_file(repo_path(d.out), "distill.out", f"{cfg.model.name}_chat.parquet")
     check_folder(repo_path(d.shards), "distill.shards")
-    source = build_prompt_source(seed=int(d.seed))
-    prompts = source.prompts[: int(d.limit)] if d.get("limit") else source.prompts
+    source_name = d.get("prompt_source", "templates")
+    if source_name not in PROMPT_SOURCES:
+        raise ConfigError(f"distill.prompt_source must be one of {PROMPT_SOURCES}, got {source_name!r}")
+    magpie = magpie_settings(d) if source_name == "magpie" else None  # checked before the model loads
     shards = ShardFolder(repo_path(d.shards))
     loaded = load_model(cfg.model)
+    if magpie is None:
+        source = build_prompt_source(seed=int(d.seed))
+    else:
+        sampler = MagpieSampler(loaded.model, loaded.tokenizer, cfg.get("system_prompt"), magpie,
+                                shards.folder / QUERIES_FILE)
+        if not d.merge_only:
+            sampler.sample(progress=bool(d.progress))
+        source = sampler.source()
+    prompts = source.prompts[: int(d.limit)] if d.get("limit") else source.prompts
     settings = {
         "model": loaded.name, "dtype": str(cfg.model.dtype), "linears": str(d.linears),
         "max_new_tokens": int(d.max_new_tokens), "system_prompt": cfg.get("system_prompt"),
         "tokenizer": tokenizer_fingerprint(loaded.tokenizer), "seed": int(d.seed),
     }
+    if magpie is not None:  # a resume under other sampling settings would mix two sources
+        settings["magpie"] = {key: getattr(magpie, key) for key in magpie.__dataclass_fields__}
     if not d.merge_only:
-        carried = shards_from_corpus(shards, repo_path(d.out), settings, loaded.tokenizer) if d.extend else 0
+        carried = shards_from_corpus(shards, repo_path(d.out), settings, loaded.tokenizer) if d.extend and magpie is None else 0
         if carried:
             print(f"distill_corpus: the shards start from the {carried} answers of {repo_path(d.out)}",
                   file=sys.stderr, flush=True)
@@ -96,7 +111,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         "linears": generated_with.get("linears"), "max_new_tokens": generated_with.get("max_new_tokens"),
         "system_prompt": generated_with.get("system_prompt"), "tokenizer": settings["tokenizer"],
         "decoding": "greedy, chat template applied; a second turn sees the first turn and its answer",
-        "prompt_source": {"module": "specpipe.distill.prompts", **source.describe(),
+        "prompt_source": {"module": "specpipe.distill.magpie" if magpie else "specpipe.distill.prompts", **source.describe(),
                           "limit": int(d.limit) if d.get("limit") else None, "follow_ups": len(follow_ups)},
         "command": COMMAND,
         "runs": shards.runs(),  # every generation run into these shards: overrides, tokens, seconds
@@ -105,6 +120,16 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
     print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {repo_path(d.out)} "
           f"({info['bytes'] / 1e6:.2f} MB)", file=sys.stderr)
     return info
+
+
+def magpie_settings(d: DictConfig) -> MagpieSettings:
+    """distill.magpie as MagpieSettings; an unknown key is refused with the known ones."""
+    given = dict(d.get("magpie") or {})
+    unknown = sorted(set(given) - set(MagpieSettings.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"distill.magpie has no key(s) {', '.join(unknown)}; it takes "
+                          f"{', '.join(MagpieSettings.__dataclass_fields__)}")
+    return MagpieSettings(**given)
 
 
 def follow_ups_of(shards: ShardFolder, prompts: list[ChatPrompt], d: DictConfig) -> list[ChatPrompt]:
