@@ -390,9 +390,16 @@ def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
             assert torch.equal(value, exported[key].float()), key
     assert set(exported) >= {key for key in net.state_dict() if "rotary" not in key}
 
+    # the start's ranking, not this corpus's, is the fine-tuned head's draft vocabulary: made unlike the corpus's here
+    from specpipe.stages.draft.draft_vocab import VOCAB_FILE, TokenRanking, write_ranking
+
+    start = np.load(first / VOCAB_FILE, allow_pickle=False)
+    reversed_counts = np.arange(len(start["counts"]), dtype=np.int64)  # the highest ids first
+    write_ranking(first / VOCAB_FILE, TokenRanking(reversed_counts, "a test ranking", str(start["vocab_sha256"])))
     result = run_train_heads(config(second, "ck2", 6, f"train_heads.init_from={first}", "train_heads.rollout_steps=2"))
     losses = [entry["loss"] for entry in result["train_log"]]
     assert result["step"] == 6 and losses[-1] < losses[0]
+    assert np.array_equal(np.load(second / VOCAB_FILE, allow_pickle=False)["counts"], reversed_counts)
     training = json.loads((second / "config.json").read_text())["specpipe"]["training"]
     assert training["init_from"] == str(first) and training["rollout_steps"] == 2
     assert "2 rollouts" in training["loss"]

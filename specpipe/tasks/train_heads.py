@@ -63,7 +63,7 @@ from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import corpus_ranking, output_weight
-from specpipe.stages.draft.draft_vocab import pinned_vocab_path
+from specpipe.stages.draft.draft_vocab import VOCAB_FILE, pinned_vocab_path, read_ranking
 from specpipe.stages.draft.eagle import EagleNet, frequent_ids, read_eagle_net, save_eagle
 from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, build_eagle3_net, save_eagle3
 from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
@@ -708,7 +708,11 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if evaluated is not None:  # c. alone, on a head trained elsewhere: over the vocabulary it drafts with
         net, reduced_ids = evaluated
     else:
-        ranking = corpus_ranking(str(corpus), tokenizer)  # exported beside the head: the tokens it drafts over
+        # exported beside the head: the tokens it drafts over. A fine-tune keeps its start's (a head trained
+        # over one vocabulary and exported with another would draft tokens it never learned to score).
+        start_ranking = local_path(h.init_from) / VOCAB_FILE if h.get("init_from") else None
+        ranking = (read_ranking(start_ranking, tokenizer, vocab, "train_heads.init_from")
+                   if start_ranking is not None and start_ranking.is_file() else corpus_ranking(str(corpus), tokenizer))
         reduced_ids = torch.arange(vocab) if top_k == vocab else ranking.top(top_k, "train_heads")[0]
     to_reduced = torch.full((vocab,), -1, dtype=torch.long)
     to_reduced[reduced_ids] = torch.arange(len(reduced_ids))
