@@ -46,6 +46,17 @@ def test_sampling_is_seeded_per_batch_and_resumes(tiny, tmp_path):
     write_turns(second.path, rows[:3])
     second.sample(progress=False)
     assert second.path.read_text() == before
+    # a file sampled otherwise is refused, not extended or read
+    for other in (MagpieSettings(batches=3, batch_size=3, max_new_tokens=4, temperature=0.7),
+                  MagpieSettings(batches=2, batch_size=3, max_new_tokens=4, seed=1)):
+        changed = MagpieSampler(tiny.reference, tiny.tokenizer, None, other, first.path)
+        with pytest.raises(ConfigError, match="was sampled with other settings \\((temperature|seed) differ"):
+            changed.sample(progress=False)
+        with pytest.raises(ConfigError, match="sampled with other settings"):
+            changed.source()
+    with pytest.raises(ConfigError, match="the system prompt or chat template differ"):
+        MagpieSampler(tiny.reference, tiny.tokenizer, "Be brief.", settings, first.path).sample(progress=False)
+    assert first.path.read_text() == before
     # a larger setting extends the file; the smaller one still reads only its batches
     more = MagpieSampler(tiny.reference, tiny.tokenizer, None, MagpieSettings(batches=3, batch_size=3, max_new_tokens=4),
                          first.path)

@@ -82,6 +82,11 @@ class MagpieSampler:
         self.path = path
         self.header = torch.tensor([user_header_ids(tokenizer, system_prompt)])  # [1, h]
         self.ends = turn_end_ids(model, tokenizer)
+        # what decides a batch's turns: a file sampled otherwise would mix two sources (`batches` may grow,
+        # `min_words` only filters)
+        self.sampled_with = {"batch_size": settings.batch_size, "max_new_tokens": settings.max_new_tokens,
+                             "temperature": float(settings.temperature), "seed": settings.seed,
+                             "header_ids": self.header[0].tolist()}
 
     def batches_done(self) -> set[int]:
         if not self.path.is_file():
@@ -98,10 +103,12 @@ class MagpieSampler:
 
     def sample(self, progress: bool = True) -> None:
         """Samples every batch the file lacks; each batch is appended whole, so a killed run loses at most one."""
+        self.check_sampled_with()
         todo = [b for b in range(self.settings.batches) if b not in self.batches_done()]
         if not todo:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.with_suffix(".json").write_text(json.dumps(self.sampled_with, indent=1))
         started = time.perf_counter()
         for position, batch in enumerate(todo, start=1):
             rows = self._sample_batch(batch)
@@ -110,6 +117,18 @@ class MagpieSampler:
             if progress:
                 print(f"magpie: batch {batch} ({position}/{len(todo)}), {sum(r['finished'] for r in rows)} of "
                       f"{len(rows)} turns ended, {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    def check_sampled_with(self) -> None:
+        """Refuses a turns file sampled under other settings (ConfigError naming them)."""
+        pinned_path = self.path.with_suffix(".json")
+        if not pinned_path.is_file():
+            return
+        pinned = json.loads(pinned_path.read_text(encoding="utf-8"))
+        differing = [key for key, value in self.sampled_with.items() if pinned.get(key) != value]
+        if differing:
+            what = "the system prompt or chat template" if differing == ["header_ids"] else ", ".join(differing)
+            raise ConfigError(f"{self.path} was sampled with other settings ({what} differ): keep them, or give "
+                              f"this source another distill.shards folder")
 
     @torch.inference_mode()
     def _sample_batch(self, batch: int) -> list[dict]:
@@ -133,6 +152,7 @@ class MagpieSampler:
 
     def source(self, dev_files: list[Path] | None = None) -> PromptSource:
         """The kept turns as first-turn prompts (file order), without duplicates or dev overlaps."""
+        self.check_sampled_with()
         dev_files = dev_prompt_files() if dev_files is None else list(dev_files)
         kept, seen = [], set()
         for line in self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []:

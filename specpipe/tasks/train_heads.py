@@ -708,8 +708,8 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if evaluated is not None:  # c. alone, on a head trained elsewhere: over the vocabulary it drafts with
         net, reduced_ids = evaluated
     else:
-        # exported beside the head: the tokens it drafts over. A fine-tune keeps its start's (a head trained
-        # over one vocabulary and exported with another would draft tokens it never learned to score).
+        # exported beside the head: the tokens it drafts over. A fine-tune keeps its start's: it drafts what its
+        # start did, and a small fine-tuning corpus would rank the vocabulary on too few answers.
         start_ranking = local_path(h.init_from) / VOCAB_FILE if h.get("init_from") else None
         ranking = (read_ranking(start_ranking, tokenizer, vocab, "train_heads.init_from")
                    if start_ranking is not None and start_ranking.is_file() else corpus_ranking(str(corpus), tokenizer))
