@@ -106,15 +106,21 @@ def test_distill_task_answers_the_sampled_turns(tmp_path):
              "What makes a sourdough starter go sluggish in winter kitchens?",
              "How should I plan a two-day walk along a river with small children?"]
     write_turns(shards / QUERIES_FILE, [{"batch": b, "finished": True, "text": text} for b, text in enumerate(turns)])
-    cfg = compose_config(["task=distill_corpus", "model=tiny_random", "distill.prompt_source=magpie",
-                          "distill.magpie.batches=3", "distill.batch_size=2", "distill.max_new_tokens=3",
-                          f"distill.shards={shards}", f"distill.out={tmp_path / 'corpus.parquet'}",
-                          "distill.progress=false"])
-    info = run_distill_corpus(cfg)
+    cfg_overrides = ["task=distill_corpus", "model=tiny_random", "distill.prompt_source=magpie",
+                     "distill.magpie.batches=3", "distill.batch_size=2", "distill.max_new_tokens=3",
+                     f"distill.shards={shards}", f"distill.out={tmp_path / 'corpus.parquet'}", "distill.progress=false"]
+    info = run_distill_corpus(compose_config(cfg_overrides))
     assert info["answers"] == 3 and info["prompt_source"]["module"] == "specpipe.distill.magpie"
     assert info["prompt_source"]["per_source"] == {"magpie": 3} and info["prompt_source"]["follow_ups"] == 0
     rows = pq.read_table(tmp_path / "corpus.parquet").to_pylist()
     assert [row["prompt"] for row in rows] == turns and all(row["category"] == "magpie" for row in rows)
+    # more batches extend the same shards: only the new turn is answered
+    more = "Which houseplants cope with a dark north-facing bathroom all year?"
+    with (shards / QUERIES_FILE).open("a") as out:
+        out.write(json.dumps({"batch": 3, "finished": True, "text": more}) + "\n")
+    grown = compose_config([*(o for o in cfg_overrides if "magpie.batches" not in o), "distill.magpie.batches=4"])
+    info = run_distill_corpus(grown)
+    assert info["answers"] == 4 and pq.read_table(tmp_path / "corpus.parquet").column("prompt").to_pylist() == [*turns, more]
 
 
 @pytest.mark.parametrize("override, message", [
