@@ -87,8 +87,9 @@ def test_kept_turns_ended_are_long_enough_distinct_and_off_the_dev_prompts(tiny,
 def test_a_damaged_queries_file_and_bad_settings_are_refused(tiny, tmp_path):
     sampler = MagpieSampler(tiny.reference, tiny.tokenizer, None, MagpieSettings(batches=1), tmp_path / QUERIES_FILE)
     sampler.path.write_text('{"batch": 0, "finished": true, "text": "ok"}\nnot json\n')
-    with pytest.raises(ConfigError, match=f"{QUERIES_FILE}:2: not a sampled user turn.*delete the file"):
-        sampler.sample(progress=False)
+    for read in (lambda: sampler.sample(progress=False), sampler.source):
+        with pytest.raises(ConfigError, match=f"{QUERIES_FILE}:2: not a sampled user turn.*delete the file"):
+            read()
     for key, value in (("batches", 0), ("batch_size", -1), ("max_new_tokens", 0), ("min_words", 0)):
         with pytest.raises(ConfigError, match=f"distill.magpie.{key} must be >= 1"):
             MagpieSettings(**{key: value})

@@ -88,23 +88,25 @@ class MagpieSampler:
                              "temperature": float(settings.temperature), "seed": settings.seed,
                              "header_ids": self.header[0].tolist()}
 
-    def batches_done(self) -> set[int]:
+    def rows(self) -> list[dict]:
+        """The turns sampled so far, in file order (none without a file); a damaged line is refused by number."""
         if not self.path.is_file():
-            return set()
-        done = set()
+            return []
+        rows = []
         for number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):
             try:
                 row = json.loads(line)
-                done.add(int(row["batch"]))
+                rows.append({"batch": int(row["batch"]), "finished": bool(row["finished"]), "text": str(row["text"])})
             except (ValueError, KeyError, TypeError) as error:
                 raise ConfigError(f"{self.path}:{number}: not a sampled user turn ({error}); delete the file to "
                                   f"sample again") from error
-        return done
+        return rows
 
     def sample(self, progress: bool = True) -> None:
         """Samples every batch the file lacks; each batch is appended whole, so a killed run loses at most one."""
         self.check_sampled_with()
-        todo = [b for b in range(self.settings.batches) if b not in self.batches_done()]
+        done = {row["batch"] for row in self.rows()}
+        todo = [b for b in range(self.settings.batches) if b not in done]
         if not todo:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,9 +157,8 @@ class MagpieSampler:
         self.check_sampled_with()
         dev_files = dev_prompt_files() if dev_files is None else list(dev_files)
         kept, seen = [], set()
-        for line in self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []:
-            row = json.loads(line)
-            if int(row["batch"]) >= self.settings.batches:
+        for row in self.rows():
+            if row["batch"] >= self.settings.batches:
                 continue  # a file sampled for more batches serves a smaller setting
             text, key = row["text"], normalise(row["text"])
             if row["finished"] and len(text.split()) >= self.settings.min_words and key not in seen:

@@ -71,7 +71,7 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         "tokenizer": tokenizer_fingerprint(loaded.tokenizer), "seed": int(d.seed),
     }
     if magpie is not None:  # a resume under other sampling settings would mix two sources (more batches extend it)
-        settings["magpie"] = {key: getattr(magpie, key) for key in ("batch_size", "max_new_tokens", "temperature", "seed")}
+        settings["magpie"] = sampler.sampled_with
     if not d.merge_only:
         carried = shards_from_corpus(shards, repo_path(d.out), settings, loaded.tokenizer) if d.extend and magpie is None else 0
         if carried:
