@@ -21,7 +21,9 @@ REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
 class Engine(Protocol):
     name: str
 
-    def apply(self, model: nn.Module) -> nn.Module: ...
+    # quantize: None, or "int8" for a drafter's weights (specpipe.engine.quantize); an engine that cannot
+    # says so in a warning and leaves them in the model's dtype
+    def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module: ...
 
 
 def claim_model(model: nn.Module, engine: str) -> bool:

@@ -116,6 +116,10 @@ inline Lanes load_weights(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline Lanes load_weights(const float* p) { return _mm512_loadu_ps(p); }
+// 16 int8 weights as fp32 (exact: every int8 is an fp32); the row's scale multiplies the finished sum
+inline Lanes load_weights(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline Lanes lanes_set(float v) { return _mm512_set1_ps(v); }
 inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
 inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
@@ -162,6 +166,9 @@ inline Lanes load_weights(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline Lanes load_weights(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes load_weights(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline Lanes lanes_set(float v) { return _mm256_set1_ps(v); }
 inline Lanes lanes_mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
 inline Lanes lanes_sub(Lanes a, Lanes b) { return _mm256_sub_ps(a, b); }
@@ -213,6 +220,19 @@ inline float bf16_to_float(uint16_t v) {
 
 inline float as_float(uint16_t v) { return bf16_to_float(v); }
 inline float as_float(float v) { return v; }
+inline float as_float(int8_t v) { return static_cast<float>(v); }
+
+// What is done to a finished fp32 sum of output feature o: times scale[o] (int8 weights: each weight row's
+// quantization step), then plus bias[o]; either may be null.
+struct Epilogue {
+  const float* scale = nullptr;
+  const float* bias = nullptr;
+  float apply(float sum, int64_t o) const {
+    if (scale != nullptr) sum *= scale[o];
+    if (bias != nullptr) sum += bias[o];
+    return sum;
+  }
+};
 
 // One step of a dot product over k: how many values it covers, how it loads a weight row's slice, and
 // how it multiplies that slice by an x row's slice into an accumulator of kLanes fp32 sums.
@@ -237,6 +257,19 @@ struct PairStep {
     return _mm512_dpbf16_ps(acc, (__m512bh)weights, (__m512bh)_mm512_loadu_si512(x));
   }
 };
+
+// Pairs over int8 weights: 32 of them made bf16 in registers (exact: every int8 is a bf16), then multiplied
+// as PairStep's. Widening bf16 x to fp32 instead made an 8-row product of an EAGLE head's weights ~1.8x slower.
+struct Int8PairStep {
+  using X = uint16_t;
+  static constexpr int kValues = 32;
+  static __m512i weights(const int8_t* p) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+  }
+  static Lanes multiply_add(Lanes acc, __m512i weights, const uint16_t* x) { return PairStep::multiply_add(acc, weights, x); }
+};
 #endif
 
 // How many weight rows ahead the product asks for the weights it reads next (a software prefetch of
@@ -260,7 +293,7 @@ constexpr int64_t kPrefetchRows = 2;
 // memory, limits one chain). O output features at a time share each load of x: with many rows the loads
 // of x, not the multiply-adds, fill the cycle.
 template <typename Step, int R, int U, int O, typename W, typename Out>
-void product_block(const typename Step::X* x, const W* w, const float* bias, Out* out, int64_t in,
+void product_block(const typename Step::X* x, const W* w, Epilogue epilogue, Out* out, int64_t in,
                    int64_t out_stride, int64_t begin, int64_t end) {
   constexpr int kValues = Step::kValues;
   const int64_t unrolled_end = in - in % (kValues * U);
@@ -309,15 +342,14 @@ void product_block(const typename Step::X* x, const W* w, const float* bias, Out
         for (int u = 1; u < U; ++u) total = lanes_add(total, acc[p][u][r]);
         float sum = lanes_sum(total);
         for (int64_t k = vector_end; k < in; ++k) sum += as_float(x[r * in + k]) * as_float(row[k]);
-        if (bias != nullptr) sum += bias[o + p];
         // a bf16 output is the fp32 sum rounded once (c10::BFloat16: round to nearest even), as casting
         // the fp32 product afterwards would round it
-        out[r * out_stride + o + p] = static_cast<Out>(sum);
+        out[r * out_stride + o + p] = static_cast<Out>(epilogue.apply(sum, o + p));
       }
     }
   }
   if constexpr (O > 1) {  // the last features, fewer than O
-    if (o < end) product_block<Step, R, U, 1>(x, w, bias, out, in, out_stride, o, end);
+    if (o < end) product_block<Step, R, U, 1>(x, w, epilogue, out, in, out_stride, o, end);
   }
 }
 
@@ -358,18 +390,20 @@ struct RowGroups<PairStep> {
   template <int R>
   static constexpr int outputs() { return R <= 8 ? 1 : 2; }
 };
+template <>
+struct RowGroups<Int8PairStep> : RowGroups<PairStep> {};
 #endif
 
 // Rows [x, x + count) of the product for output features [begin, end), count <= RowGroups<Step>::kMaxRows.
 template <typename Step, int R = 1, typename W, typename Out>
-void product_rows(int64_t count, const typename Step::X* x, const W* w, const float* bias, Out* out, int64_t in,
+void product_rows(int64_t count, const typename Step::X* x, const W* w, Epilogue epilogue, Out* out, int64_t in,
                   int64_t out_stride, int64_t begin, int64_t end) {
   using Groups = RowGroups<Step>;
   if constexpr (R < Groups::kMaxRows) {
-    if (count != R) return product_rows<Step, R + 1>(count, x, w, bias, out, in, out_stride, begin, end);
+    if (count != R) return product_rows<Step, R + 1>(count, x, w, epilogue, out, in, out_stride, begin, end);
   }
   product_block<Step, R, Groups::template accumulators<R>(), Groups::template outputs<R>()>(
-      x, w, bias, out, in, out_stride, begin, end);
+      x, w, epilogue, out, in, out_stride, begin, end);
 }
 
 constexpr int64_t kTileBytes = 32768;
@@ -378,7 +412,7 @@ constexpr int64_t kTileBytes = 32768;
 // ~32 KB of weight rows and runs every group of rows (RowGroups) over a tile while it is in L1/L2.
 // Groups are balanced (AVX2, 11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
 template <typename Step, typename W, typename Out>
-void product(const typename Step::X* xs, const W* w, const float* bias, Out* os, int64_t rows, int64_t in,
+void product(const typename Step::X* xs, const W* w, Epilogue epilogue, Out* os, int64_t rows, int64_t in,
              int64_t out_features) {
   const int64_t tile = std::max<int64_t>(4, kTileBytes / (static_cast<int64_t>(sizeof(W)) * in));
   const int64_t grain = std::max<int64_t>(16, out_features / (4 * at::get_num_threads()));
@@ -388,7 +422,7 @@ void product(const typename Step::X* xs, const W* w, const float* bias, Out* os,
       for (int64_t first = 0, count = 0; first < rows; first += count) {
         const int64_t left = rows - first, most = RowGroups<Step>::kMaxRows, groups = (left + most - 1) / most;
         count = (left + groups - 1) / groups;
-        product_rows<Step>(count, xs + first * in, w, bias, os + first * out_features, in, out_features,
+        product_rows<Step>(count, xs + first * in, w, epilogue, os + first * out_features, in, out_features,
                            tile_begin, tile_end);
       }
     }
@@ -397,58 +431,100 @@ void product(const typename Step::X* xs, const W* w, const float* bias, Out* os,
 
 }  // namespace
 
+namespace {
+
+// The rows of x as the widened steps read them: fp32 x as it is, bf16 x widened (exactly) into `widened`.
+// A few rows: widening them costs nothing next to the weights. `widened` is a tensor, not a std::vector:
+// torch aligns it to 64 bytes, and a vector load of x crossing cache lines measured ~2x slower for 6-8 rows.
+const float* widened_rows(const torch::Tensor& x, torch::Tensor& widened) {
+  if (x.scalar_type() == torch::kFloat32) return x.data_ptr<float>();
+  widened = torch::empty({x.numel()}, x.options().dtype(torch::kFloat32));
+  float* wide = widened.data_ptr<float>();
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < x.numel(); ++i) wide[i] = bf16_to_float(raw[i]);
+  return wide;
+}
+
+// x [..., in] fp32 or bf16 checked against a weight of `in` features; the output [..., out_features] in x's dtype.
+torch::Tensor checked_output(torch::Tensor& x, int64_t in, int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x: fp32 or bf16 [..., in]");
+  TORCH_CHECK(x.size(-1) == in && in > 0, "x and weight disagree on in_features");
+  x = x.contiguous();
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = out_features;
+  return torch::empty(out_sizes, x.options());
+}
+
+const float* checked_fp32(const c10::optional<torch::Tensor>& values, int64_t out_features, const char* what) {
+  if (!values.has_value()) return nullptr;
+  TORCH_CHECK(values->scalar_type() == torch::kFloat32 && values->is_contiguous() && values->numel() == out_features,
+              what, ": contiguous fp32 [out]");
+  return values->data_ptr<float>();
+}
+
+// The widened product over weights w of type W into out (x's dtype), rows of x already widened to fp32.
+template <typename W>
+void widened_product(const float* xs, const W* w, Epilogue epilogue, torch::Tensor& out, int64_t rows, int64_t in,
+                     int64_t out_features) {
+  if (out.scalar_type() == torch::kBFloat16)
+    product<WidenedStep>(xs, w, epilogue, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+  else
+    product<WidenedStep>(xs, w, epilogue, out.data_ptr<float>(), rows, in, out_features);
+}
+
+}  // namespace
+
 // x [..., in] fp32 or bf16, weight [out, in] bf16 or fp32, bias [out] fp32 or None -> [..., out] in x's dtype.
 // A bf16 x is widened here and the output rounded here, so a bf16 model's product is one call: the
 // casts around it were two more ops per linear, ~240 per forward of SmolLM2-135M.
 torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  const bool bf16_x = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.dim() >= 1 && (bf16_x || x.scalar_type() == torch::kFloat32), "x: fp32 or bf16 [..., in]");
-  x = x.contiguous();
   const bool bf16_weight = weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (bf16_weight || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
               "weight: contiguous bf16 or fp32 [out, in]");
-  TORCH_CHECK(x.size(-1) == weight.size(1) && weight.size(1) > 0, "x and weight disagree on in_features");
-  const int64_t in = weight.size(1), out_features = weight.size(0), rows = x.numel() / in;
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out_features,
-                "bias: contiguous fp32 [out]");
-    bias_data = bias->data_ptr<float>();
-  }
-  std::vector<int64_t> out_sizes = x.sizes().vec();
-  out_sizes.back() = out_features;
-  auto out = torch::empty(out_sizes, x.options());
+  const int64_t in = weight.size(1), out_features = weight.size(0);
+  auto out = checked_output(x, in, out_features);
+  const int64_t rows = x.numel() / in;
+  const Epilogue epilogue{nullptr, checked_fp32(bias, out_features, "bias")};
 #ifdef __AVX512BF16__
-  if (bf16_x && bf16_weight) {  // pairs of bf16 values straight from both
+  if (x.scalar_type() == torch::kBFloat16 && bf16_weight) {  // pairs of bf16 values straight from both
     product<PairStep>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), bias_data,
+                      reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), epilogue,
                       out.data_ptr<at::BFloat16>(), rows, in, out_features);
     return out;
   }
 #endif
   torch::Tensor widened;
-  const float* xs = nullptr;
-  if (bf16_x) {  // a few rows: widening them (exactly) costs nothing next to the weights
-    // a tensor, not a std::vector: torch aligns it to 64 bytes, and a vector load of x crossing cache
-    // lines measured ~2x slower for 6-8 rows
-    widened = torch::empty({rows * in}, x.options().dtype(torch::kFloat32));
-    float* wide = widened.data_ptr<float>();
-    const uint16_t* raw = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < rows * in; ++i) wide[i] = bf16_to_float(raw[i]);
-    xs = wide;
-  } else {
-    xs = x.data_ptr<float>();
-  }
-  auto run = [&](auto* w) {
-    if (bf16_x)
-      product<WidenedStep>(xs, w, bias_data, out.data_ptr<at::BFloat16>(), rows, in, out_features);
-    else
-      product<WidenedStep>(xs, w, bias_data, out.data_ptr<float>(), rows, in, out_features);
-  };
+  const float* xs = widened_rows(x, widened);
   if (bf16_weight)
-    run(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()));
+    widened_product(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), epilogue, out, rows, in,
+                    out_features);
   else
-    run(weight.data_ptr<float>());
+    widened_product(xs, weight.data_ptr<float>(), epilogue, out, rows, in, out_features);
+  return out;
+}
+
+// x [..., in] fp32 or bf16, weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None -> [..., out] in
+// x's dtype: out[r, o] = scale[o] * sum_k x[r, k] * weight[o, k] + bias[o], summed in fp32. A weight row is
+// quantized symmetrically with one step per output feature (specpipe.engine.quantize): a quarter of fp32's
+// bytes and half of bf16's for a draft whose weights are read again from memory at every draft level.
+torch::Tensor quantized_product(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                                c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kChar && weight.is_contiguous(),
+              "weight: contiguous int8 [out, in]");
+  const int64_t in = weight.size(1), out_features = weight.size(0);
+  auto out = checked_output(x, in, out_features);
+  const int64_t rows = x.numel() / in;
+  const Epilogue epilogue{checked_fp32(scale, out_features, "scale"), checked_fp32(bias, out_features, "bias")};
+#ifdef __AVX512BF16__
+  if (x.scalar_type() == torch::kBFloat16) {
+    product<Int8PairStep>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), weight.data_ptr<int8_t>(),
+                          epilogue, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+    return out;
+  }
+#endif
+  torch::Tensor widened;
+  widened_product(widened_rows(x, widened), weight.data_ptr<int8_t>(), epilogue, out, rows, in, out_features);
   return out;
 }
 
@@ -930,6 +1006,9 @@ class CpuKernel:
 
     def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta") -> None:
         self.product = None
+        # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
+        # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
+        self.quantized_product = None
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
@@ -949,10 +1028,10 @@ class CpuKernel:
             return
         try:
             module = _build(build_dir, self.isa, weight_prefetch)
-            self.product = module.weight_product
-            _self_check(self.product)
+            self.product, self.quantized_product = module.weight_product, module.quantized_product
+            _self_check(self.product, self.quantized_product)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
-            self.product = None
+            self.product = self.quantized_product = None
             self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
             return
         # The norm repeats torch's order of sums (ATen's AVX2 cascade sum): where this torch sums in
@@ -1001,7 +1080,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
     try:
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "rms_norm", "tree_attention"],
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "rms_norm", "tree_attention"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
@@ -1030,14 +1109,22 @@ def _one_build_at_a_time(folder: Path):
         yield
 
 
-def _self_check(product) -> None:
+def _self_check(product, quantized_product) -> None:
     """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-33 rows),
-    with fp32 and bf16 inputs and a bias."""
+    with fp32 and bf16 inputs and a bias, over bf16, fp32 and int8 weights."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 75, generator=generator).bfloat16()  # [out, in]
     bias = torch.randn(37, generator=generator)  # [out]
+    codes = torch.randint(-127, 128, (37, 75), generator=generator, dtype=torch.int8)  # [out, in]
+    scale = torch.rand(37, generator=generator) / 64  # [out]
     for rows in (1, 3, 7, 8, 11, 16, 19, 33):
         x = torch.randn(rows, 75, generator=generator)  # [rows, in]
+        for x_rows, tolerance in ((x, 1e-4), (x.bfloat16(), 2 ** -7)):
+            expected = (x_rows.float() @ codes.float().t()) * scale + bias
+            quantized = quantized_product(x_rows, codes, scale, bias).float()
+            if not torch.allclose(quantized, expected, rtol=tolerance, atol=1e-3):
+                raise RuntimeError(f"the kernel disagrees with an fp32 product of int8 weights for {rows} "
+                                   f"{x_rows.dtype} rows")
         expected = x @ weight.float().t()
         if not torch.allclose(product(x, weight, None), expected, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"the kernel disagrees with an fp32 product of bf16 weights for {rows} rows")

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
+from specpipe.engine.quantize import QUANTIZATIONS, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from specpipe.engine.cpu_kernel import CpuKernel
@@ -48,20 +49,32 @@ class PackedWeight(nn.Module):
 
     def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
                  small_rows: int = 0, split_rows: int = 0,
-                 kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0) -> None:
+                 kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0,
+                 quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
+        # int8 weights (a drafter's, specpipe.engine.quantize): products of up to `kernel_rows` rows run
+        # `quantized_kernel` over the int8 codes; every other path multiplies the weight they stand for, rounded
+        # to the model's dtype, so all paths compute with the same weights up to that rounding.
+        self.codes: Tensor | None = None  # [sum out, in] int8
+        self.scale: Tensor | None = None  # [sum out] fp32
+        kernel_serves = kernel is not None and weight.dtype in (torch.float32, torch.bfloat16) and kernel_rows > 0
+        self.quantized_kernel = quantized_kernel if kernel_serves else None
+        if self.quantized_kernel is not None:
+            self.codes, self.scale = quantize_rows(weight)
+            weight = dequantize_rows(self.codes, self.scale, weight.dtype)
         self.compute_dtype = compute_dtype or weight.dtype  # packed in and computed in; inputs are cast to it
         # Products of at most `kernel_rows` rows of the model's own dtype run `kernel` (the product of
         # specpipe.engine.cpu_kernel) on the weight itself: bf16 weights (bf16 rows), whether packed in
         # fp32 or in bf16 for oneDNN above those rows, or fp32 weights (fp32 rows).
-        self.kernel = kernel if weight.dtype in (torch.float32, torch.bfloat16) and kernel_rows > 0 else None
+        self.kernel = kernel if kernel_serves else None
         self.kernel_rows = kernel_rows if self.kernel is not None else 0
         self.kernel_input = weight.dtype  # the rows the kernel serves: of the weight's own dtype
         # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
         # dtype (see LinearPath): kept only when the packing is in another dtype.
         self.small_rows = small_rows if self.compute_dtype != weight.dtype and small_rows > self.kernel_rows else 0
-        self.small_weight = weight if self.small_rows or self.kernel_rows else None  # [sum out, in]
+        self.small_weight = (weight if self.small_rows or (self.kernel_rows and self.codes is None)
+                             else None)  # [sum out, in]
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
         self.packed = pack_weight(weight.to(self.compute_dtype))
@@ -90,6 +103,8 @@ class PackedWeight(nn.Module):
         if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
             # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias
             # added to the fp32 sums, and they are rounded to bf16
+            if self.codes is not None:
+                return self.quantized_kernel(x, self.codes, self.scale, self.kernel_bias)
             return self.kernel(x, self.small_weight, self.kernel_bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
@@ -110,6 +125,8 @@ class PackedWeight(nn.Module):
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
+        if rows <= self.kernel_rows and self.codes is not None:
+            return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.kernel_bias) if t is not None)
         if rows <= self.kernel_rows:
             weight, bias = self.small_weight, self.kernel_bias
         elif rows <= self.small_rows:
@@ -215,7 +232,14 @@ class OneDNNEngine:
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module:
+        """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
+        products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
+        says why and the weights stay in the model's dtype."""
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            from specpipe.errors import ConfigError
+
+            raise ConfigError(f"weight quantization must be one of {list(QUANTIZATIONS)} or null, got {quantize!r}")
         path = self._linear_path(model)
         if isinstance(path, str):
             log.warning("engine=%s: %s; running transformers' own forward", self.name, path)
@@ -224,9 +248,13 @@ class OneDNNEngine:
             return model  # already rewritten (a model shared by several pipelines)
         path, kernel = self._with_kernel(path)
         product = kernel.product if kernel is not None else None
+        quantized = kernel.quantized_product if kernel is not None and quantize == "int8" else None
+        if quantize is not None and quantized is None:
+            log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
+                        "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
         try:
             swaps = [(module, name, replacement) for module in model.modules()
-                     for name, replacement in self._replacements(module, path, product)]
+                     for name, replacement in self._replacements(module, path, product, quantized)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -248,8 +276,10 @@ class OneDNNEngine:
             attention, attention_why = self._attention_kernel(path, extension)
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
                                           attention_isa=extension.isa if extension is not None else "avx2")
-        rewrite = (f"{path.describe()}; {lean} attention/MLP blocks lean, {lean_models} model "
+        int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
+        rewrite = (f"{path.describe()}{int8}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
+
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         if whys:
             rewrite += f" ({'; '.join(whys)})"
@@ -289,6 +319,19 @@ class OneDNNEngine:
         reason = f"{path.reason}; {why}" if why else path.reason
         return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=reason), kernel
 
+    def _no_kernel_reason(self, path: LinearPath) -> str:
+        """Why `_with_kernel` gave no kernel for `path`, in words."""
+        name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
+        rows = getattr(self, name)
+        if rows == 0:
+            return f"engine.{name}=0"
+        if rows == "auto":
+            from specpipe.engine.cpu_kernel import kernel_isa
+
+            if auto_kernel_rows(path, kernel_isa()) == 0:
+                return f"engine.{name}=auto: oneDNN's {path.kernel} outruns it on such CPUs"
+        return path.reason  # a kernel that could not be built or run says why there
+
     def _extension(self, path: LinearPath) -> CpuKernel | None:
         """The extension for the lean forward's norm and attention where the product path did not load it."""
         if not (self.kernel_norm or self.kernel_attention) or path.dtype not in (torch.float32, torch.bfloat16):
@@ -317,8 +360,8 @@ class OneDNNEngine:
             return None, f"attention in SDPA: {kernel.attention_reason}"
         return kernel.attention, "decoding attention in the kernel"
 
-    def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None
-                      ) -> list[tuple[str, nn.Module]]:
+    def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
+                      quantized_kernel: Callable | None = None) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
@@ -334,6 +377,6 @@ class OneDNNEngine:
         replacements = []
         for group in groups:
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
-                                  path.split_rows, kernel, path.kernel_rows)
+                                  path.split_rows, kernel, path.kernel_rows, quantized_kernel)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements

@@ -155,13 +155,14 @@ def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded
     tokenizer = getattr(stage, "tokenizer", None)
     if tokenizer is not None and tokenizer is not loaded.tokenizer:
         check_same_tokenizer(loaded.tokenizer, tokenizer, where)
+    quantize = getattr(stage, "weight_quantization", None)  # a drafter's own weights in int8 (engine.quantize)
     draft_model = getattr(getattr(stage, "runner", None), "model", None)
     if draft_model is not None:
-        engine.apply(draft_model)
+        engine.apply(draft_model, quantize=quantize)
     # Weights a stage runs outside its runner (an EAGLE head's reduced output layer, Medusa's heads):
     # unpacked, a few-row fp32 product of an 8192-row output layer costs ~6x the packed one.
     for module in getattr(stage, "engine_modules", ()):
-        engine.apply(module)
+        engine.apply(module, quantize=quantize)
     return stage
 
 

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
+from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import local_path
@@ -200,7 +201,8 @@ class DraftModelDrafter:
     def __init__(self, target: TargetModel, tokenizer: PreTrainedTokenizerBase, draft: PreTrainedModel,
                  draft_tokenizer: PreTrainedTokenizerBase | None = None, name: str = "draft_model",
                  chain_length: int = 5, min_score: float = 0.05,
-                 new_cache: Callable[[], PositionIndexedCache] | None = None) -> None:
+                 new_cache: Callable[[], PositionIndexedCache] | None = None,
+                 weight_quantization: str | None = None) -> None:
         if chain_length < 1:
             raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
         draft_vocab = int(draft.config.vocab_size)
@@ -216,6 +218,9 @@ class DraftModelDrafter:
         self.runner = TargetModel(draft, name=f"{target.name}-{name}-{_shape_name(draft)}", attention="sdpa",
                                   engine=getattr(draft, "specpipe_engine", "hf"))
         self.cost_curve: CostCurve | None = None  # ms per draft forward of q rows; set by the pipeline builder
+        # "int8": the pipeline builder has the engine run the draft's own products over int8 weights
+        # (specpipe.engine.quantize); layers it shares with the target stay the target's
+        self.weight_quantization = checked_quantization(weight_quantization, name)
         self.vocab_size = target.vocab_size
         # A reduced output layer hands out log-probs over its own tokens only (StepDrafter's `draft_vocab`):
         # no -inf scatter, log-softmax and top-k over all 49152 columns per draft level.
@@ -358,7 +363,7 @@ def _shape_name(draft: PreTrainedModel) -> str:
 def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                  name: str = "draft_model", chain_length: int = 5,
                  min_score: float = 0.05, vocab_top_k: int = 0,
-                 vocab_counts: str | None = None) -> DraftModelDrafter:
+                 vocab_counts: str | None = None, weight_quantization: str | None = None) -> DraftModelDrafter:
     """The drafter `drafter=draft_model` configures: `path` = a local Hugging Face model directory
     (any causal LM with the target's tokenizer), a draft file written by `task=distill_draft`, or
     None for the draft distilled for the embedded model (data/draft/). Never downloads.
@@ -380,7 +385,7 @@ def load_drafter(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: 
         check_same_tokenizer(tokenizer, draft_tokenizer, name)  # before anything counts tokens by the target's ids
     reduce_vocabulary(draft, tokenizer, vocab_top_k, vocab_counts, name, pinned)
     return DraftModelDrafter(target, tokenizer, draft, draft_tokenizer, name=name, chain_length=chain_length,
-                             min_score=min_score)
+                             min_score=min_score, weight_quantization=weight_quantization)
 
 
 def reduce_vocabulary(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int,

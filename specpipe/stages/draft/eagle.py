@@ -35,6 +35,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.cost import CostCurve
 from specpipe.engine.blocks import FusedQKVAttention
 from specpipe.engine.lean_model import LeanLlamaModel, lean_decoder_layers, norm_function
+from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import REPO_ROOT
@@ -137,7 +138,7 @@ class EagleDrafter:
 
     def __init__(self, target: TargetModel, net: nn.Module, head: nn.Module, name: str = "eagle",
                  chain_length: int = 5, min_score: float = 0.05, aux_hidden: bool = False,
-                 context_rows: int | None = None) -> None:
+                 context_rows: int | None = None, weight_quantization: str | None = None) -> None:
         if chain_length < 1:
             raise ConfigError(f"{name}: chain_length must be >= 1, got {chain_length}")
         if context_rows is not None and context_rows < 1:
@@ -161,6 +162,9 @@ class EagleDrafter:
         # At most this many committed rows are fed at once: a long prompt's last ones, or the last ones of
         # the steps a drafter gate skipped. The older ones never get a row and the head never attends to them.
         self.context_rows = context_rows
+        # "int8": the pipeline builder has the engine run the head's products over int8 weights
+        # (specpipe.engine.quantize): half the bytes a draft level reads from memory
+        self.weight_quantization = checked_quantization(weight_quantization, name)
         self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
         self.cost_curve: CostCurve | None = None
 
@@ -402,7 +406,8 @@ def default_eagle_dir(dtype: torch.dtype) -> str:
 
 def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                name: str = "eagle", chain_length: int = 5, min_score: float = 0.05, vocab_top_k: int = 8192,
-               vocab_counts: str | None = None, context_rows: int | None = None) -> EagleDrafter:
+               vocab_counts: str | None = None, context_rows: int | None = None,
+               weight_quantization: str | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
     the head trained for the embedded model (data/eagle/): the one trained on features in the
     target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
@@ -410,4 +415,4 @@ def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: st
     net = read_eagle_net(folder, tokenizer, int(target.model.config.hidden_size), target.vocab_size, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
     return EagleDrafter(target, net, head, name=name, chain_length=chain_length, min_score=min_score,
-                        context_rows=context_rows)
+                        context_rows=context_rows, weight_quantization=weight_quantization)

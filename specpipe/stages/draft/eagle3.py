@@ -219,7 +219,7 @@ def save_eagle3(net: Eagle3Net, folder, extra: dict | None = None, dtype: torch.
 
 def load_eagle3(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                 name: str = "eagle3", chain_length: int = 5, min_score: float = 0.05,
-                context_rows: int | None = None) -> EagleDrafter:
+                context_rows: int | None = None, weight_quantization: str | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle3` configures: `path` = a local EAGLE-3 head directory, or None for
     the head trained for the embedded model (data/eagle3/). Never downloads. Asks the target runner
     to return the hidden states of the head's three layers with every forward."""
@@ -230,4 +230,5 @@ def load_eagle3(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
     net = build_eagle3_net(config, tensors, target.model.config, name)
     target.capture_layers(net.aux_layers, name)
     return EagleDrafter(target, net, DraftVocabHead(net, target.vocab_size), name=name, chain_length=chain_length,
-                        min_score=min_score, aux_hidden=True, context_rows=context_rows)
+                        min_score=min_score, aux_hidden=True, context_rows=context_rows,
+                        weight_quantization=weight_quantization)

@@ -1,0 +1,40 @@
+"""int8 weights for drafters: each weight row quantized symmetrically with its own step (`scale`).
+
+Why: on a CPU a draft level reads the draft's weights from memory again after every target forward has
+streamed the target's through the caches (an EAGLE head for SmolLM2-135M: ~18 MB of bf16 weights, ~0.9 ms
+of a ~1.3 ms level on the 2-core Zen 5 dev VM, docs/BENCHMARKS.md run 56). int8 halves those bytes. Only
+drafters are quantized: the target's products stay in its own dtype, so greedy output stays exact; a
+quantized draft proposes slightly different tokens, which costs or gains acceptance, never exactness.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QUANTIZATIONS = ("int8",)  # what engine.apply(model, quantize=...) takes besides None
+INT8_LEVELS = 127  # symmetric: codes in [-127, 127], so -w quantizes to -code
+
+
+def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [out, in] -> (codes [out, in] int8, scale [out] fp32), weight ~= codes * scale[:, None]: each
+    row's largest magnitude maps to 127 (round to nearest); an all-zero row gets scale 1."""
+    rows = weight.detach().float()
+    largest = rows.abs().amax(dim=1)  # [out]
+    scale = torch.where(largest > 0, largest / INT8_LEVELS, torch.ones_like(largest))  # [out]
+    codes = torch.round(rows / scale[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return codes.contiguous(), scale.contiguous()
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """codes [out, in] int8, scale [out] -> the weight they stand for [out, in], rounded to `dtype`."""
+    return (codes.float() * scale[:, None]).to(dtype)
+
+
+def checked_quantization(value: str | None, name: str) -> str | None:
+    """A drafter's `weight_quantization` setting, or a ConfigError that names the drafter and the choices."""
+    if value is not None and value not in QUANTIZATIONS:
+        from specpipe.errors import ConfigError
+
+        raise ConfigError(f"{name}: weight_quantization must be one of {list(QUANTIZATIONS)} or null (the model's "
+                          f"dtype), got {value!r}")
+    return value
