@@ -41,9 +41,10 @@ def test_a_self_draft_is_accepted_whole_and_stays_lossless(tiny_mixed, self_draf
     """With the target's own weights as the draft its argmax path is always accepted: the pipeline
     really verifies the draft's tree (not vacuous), and the output is still plain greedy. (One
     child per node: the random tiny model's flat distributions would spread a wider tree's
-    budget over siblings.)"""
+    budget over siblings. The draft's weights stay as the target's: int8 ones would be another model.)"""
     cfg = tiny_mixed.config("draft_model", f"pipeline.drafters.model.path={self_draft_dir}", "pipeline.tree.depth=4",
-                            "pipeline.tree.min_score=0", "pipeline.tree.top_k=1", "pipeline.tree.children=1")
+                            "pipeline.tree.min_score=0", "pipeline.tree.top_k=1", "pipeline.tree.children=1",
+                            "pipeline.drafters.model.weight_quantization=null")
     pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
     for prompt in random_prompts(4, seed=21):
         tokens, steps = run_steps(pipe, prompt, 24)
@@ -58,7 +59,7 @@ def test_sps_chain_under_the_trie_builder_is_lossless(tiny_mixed, self_draft_dir
     cfg = compose_config([*tiny_mixed.overrides, "pipeline=draft_model", "cost_curve=flat", "~pipeline.drafters.model",
                           "+drafter@pipeline.proposers.model=draft_model", f"pipeline.proposers.model.path={self_draft_dir}",
                           "tree@pipeline.tree=trie", "pipeline.proposers.model.min_score=0",
-                          "pipeline.proposers.model.vocab_top_k=0"])
+                          "pipeline.proposers.model.vocab_top_k=0", "pipeline.proposers.model.weight_quantization=null"])
     pipe = build_pipeline(cfg, loaded=tiny_mixed.loaded)
     assert len(pipe.decoder.proposers) == 1 and not pipe.decoder.drafters
     for prompt in random_prompts(3, seed=22):

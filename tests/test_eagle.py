@@ -465,7 +465,9 @@ def test_the_heads_own_output_layers_run_under_the_targets_engine(tiny_mixed, tm
     frequent = sorted({t for p in prompts for t in tiny_mixed.greedy_hf(p, 16)})[:40]
     write_answer_corpus(corpus, [frequent * 3])
     pipe = build_pipeline(tiny_mixed.config("eagle", f"pipeline.drafters.eagle.vocab_top_k={len(frequent)}",
-                                            f"pipeline.drafters.eagle.vocab_counts={corpus}"), loaded=tiny_mixed.loaded)
+                                            f"pipeline.drafters.eagle.vocab_counts={corpus}",
+                                            "pipeline.drafters.eagle.weight_quantization=null"),  # int8: test_quantize.py
+                          loaded=tiny_mixed.loaded)
     head = pipe.decoder.drafters[0].head
     assert isinstance(head, ReducedVocabHead) and isinstance(head.linear, OneDNNLinear)
     hidden = torch.randn(5, tiny_mixed.loaded.model.config.hidden_size)  # [q, hidden]

@@ -474,8 +474,9 @@ needs_compiler = pytest.mark.skipif(
 def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(isa):
     from specpipe.engine import cpu_kernel
 
-    product = cpu_kernel._build(None, isa).weight_product  # each build, whichever this CPU's engine uses
-    cpu_kernel._self_check(product)
+    built = cpu_kernel._build(None, isa)  # each build, whichever this CPU's engine uses
+    cpu_kernel._self_check(built.weight_product, built.quantized_product)
+    product = built.weight_product
     kernel = SimpleNamespace(product=product)
     generator = torch.Generator().manual_seed(5)
     # a vector tail (75, 9, 600); every group size (1-8 rows, and 9-12 for bf16 pairs, two output features at

@@ -151,9 +151,12 @@ def test_the_fast_engine_quantizes_a_models_products_on_request_and_says_so(dtyp
 
 
 def test_engines_refuse_an_unknown_quantization_and_hf_says_it_keeps_the_weights(caplog):
-    with pytest.raises(ConfigError, match=r"weight quantization must be one of \['int8'\] or null, got 'int4'"):
+    with pytest.raises(ConfigError, match=r"weight quantization must be one of \['auto', 'int8'\] or null, got 'int4'"):
         OneDNNEngine().apply(fresh_tiny(), quantize="int4")
     model = fresh_tiny()
+    with caplog.at_level(logging.WARNING):
+        HFEngine().apply(model, quantize="auto")
+    assert caplog.text == ""  # auto: int8 only where an engine's kernel serves it, nothing to say elsewhere
     with caplog.at_level(logging.WARNING):
         HFEngine().apply(model, quantize="int8")
     assert "int8 draft weights need engine=fast" in caplog.text
@@ -168,6 +171,12 @@ def test_a_fast_engine_without_its_kernel_keeps_the_weights_and_says_why(caplog)
     assert "int8 weights need specpipe's CPU kernel, which does not serve here (engine.fp32_kernel_rows=0)" in caplog.text
     packed = [module.packed for module in model.modules() if isinstance(module, OneDNNLinear)]
     assert packed and all(p.codes is None for p in packed)
+    caplog.clear()
+    model = fresh_tiny()
+    with caplog.at_level(logging.WARNING):
+        OneDNNEngine(fp32_kernel_rows=0).apply(model, quantize="auto")
+    assert "int8" not in caplog.text
+    assert all(module.packed.codes is None for module in model.modules() if isinstance(module, OneDNNLinear))
 
 
 @pytest.mark.parametrize("pipeline,drafter", [("eagle", "eagle"), ("draft_model", "model")])
@@ -178,13 +187,16 @@ def test_a_drafter_with_an_unknown_quantization_is_refused_by_name(tiny_mixed, p
 
 
 @needs_compiler
-@pytest.mark.parametrize("pipeline,drafter", [("eagle", "eagle"), ("draft_model", "model"), ("specinfer_mix", "model")])
-def test_greedy_pipelines_with_int8_drafters_equal_plain_greedy(tiny_mixed, pipeline, drafter):
-    """Only the draft is quantized: its products run over int8 codes, the target checks every token."""
-    pipe = build_pipeline(tiny_mixed.config(pipeline, f"pipeline.drafters.{drafter}.weight_quantization=int8"),
+@pytest.mark.parametrize("setting", ["int8", "auto"])
+@pytest.mark.parametrize("pipeline,drafter", [("eagle", "eagle"), ("draft_model", "model"), ("specinfer_mix", "model"),
+                                              ("medusa", "medusa")])
+def test_greedy_pipelines_with_int8_drafters_equal_plain_greedy(tiny_mixed, pipeline, drafter, setting):
+    """Only the draft is quantized: its products run over int8 codes, the target checks every token. The
+    drafters' default, auto, is int8 where engine=fast's kernel serves (here)."""
+    pipe = build_pipeline(tiny_mixed.config(pipeline, f"pipeline.drafters.{drafter}.weight_quantization={setting}"),
                           loaded=tiny_mixed.loaded)
     (stage,) = pipe.decoder.drafters
-    own = [stage.runner.model, *getattr(stage, "engine_modules", ())]
+    own = [*([stage.runner.model] if stage.runner is not None else []), *getattr(stage, "engine_modules", ())]
     packed = [module.packed for model in own for module in model.modules() if isinstance(module, OneDNNLinear)]
     assert packed and all(p.codes is not None for p in packed)
     target_packed = [m.packed for m in pipe.target.model.modules() if isinstance(m, OneDNNLinear)]
@@ -213,3 +225,11 @@ def test_the_shipped_eagle_head_in_int8_stays_lossless_and_drafts_on_the_embedde
         assert tokens == expected, text
         drafted += sum(step.drafted for step in steps)
     assert drafted >= 20  # the quantized head still drafts tokens the target accepts (not vacuous)
+
+
+def test_null_keeps_a_drafters_weights_in_the_models_dtype(tiny_mixed):
+    pipe = build_pipeline(tiny_mixed.config("eagle", "pipeline.drafters.eagle.weight_quantization=null"),
+                          loaded=tiny_mixed.loaded)
+    packed = [module.packed for module in pipe.decoder.drafters[0].net.modules() if isinstance(module, OneDNNLinear)]
+    assert packed and all(p.codes is None for p in packed)
+    assert "int8" not in pipe.decoder.drafters[0].net.specpipe_engine_rewrite

@@ -21,8 +21,8 @@ REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
 class Engine(Protocol):
     name: str
 
-    # quantize: None, or "int8" for a drafter's weights (specpipe.engine.quantize); an engine that cannot
-    # says so in a warning and leaves them in the model's dtype
+    # quantize: None, "int8" or "auto" for a drafter's weights (specpipe.engine.quantize); an engine that
+    # cannot leaves them in the model's dtype (with a warning for "int8")
     def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module: ...
 
 

@@ -17,7 +17,7 @@ class HFEngine:
 
     def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module:
         claim_model(model, self.name)  # refuses a model another engine rewrote
-        if quantize is not None:
+        if quantize == "int8":  # "auto" asks for int8 only where an engine's kernel serves it
             log.warning("engine=hf runs transformers' own forward: %s draft weights need engine=fast (specpipe's "
                         "CPU kernel); the weights stay %s", quantize, next(model.parameters()).dtype)
         return model

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
-from specpipe.engine.quantize import QUANTIZATIONS, dequantize_rows, quantize_rows
+from specpipe.engine.quantize import QUANTIZE_CHOICES, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from specpipe.engine.cpu_kernel import CpuKernel
@@ -235,11 +235,11 @@ class OneDNNEngine:
     def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module:
         """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
-        says why and the weights stay in the model's dtype."""
-        if quantize is not None and quantize not in QUANTIZATIONS:
+        says why and the weights stay in the model's dtype. "auto": the same without the warning."""
+        if quantize is not None and quantize not in QUANTIZE_CHOICES:
             from specpipe.errors import ConfigError
 
-            raise ConfigError(f"weight quantization must be one of {list(QUANTIZATIONS)} or null, got {quantize!r}")
+            raise ConfigError(f"weight quantization must be one of {list(QUANTIZE_CHOICES)} or null, got {quantize!r}")
         path = self._linear_path(model)
         if isinstance(path, str):
             log.warning("engine=%s: %s; running transformers' own forward", self.name, path)
@@ -248,8 +248,8 @@ class OneDNNEngine:
             return model  # already rewritten (a model shared by several pipelines)
         path, kernel = self._with_kernel(path)
         product = kernel.product if kernel is not None else None
-        quantized = kernel.quantized_product if kernel is not None and quantize == "int8" else None
-        if quantize is not None and quantized is None:
+        quantized = kernel.quantized_product if kernel is not None and quantize in ("int8", "auto") else None
+        if quantize == "int8" and quantized is None:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
         try:

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-QUANTIZATIONS = ("int8",)  # what engine.apply(model, quantize=...) takes besides None
+QUANTIZATIONS = ("int8",)  # what the weights can be quantized to
+# A drafter's `weight_quantization` and engine.apply's `quantize`: besides None (the model's dtype), "int8"
+# (a warning where the engine cannot), or "auto": int8 where the engine's CPU kernel serves the products,
+# else the model's dtype without a warning (a GPU, engine=hf). int8 was never slower than bf16 or fp32
+# weights for 1-24 rows of an EAGLE head's shapes, AVX-512 (bf16 pairs) and AVX2 builds alike (run 56).
+QUANTIZE_CHOICES = ("auto", *QUANTIZATIONS)
 INT8_LEVELS = 127  # symmetric: codes in [-127, 127], so -w quantizes to -code
 
 
@@ -32,9 +37,9 @@ def dequantize_rows(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 def checked_quantization(value: str | None, name: str) -> str | None:
     """A drafter's `weight_quantization` setting, or a ConfigError that names the drafter and the choices."""
-    if value is not None and value not in QUANTIZATIONS:
+    if value is not None and value not in QUANTIZE_CHOICES:
         from specpipe.errors import ConfigError
 
-        raise ConfigError(f"{name}: weight_quantization must be one of {list(QUANTIZATIONS)} or null (the model's "
-                          f"dtype), got {value!r}")
+        raise ConfigError(f"{name}: weight_quantization must be one of {list(QUANTIZE_CHOICES)} or null (the "
+                          f"model's dtype), got {value!r}")
     return value

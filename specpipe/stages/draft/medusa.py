@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
@@ -133,7 +134,7 @@ class MedusaDrafter:
     as a Proposer (`tree=trie`)."""
 
     def __init__(self, target: TargetModel, heads: MedusaHeads | HydraHeads, outputs: list[nn.Module],
-                 name: str = "medusa", folder: Path | None = None) -> None:
+                 name: str = "medusa", folder: Path | None = None, weight_quantization: str | None = None) -> None:
         if len(outputs) != len(heads):
             raise ConfigError(f"{name}: {len(heads)} heads need as many output layers, got {len(outputs)}")
         self.name = name
@@ -146,6 +147,7 @@ class MedusaDrafter:
         target_head = target.model.get_output_embeddings()
         own = {id(output): output for output in outputs if output is not target_head}
         self.engine_modules = (self.heads, *own.values())
+        self.weight_quantization = checked_quantization(weight_quantization, name)  # of engine_modules (engine.quantize)
         # Heads whose output layers all score the same reduced vocabulary hand out log-probs over it
         # only (StepDrafter's `draft_vocab`): the trees' top-k then runs over 8192 columns, not 49152.
         reduced = [output for output in outputs if isinstance(output, ReducedVocabHead)]
@@ -331,7 +333,7 @@ def save_medusa(module: MedusaHeads, folder: Path, extra: dict | None = None, dt
 
 def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                 name: str = "medusa", vocab_top_k: int = 8192, vocab_counts: str | None = None,
-                heads: int | None = None, hydra: bool = False) -> MedusaDrafter:
+                heads: int | None = None, hydra: bool = False, weight_quantization: str | None = None) -> MedusaDrafter:
     """The drafter `drafter=medusa` (or with `hydra`, `drafter=hydra`) configures: `path` = a local
     checkpoint directory, or None for the heads trained for the embedded model (data/medusa/,
     data/hydra/). `heads` keeps only the first N."""
@@ -359,4 +361,4 @@ def load_medusa(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: s
     else:
         shared = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))
         outputs = [shared] * len(module)
-    return MedusaDrafter(target, module, outputs, name=name, folder=folder)
+    return MedusaDrafter(target, module, outputs, name=name, folder=folder, weight_quantization=weight_quantization)
