@@ -8,6 +8,10 @@ for the kernel source at git revision REV, built beside it under another name (e
 into the specpipe cache). Rows of one table compare; runs on this VM drift by 15-25%.
 
     chrt -f 1 .venv/bin/python bench/kernel_rows.py --dtype bf16 --rows 1 4 8 12 16 --before HEAD~1
+
+`--int8` adds the product over the same weights quantized to int8 (a drafter's, specpipe.engine.quantize);
+`--cold` reads 300 MB of other memory before every pass, as a draft level runs right after a target forward
+streamed the target's weights (`--model` a draft's or head's safetensors file then times its weights).
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 16])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--before", help="a git revision whose kernel source to time beside the working tree's")
+    parser.add_argument("--int8", action="store_true", help="also time the products over int8 codes of the weights")
+    parser.add_argument("--cold", action="store_true", help="read 300 MB of other memory before every pass")
     parser.add_argument("--model", default=str(cache_root() / "models" / "smollm2_135m" / "model.safetensors"),
                         help="a safetensors file of a Llama model (default: the converted embedded model)")
     args = parser.parse_args()
@@ -70,6 +76,13 @@ def main() -> None:
     variants = {"working tree": build_product(cpu_kernel._SOURCE)}
     if args.before:
         variants[args.before] = build_product(source_at(args.before))
+    if args.int8:
+        from specpipe.engine.quantize import quantize_rows
+
+        quantized_product = cpu_kernel._build(None, cpu_kernel.kernel_isa()).quantized_product
+        codes = {id(weight): quantize_rows(weight) for weight in weights}  # (int8 [out, in], scale [out])
+        variants["working tree, int8 weights"] = lambda x, weight, bias: quantized_product(x, *codes[id(weight)], bias)
+    other_memory = torch.empty(300_000_000 if args.cold else 0, dtype=torch.uint8)
     generator = torch.Generator().manual_seed(0)
     inputs = {rows: [torch.randn(rows, weight.shape[1], generator=generator).to(dtype) for weight in weights]
               for rows in args.rows}  # [rows, in] per weight
@@ -77,12 +90,14 @@ def main() -> None:
     for _ in tqdm(range(args.rounds), desc="rounds"):
         for rows in args.rows:
             for name, product in variants.items():  # the variants take turns within each row count
+                other_memory.add_(1)  # --cold: the caches hold other data, as after a target forward
                 started = time.perf_counter()
                 for x, weight in zip(inputs[rows], weights):
                     product(x, weight, None)
                 best[name, rows] = min(best[name, rows], 1000.0 * (time.perf_counter() - started))
     print(f"\n{args.dtype} weight products over {len(weights)} weights ({sum(w.numel() for w in weights) / 1e6:.1f}M "
-          f"values), {torch.get_num_threads()} threads, min of {args.rounds} interleaved rounds, ms per pass")
+          f"values), {torch.get_num_threads()} threads, min of {args.rounds} interleaved rounds, ms per pass"
+          + (", each after reading 300 MB of other memory" if args.cold else ""))
     print("| kernel | " + " | ".join(str(rows) for rows in args.rows) + " |")
     print("|---|" + "---:|" * len(args.rows))
     for name in variants:
