@@ -279,7 +279,6 @@ class OneDNNEngine:
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
         rewrite = (f"{path.describe()}{int8}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
-
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         if whys:
             rewrite += f" ({'; '.join(whys)})"

@@ -1,7 +1,7 @@
 """int8 weights for drafters: each weight row quantized symmetrically with its own step (`scale`).
 
 Why: on a CPU a draft level reads the draft's weights from memory again after every target forward has
-streamed the target's through the caches (an EAGLE head for SmolLM2-135M: ~18 MB of bf16 weights, ~0.9 ms
+streamed the target's through the caches (an EAGLE head for SmolLM2-135M: ~18 MB of bf16 weights, ~0.8 ms
 of a ~1.3 ms level on the 2-core Zen 5 dev VM, docs/BENCHMARKS.md run 56). int8 halves those bytes. Only
 drafters are quantized: the target's products stay in its own dtype, so greedy output stays exact; a
 quantized draft proposes slightly different tokens, which costs or gains acceptance, never exactness.

@@ -218,8 +218,8 @@ class DraftModelDrafter:
         self.runner = TargetModel(draft, name=f"{target.name}-{name}-{_shape_name(draft)}", attention="sdpa",
                                   engine=getattr(draft, "specpipe_engine", "hf"))
         self.cost_curve: CostCurve | None = None  # ms per draft forward of q rows; set by the pipeline builder
-        # "int8": the pipeline builder has the engine run the draft's own products over int8 weights
-        # (specpipe.engine.quantize); layers it shares with the target stay the target's
+        # "int8", or "auto" where the engine's CPU kernel serves: the pipeline builder has the engine run the
+        # draft's own products over int8 weights (specpipe.engine.quantize); layers shared with the target stay its
         self.weight_quantization = checked_quantization(weight_quantization, name)
         self.vocab_size = target.vocab_size
         # A reduced output layer hands out log-probs over its own tokens only (StepDrafter's `draft_vocab`):

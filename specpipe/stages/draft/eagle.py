@@ -162,8 +162,8 @@ class EagleDrafter:
         # At most this many committed rows are fed at once: a long prompt's last ones, or the last ones of
         # the steps a drafter gate skipped. The older ones never get a row and the head never attends to them.
         self.context_rows = context_rows
-        # "int8": the pipeline builder has the engine run the head's products over int8 weights
-        # (specpipe.engine.quantize): half the bytes a draft level reads from memory
+        # "int8", or "auto" where the engine's CPU kernel serves: the pipeline builder has the engine run the
+        # head's products over int8 weights (specpipe.engine.quantize), half the bytes a draft level reads
         self.weight_quantization = checked_quantization(weight_quantization, name)
         self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
         self.cost_curve: CostCurve | None = None
