@@ -179,6 +179,20 @@ def test_a_fast_engine_without_its_kernel_keeps_the_weights_and_says_why(caplog)
     assert all(module.packed.codes is None for module in model.modules() if isinstance(module, OneDNNLinear))
 
 
+def test_int8_off_the_cpu_says_the_weights_stay_as_loaded(monkeypatch, caplog):
+    engine = OneDNNEngine()
+    monkeypatch.setattr(engine, "_linear_path", lambda model: "the model is on cuda, oneDNN prepacking is for the CPU")
+    model = fresh_tiny()
+    with caplog.at_level(logging.WARNING):
+        engine.apply(model, quantize="int8")
+    assert "int8 weights need specpipe's CPU kernel: they stay as loaded" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        engine.apply(model, quantize="auto")
+    assert "int8" not in caplog.text and "oneDNN prepacking is for the CPU" in caplog.text
+    assert any(type(module) is nn.Linear for module in model.modules())
+
+
 @pytest.mark.parametrize("pipeline,drafter", [("eagle", "eagle"), ("draft_model", "model")])
 def test_a_drafter_with_an_unknown_quantization_is_refused_by_name(tiny_mixed, pipeline, drafter):
     with pytest.raises(ConfigError, match=f"weight_quantization must be one of"):

@@ -242,7 +242,8 @@ class OneDNNEngine:
             raise ConfigError(f"weight quantization must be one of {list(QUANTIZE_CHOICES)} or null, got {quantize!r}")
         path = self._linear_path(model)
         if isinstance(path, str):
-            log.warning("engine=%s: %s; running transformers' own forward", self.name, path)
+            kept = f" ({quantize} weights need specpipe's CPU kernel: they stay as loaded)" if quantize == "int8" else ""
+            log.warning("engine=%s: %s; running transformers' own forward%s", self.name, path, kept)
             return model
         if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
