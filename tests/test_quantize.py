@@ -151,8 +151,10 @@ def test_the_fast_engine_quantizes_a_models_products_on_request_and_says_so(dtyp
 
 
 def test_engines_refuse_an_unknown_quantization_and_hf_says_it_keeps_the_weights(caplog):
-    with pytest.raises(ConfigError, match=r"weight quantization must be one of \['auto', 'int8'\] or null, got 'int4'"):
-        OneDNNEngine().apply(fresh_tiny(), quantize="int4")
+    for engine in (OneDNNEngine(), HFEngine()):
+        with pytest.raises(ConfigError, match=rf"engine={engine.name}: weight_quantization must be one of "
+                                              r"\['auto', 'int8'\] or null \(the model's dtype\), got 'int4'"):
+            engine.apply(fresh_tiny(), quantize="int4")
     model = fresh_tiny()
     with caplog.at_level(logging.WARNING):
         HFEngine().apply(model, quantize="auto")

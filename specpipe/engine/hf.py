@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from specpipe.engine.base import claim_model
+from specpipe.engine.quantize import checked_quantization
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,7 @@ class HFEngine:
 
     def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module:
         claim_model(model, self.name)  # refuses a model another engine rewrote
-        if quantize == "int8":  # "auto" asks for int8 only where an engine's kernel serves it
+        if checked_quantization(quantize, f"engine={self.name}") == "int8":  # "auto" asks for int8 only where an engine's kernel serves it
             log.warning("engine=hf runs transformers' own forward: %s draft weights need engine=fast (specpipe's "
                         "CPU kernel); the weights stay %s", quantize, next(model.parameters()).dtype)
         return model

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
-from specpipe.engine.quantize import QUANTIZE_CHOICES, dequantize_rows, quantize_rows
+from specpipe.engine.quantize import checked_quantization, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
     from specpipe.engine.cpu_kernel import CpuKernel
@@ -236,10 +236,7 @@ class OneDNNEngine:
         """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
         says why and the weights stay in the model's dtype. "auto": the same without the warning."""
-        if quantize is not None and quantize not in QUANTIZE_CHOICES:
-            from specpipe.errors import ConfigError
-
-            raise ConfigError(f"weight quantization must be one of {list(QUANTIZE_CHOICES)} or null, got {quantize!r}")
+        checked_quantization(quantize, f"engine={self.name}")
         path = self._linear_path(model)
         if isinstance(path, str):
             kept = f" ({quantize} weights need specpipe's CPU kernel: they stay as loaded)" if quantize == "int8" else ""
