@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from conftest import DRAFTING_PIPELINES, HEAD_PIPELINES, near_tie_divergence, random_prompts, run_steps
 from specpipe.engine import cpu, onednn
+from specpipe.engine.base import REWRITE_ATTRIBUTE
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
 from specpipe.engine.lean_model import LeanLlamaModel, rms_norm
@@ -720,8 +721,8 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
 def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monkeypatch, caplog):
     without_native_bf16(monkeypatch)
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):
-        OneDNNEngine(bf16_kernel_rows=5).apply(model)
+    with caplog.at_level(logging.INFO):  # the row-by-row product, which an AVX2 CPU's kernel has (no column blocks)
+        OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
     from specpipe.engine.cpu_kernel import build_name
 
     # the kernel's build is named: a cost curve measured with another version of it is not reused
@@ -781,8 +782,8 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
 
 
 def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
-    """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows, 12 bf16
-    rows with pair products), not on AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
+    """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows, 24 bf16
+    rows with pair products, 64 in column blocks), not on AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
     def rows(dtype, compute, kernel, isa="avx512"):
         return cpu.auto_kernel_rows(cpu.LinearPath(dtype, compute, kernel, ""), isa)
 
@@ -794,6 +795,8 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     assert rows(fp32, fp32, "brg_matmul:avx512_core", "avx512_bf16") == 8  # pairs are for bf16 weights
     assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16") == 8
     assert rows(bf16, bf16, "brg_matmul:avx512_core_bf16", "avx512_bf16") == cpu.AUTO_BF16_PAIR_KERNEL_ROWS == 24
+    blocks = cpu.LinearPath(bf16, bf16, "brg_matmul:avx512_core_bf16", "", kernel_blocks=True)
+    assert cpu.auto_kernel_rows(blocks, "avx512_bf16") == cpu.AUTO_BF16_BLOCK_KERNEL_ROWS == 64
     assert rows(fp32, fp32, "brgemm:avx512_core_amx") == 0
     assert rows(bf16, bf16, "brgemm:avx512_core_amx_bf16", "avx512_bf16") == 0
     assert rows(bf16, bf16, "brg_matmul:avx2_vnni_2", "avx2") == 0
@@ -808,8 +811,8 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     """Where oneDNN has a bf16 kernel, the kernel serves the few rows (bf16 in, bf16 out) and oneDNN's bf16
     packing the rest; a bf16 bias is widened for the kernel, and both round one fp32 sum once."""
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):
-        OneDNNEngine(bf16_kernel_rows=5).apply(model)
+    with caplog.at_level(logging.INFO):  # the row-by-row product (the column blocks: the test after this one)
+        OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
     assert "bf16 weights summed in fp32" in caplog.text and "prepacked bf16 oneDNN above" in caplog.text
     packed = model.lm_head.packed
     assert packed.compute_dtype == torch.bfloat16 and packed.packed.dtype == torch.bfloat16 and packed.kernel_rows == 5
@@ -831,6 +834,101 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     # fp32 sums plus the widened bias, rounded once (the sums' order is the kernel build's own)
     expected = (x.float() @ linear.weight.detach().float().t() + linear.bias.float()).bfloat16()
     torch.testing.assert_close(with_bias.product(x).float(), expected.float(), rtol=2 ** -7, atol=1e-4)
+
+
+needs_pairs = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(),
+                                 reason="the column blocks are the kernel's AVX512_BF16 build")
+
+
+@needs_compiler
+@needs_pairs
+def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
+    """block_product over pair_blocks: the fp32 sum of bf16 products rounded once to bf16 (scale, then bias),
+    for a vector tail and an odd `in` (9, 75, 601), a last block of fewer than 16 features (1, 37), blocks past one
+    tile of the cache (3072 x 576 is 192 blocks of 18 KB), every group size up to 16 rows (one block at a time up
+    to 8, two from 9) and rows split into groups (17 = 9 + 8, 40 = 14 + 13 + 13); and each row's output is
+    bitwise the one it gets alone (the sums run in the order of k whatever rows come with it)."""
+    from specpipe.engine import cpu_kernel
+
+    built = cpu_kernel._build(None, "avx512_bf16")
+    generator = torch.Generator().manual_seed(11)
+    for in_features, out_features in ((9, 37), (75, 1), (601, 37), (576, 96), (576, 3072)):
+        weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
+        blocks = built.pair_blocks(weight)
+        assert blocks.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16)
+        bias = torch.randn(out_features, generator=generator)  # [out]
+        scale = torch.rand(out_features, generator=generator) + 0.5  # [out]
+        for rows in (1, 2, 3, 7, 8, 9, 12, 16, 17, 40):
+            x = torch.randn(rows, in_features, generator=generator).bfloat16()  # [rows, in]
+            out = built.block_product(x, blocks, out_features, None, bias)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+            sums = x.float() @ weight.float().t()  # [rows, out]
+            torch.testing.assert_close(out.float(), (sums + bias).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+            alone = torch.cat([built.block_product(x[r:r + 1], blocks, out_features, None, bias) for r in range(rows)])
+            assert torch.equal(out, alone)
+            scaled = built.block_product(x, blocks, out_features, scale, None)
+            torch.testing.assert_close(scaled.float(), (sums * scale).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+    # leading dimensions and a strided input
+    x = torch.randn(2, 3, 150, generator=generator).bfloat16()[..., ::2]  # [2, 3, 75], strided
+    weight = torch.randn(37, 75, generator=generator).bfloat16()
+    blocks = built.pair_blocks(weight)
+    out = built.block_product(x, blocks, 37, None, None)
+    assert out.shape == (2, 3, 37)
+    assert torch.equal(out, built.block_product(x.reshape(6, 75).contiguous(), blocks, 37, None, None).view(2, 3, 37))
+    with pytest.raises(RuntimeError, match="x: bf16"):
+        built.block_product(x.float(), blocks, 37, None, None)
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        built.block_product(torch.randn(2, 77).bfloat16(), blocks, 37, None, None)
+    with pytest.raises(RuntimeError, match="blocks: pair_blocks of a weight of out_features rows"):
+        built.block_product(x, blocks, 60, None, None)
+    with pytest.raises(RuntimeError, match="bias: contiguous fp32"):
+        built.block_product(x, blocks, 37, None, torch.randn(36))
+    with pytest.raises(RuntimeError, match="weight: bf16"):
+        built.pair_blocks(weight.float())
+    # the other builds have no column blocks, and say so
+    with pytest.raises(RuntimeError, match="block_product needs the kernel's AVX512_BF16 build"):
+        cpu_kernel._build(None, "avx512").block_product(x, blocks, 37, None, None)
+
+
+@needs_compiler
+@needs_pairs
+def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch, caplog):
+    """engine.kernel_blocks (default true): on the AVX512_BF16 build a bf16 model's kernel products run over the
+    column blocks, with the fp32 bias, and no copy of the weight as loaded is kept for the kernel; the log line
+    (and so the cost curve's key) says so; the output matches the row-by-row product within one bf16 rounding;
+    false keeps the weights as loaded."""
+    from specpipe.engine import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    model, rows_model, stock = fresh_tiny("bf16"), fresh_tiny("bf16"), fresh_tiny("bf16")
+    with caplog.at_level(logging.INFO):
+        OneDNNEngine(bf16_kernel_rows=5).apply(model)
+    assert "bf16 weights in column blocks, summed in fp32" in caplog.text
+    OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(rows_model)
+    assert "column blocks" not in getattr(rows_model, REWRITE_ATTRIBUTE)
+    packed, rows_packed = model.lm_head.packed, rows_model.lm_head.packed
+    assert packed.blocks is not None and packed.small_weight is None
+    assert rows_packed.blocks is None and rows_packed.small_weight is not None
+    from specpipe.cost import streamed_weight_bytes
+
+    assert streamed_weight_bytes(model, rows=1) >= streamed_weight_bytes(stock)  # the blocks, padded to 16 features
+    calls = []
+    block_product = packed.block_product
+    monkeypatch.setattr(packed, "block_product", lambda *args: calls.append("blocks") or block_product(*args))
+    for rows in (1, 5, 6):
+        x = torch.randn(1, rows, model.config.hidden_size).bfloat16()  # [batch, rows, hidden]
+        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+        out = model.lm_head(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert calls == ["blocks", "blocks"]  # 6 rows: above the kernel's rows
+    linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
+    with_bias = onednn.PackedWeight([linear], packed.compute_dtype, kernel=packed.kernel, kernel_rows=4,
+                                    block_kernel=cpu_kernel.BlockProduct(cpu_kernel._build(None, "avx512_bf16").pair_blocks,
+                                                                         block_product))
+    x = torch.randn(3, 75).bfloat16()  # [rows, in]
+    expected = (x.float() @ linear.weight.detach().float().t() + linear.bias.float()).bfloat16()
+    torch.testing.assert_close(with_bias.product(x).float(), expected.float(), rtol=2 ** -7, atol=1e-5)
 
 
 @needs_compiler

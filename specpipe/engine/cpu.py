@@ -63,6 +63,12 @@ AUTO_KERNEL_ROWS_AVX512 = 8
 #     bf16   9.5  13.8  14.3  14.9  16.0  16.5  18.3  20.0  21.7  23.7
 #        ->  7.3  10.1  11.3  12.2  14.4  15.5  16.6  18.4  21.6  23.9
 AUTO_BF16_PAIR_KERNEL_ROWS = 24
+# - bf16 weights in column blocks (engine.kernel_blocks, the AVX512_BF16 build; run 57, bench/engine_ab.py, the
+#   same CPU, 8 rounds), oneDNN above 16 rows against the blocks throughout:
+#     q       16    24    32    48    64    96   128
+#     bf16  25.0  42.4  46.8  67.7  80.9 107.9 151.8
+#        -> 24.5  32.9  38.4  54.5  69.4 102.3 169.1
+AUTO_BF16_BLOCK_KERNEL_ROWS = 64
 
 
 def onednn_available() -> bool:
@@ -139,7 +145,7 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
     `kernel_isa`, specpipe.engine.cpu_kernel.kernel_isa) serves for a model whose linears take `path` on
     this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
     kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
-    AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs), and 0 on AMX CPUs, under oneDNN's
+    AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs, 64 in column blocks), and 0 on AMX CPUs, under oneDNN's
     other bf16 kernels and off x86, where the kernel was not measured against oneDNN (or does not exist)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
@@ -149,7 +155,9 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
         return 0
     if "avx512" in path.kernel:
         pairs = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16"
-        return AUTO_BF16_PAIR_KERNEL_ROWS if pairs else AUTO_KERNEL_ROWS_AVX512
+        if pairs:
+            return AUTO_BF16_BLOCK_KERNEL_ROWS if path.kernel_blocks else AUTO_BF16_PAIR_KERNEL_ROWS
+        return AUTO_KERNEL_ROWS_AVX512
     return AUTO_FP32_KERNEL_ROWS if path.dtype == torch.float32 else 0
 
 
@@ -174,12 +182,15 @@ class LinearPath:
     # products of up to this many rows run specpipe.engine.cpu_kernel on the weights in the model's own dtype
     kernel_rows: int = 0
     kernel_build: str = ""  # that kernel's build (CpuKernel.build)
+    kernel_blocks: bool = False  # bf16 weights repacked in column blocks for it (CpuKernel.blocks)
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
         paths = []  # fewest rows first
         if self.kernel_rows:
             how = "summed in fp32" if self.dtype != torch.float32 else "streamed once for all rows"
+            if self.kernel_blocks:
+                how = f"in column blocks, {how}"
             paths.append(f"{name} weights {how} (specpipe's CPU kernel {self.kernel_build}) for up to "
                          f"{self.kernel_rows} rows")
         if self.small_rows > self.kernel_rows:

@@ -56,6 +56,17 @@ speed, and takes 9-12 rows in one pass, two output features at a time (`RowGroup
 8-12-row bf16 verify ran 10-18% faster than in passes of up to 8 rows (a whole 9-11-row verify forward
 9-12%), and a bf16 forward beats oneDNN's AVX-512 bf16 kernel up to ~28 rows (run 30, docs/BENCHMARKS.md).
 
+On those CPUs bf16 weights now run repacked once in column blocks (`pair_blocks`, `block_product`,
+`engine.kernel_blocks`): 16 output features per 64-byte line of pairs of k, one `vdpbf16ps` per row into a
+vector of 16 sums that end in place. The row-by-row product's horizontal sums, epilogue and loads of x per
+row and feature had made its arithmetic slower than the memory from 9 rows on; over SmolLM2-135M's weights
+(min of 6 interleaved rounds, ms, run 57):
+
+| rows | 1 | 2 | 4 | 8 | 9 | 12 | 16 | 24 | 32 |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| row by row | 10.28 | 10.07 | 11.07 | 11.71 | 16.20 | 16.63 | 19.89 | 25.71 | 32.12 |
+| column blocks | 8.44 | 8.47 | 8.69 | 9.55 | 10.84 | 12.04 | 13.93 | 19.64 | 23.62 |
+
 Once the products were this fast, a one-token bf16 step spent as long again in small ops around them.
 So the product takes the bf16 rows and returns bf16 (widening and rounding inside; two casts fewer per
 linear), and the extension carries LlamaRMSNorm as one call, which engine=fast's lean forward uses for
@@ -80,7 +91,9 @@ import hashlib
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -277,6 +290,8 @@ struct Int8PairStep {
 // memory: over SmolLM2-135M's fp32 linears on a 2-core AVX-512 EPYC (Zen 5), 8 rows took 26.5 ms
 // without it and 14.5 with it (1 row: 11.0 both).
 constexpr int64_t kPrefetchRows = 2;
+// The column blocks' prefetch (block_product): lines ahead in each block it reads. 8 and 16 measured alike.
+constexpr int64_t kBlockPrefetchLines = 16;
 
 // The prefetch's cache hint (set by the build's flags: engine.weight_prefetch). A weight is read once per
 // forward, and _MM_HINT_T0 let the ~270 MB a SmolLM2-135M forward streams evict everything else from L2
@@ -526,6 +541,172 @@ torch::Tensor quantized_product(torch::Tensor x, torch::Tensor weight, torch::Te
   torch::Tensor widened;
   widened_product(widened_rows(x, widened), weight.data_ptr<int8_t>(), epilogue, out, rows, in, out_features);
   return out;
+}
+
+// ---- bf16 weights in column blocks (AVX512_BF16): the product without horizontal sums ----
+// weight_product multiplies each weight row by each x row along k and sums the 16 lanes at the end. With
+// SmolLM2-135M's 576 inputs that sum, the epilogue and the load of x for every row and feature made its
+// arithmetic slower than the memory from 9 rows on: 17.4 ms for 9 rows over the model's weights against
+// 10.7 for one (2-core Zen 5 EPYC, bench/kernel_rows.py). Here the weight is repacked once (pair_blocks)
+// into blocks of 16 output features, each stored as pairs of k: block b holds, for every pair p,
+// (w[16b + j][2p], w[16b + j][2p + 1]) for j = 0..15, one 64-byte line. A step takes one line of a block,
+// broadcasts x's pair p of each row, and adds one vdpbf16ps per row into a vector of 16 output features:
+// the sums end in place, in the order of k, the same for any number of rows (a row's output does not depend
+// on the rows beside it).
+
+namespace {
+
+#ifdef __AVX512BF16__
+constexpr int kBlockFeatures = 16;
+constexpr int64_t kBlockTileBytes = 65536;  // the blocks all row groups run over while they are in L2
+
+// out[r, 16 (first + b) + j] for R rows and B blocks from `first`, one accumulator per row and block.
+template <int R, int B>
+void block_group(const uint32_t* x, const uint32_t* blocks, Epilogue epilogue, uint16_t* out, int64_t pairs,
+                 int64_t out_stride, int64_t out_features, int64_t first) {
+  __m512 acc[R][B];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint32_t* lines[B];
+#pragma GCC unroll 4
+  for (int b = 0; b < B; ++b) lines[b] = blocks + (first + b) * pairs * kBlockFeatures;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i weights[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      weights[b] = _mm512_loadu_si512(lines[b] + p * kBlockFeatures);
+      // kBlockPrefetchLines on in the same block; past its end: the next block's first lines (never a fault)
+      _mm_prefetch(reinterpret_cast<const char*>(lines[b] + (p + kBlockPrefetchLines) * kBlockFeatures),
+                   SPECPIPE_WEIGHT_HINT);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i pair = _mm512_set1_epi32(static_cast<int>(x[r * pairs + p]));
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)weights[b], (__m512bh)pair);
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < B; ++b) {
+    const int64_t feature = (first + b) * kBlockFeatures;
+    const int64_t valid = std::min<int64_t>(kBlockFeatures, out_features - feature);
+    __m512 add = _mm512_setzero_ps(), times = _mm512_set1_ps(1.0f);
+    if (epilogue.bias != nullptr) add = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.bias + feature);
+    if (epilogue.scale != nullptr) times = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.scale + feature);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      // times the scale, then plus the bias, each rounded as Epilogue::apply rounds; to bf16 to nearest even
+      __m512 sums = acc[r][b];
+      if (epilogue.scale != nullptr) sums = _mm512_mul_ps(sums, times);
+      if (epilogue.bias != nullptr) sums = _mm512_add_ps(sums, add);
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
+      uint16_t* row = out + r * out_stride + feature;
+      if (valid == kBlockFeatures) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), rounded);
+      } else {  // the weight's last block: only its real features (a masked 16-bit store needs AVX-512VL)
+        alignas(32) uint16_t lanes[kBlockFeatures];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), rounded);
+        std::memcpy(row, lanes, valid * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+// Rows per group and blocks per group: one accumulator per row and block, R * B of the 32 registers. One
+// block up to 8 rows (a step is the line's load and R multiply-adds), two from 9 to 16 rows (each broadcast
+// of x then serves two). Over SmolLM2-135M's weights (2-core Zen 5 EPYC, ms): one block 8.5 / 8.5 / 9.6 /
+// 12.5 / 16.4 for 1 / 4 / 8 / 12 / 16 rows, two blocks 8.8 / 9.3 / 10.4 / 11.5 / 12.9.
+constexpr int kBlockMaxRows = 16;
+template <int R>
+constexpr int blocks_per_group() { return R <= 8 ? 1 : 2; }
+
+// Rows [x, x + count) over blocks [begin, end) of the weight, count <= kBlockMaxRows.
+template <int R = 1>
+void block_rows(int64_t count, const uint32_t* x, const uint32_t* blocks, Epilogue epilogue, uint16_t* out,
+                int64_t pairs, int64_t out_stride, int64_t out_features, int64_t begin, int64_t end) {
+  if constexpr (R < kBlockMaxRows) {
+    if (count != R)
+      return block_rows<R + 1>(count, x, blocks, epilogue, out, pairs, out_stride, out_features, begin, end);
+  }
+  constexpr int B = blocks_per_group<R>();
+  int64_t b = begin;
+  for (; b + B <= end; b += B) block_group<R, B>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
+  for (; b < end; ++b) block_group<R, 1>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
+}
+#endif
+
+}  // namespace
+
+// weight bf16 [out, in] -> its column blocks, int32 [ceil(out / 16), ceil(in / 2), 16]: block b, pair p, lane j
+// holds the bf16 pair (w[16b + j][2p], w[16b + j][2p + 1]), low half first; features past `out` and an odd
+// `in`'s last value are zeros. Only the AVX512_BF16 build multiplies them (block_product).
+torch::Tensor pair_blocks(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "weight: bf16 [out, in]");
+  weight = weight.contiguous();
+  const int64_t out_features = weight.size(0), in = weight.size(1), pairs = (in + 1) / 2;
+  const int64_t count = (out_features + 15) / 16;
+  auto blocks = torch::zeros({count, pairs, 16}, weight.options().dtype(torch::kInt32));
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  uint16_t* packed = reinterpret_cast<uint16_t*>(blocks.data_ptr<int32_t>());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t j = 0; j < 16 && 16 * b + j < out_features; ++j) {
+        const uint16_t* row = w + (16 * b + j) * in;
+        for (int64_t k = 0; k < in; ++k) packed[((b * pairs + k / 2) * 16 + j) * 2 + k % 2] = row[k];
+      }
+  });
+  return blocks;
+}
+
+// x [..., in] bf16, blocks from pair_blocks (of a weight [out_features, in]), scale [out] fp32 or None, bias
+// [out] fp32 or None -> [..., out_features] bf16: out[r, o] = scale[o] * sum_k x[r, k] * w[o, k] + bias[o],
+// summed in fp32 and rounded once. Groups of up to 16 rows run, one after another, over each tile of blocks
+// while it is in cache: the weight streams from memory once for any number of rows.
+torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
+                            c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && blocks.scalar_type() == torch::kInt32 && blocks.is_contiguous()
+              && out_features > 16 * (blocks.size(0) - 1) && out_features <= 16 * blocks.size(0),
+              "blocks: pair_blocks of a weight of out_features rows");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kBFloat16, "x: bf16 [..., in]");
+  const int64_t pairs = blocks.size(1), in = x.size(-1);
+  TORCH_CHECK(in > 0 && (in + 1) / 2 == pairs, "x and blocks disagree on in_features");
+  x = x.contiguous();
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = out_features;
+  auto out = torch::empty(out_sizes, x.options());
+  const int64_t rows = x.numel() / in;
+  torch::Tensor padded;  // an odd `in`: each row gets a zero pair partner, so pairs of x never straddle rows
+  if (in % 2) {
+    padded = torch::zeros({rows, 2 * pairs}, x.options());
+    padded.narrow(1, 0, in).copy_(x.view({rows, in}));
+    x = padded;
+  }
+  const Epilogue epilogue{checked_fp32(scale, out_features, "scale"), checked_fp32(bias, out_features, "bias")};
+  const uint32_t* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>());
+  uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t count = blocks.size(0);
+  const int64_t tile = std::max<int64_t>(2, kBlockTileBytes / (pairs * 64));
+  const int64_t grain = std::max<int64_t>(2, count / (4 * at::get_num_threads()));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
+      const int64_t tile_end = std::min(end, tile_begin + tile);
+      for (int64_t first = 0, group = 0; first < rows; first += group) {
+        const int64_t left = rows - first, groups = (left + kBlockMaxRows - 1) / kBlockMaxRows;
+        group = (left + groups - 1) / groups;
+        block_rows(group, xs + first * pairs, w, epilogue, os + first * out_features, pairs, out_features,
+                   out_features, tile_begin, tile_end);
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "block_product needs the kernel's AVX512_BF16 build");
+  return x;
+#endif
 }
 
 namespace {
@@ -997,6 +1178,15 @@ def kernel_isa() -> str:
     return "avx512_bf16" if {"avx512bw", "avx512_bf16"} <= flags else "avx512"
 
 
+class BlockProduct(NamedTuple):
+    """The kernel's product over bf16 weights in column blocks (its AVX512_BF16 build): `pack(weight [out, in]
+    bf16)` -> the blocks (once per weight), `product(x [..., in] bf16, blocks, out, scale [out] fp32 or None,
+    bias [out] fp32 or None)` -> [..., out] bf16. Each row's output is the same whatever rows come with it."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    product: Callable[..., torch.Tensor]
+
+
 class CpuKernel:
     """Loads (building it once per machine) the weight product, and the RMSNorm and the decoding
     attention beside it; `product` is None and `reason` says why where they are not available, `norm`
@@ -1009,6 +1199,7 @@ class CpuKernel:
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
         self.quantized_product = None
+        self.blocks: BlockProduct | None = None  # bf16 weights in column blocks: the AVX512_BF16 build only
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
@@ -1029,9 +1220,11 @@ class CpuKernel:
         try:
             module = _build(build_dir, self.isa, weight_prefetch)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
-            _self_check(self.product, self.quantized_product)
+            if self.isa == "avx512_bf16":
+                self.blocks = BlockProduct(module.pair_blocks, module.block_product)
+            _self_check(self.product, self.quantized_product, self.blocks)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
-            self.product = self.quantized_product = None
+            self.product = self.quantized_product = self.blocks = None
             self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
             return
         # The norm repeats torch's order of sums (ATen's AVX2 cascade sum): where this torch sums in
@@ -1080,7 +1273,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
     try:
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "rms_norm", "tree_attention"],
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "block_product", "rms_norm", "tree_attention"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
@@ -1109,9 +1302,10 @@ def _one_build_at_a_time(folder: Path):
         yield
 
 
-def _self_check(product, quantized_product) -> None:
+def _self_check(product, quantized_product, blocks: BlockProduct | None = None) -> None:
     """The built kernel against an fp32 product on awkward sizes (a vector tail, odd features, 1-33 rows),
-    with fp32 and bf16 inputs and a bias, over bf16, fp32 and int8 weights."""
+    with fp32 and bf16 inputs and a bias, over bf16, fp32 and int8 weights, and over bf16 weights in column
+    blocks where given."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 75, generator=generator).bfloat16()  # [out, in]
     bias = torch.randn(37, generator=generator)  # [out]
@@ -1134,6 +1328,10 @@ def _self_check(product, quantized_product) -> None:
         expected = (x.float() @ weight.float().t() + bias).bfloat16()
         if not torch.allclose(product(x, weight, bias).float(), expected.float(), rtol=2 ** -7, atol=1e-4):
             raise RuntimeError(f"the kernel disagrees with an fp32 product for {rows} bf16 rows")
+        if blocks is not None:
+            out = blocks.product(x, blocks.pack(weight), weight.shape[0], None, bias)
+            if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-4):
+                raise RuntimeError(f"the kernel's column blocks disagree with an fp32 product for {rows} bf16 rows")
 
 
 

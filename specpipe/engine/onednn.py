@@ -34,7 +34,7 @@ from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, pack
 from specpipe.engine.quantize import checked_quantization, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
-    from specpipe.engine.cpu_kernel import CpuKernel
+    from specpipe.engine.cpu_kernel import BlockProduct, CpuKernel
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class PackedWeight(nn.Module):
     def __init__(self, linears: Sequence[nn.Linear], compute_dtype: torch.dtype | None = None,
                  small_rows: int = 0, split_rows: int = 0,
                  kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0,
-                 quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None) -> None:
+                 quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None,
+                 block_kernel: BlockProduct | None = None) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         # int8 weights (a drafter's, specpipe.engine.quantize): products of up to `kernel_rows` rows run
@@ -70,10 +71,18 @@ class PackedWeight(nn.Module):
         self.kernel = kernel if kernel_serves else None
         self.kernel_rows = kernel_rows if self.kernel is not None else 0
         self.kernel_input = weight.dtype  # the rows the kernel serves: of the weight's own dtype
+        # bf16 weights where the kernel's build multiplies bf16 pairs: its products run over the weight repacked
+        # once in column blocks (CpuKernel.block_product, no horizontal sums), in place of the weight itself
+        self.out_features = int(weight.shape[0])
+        self.blocks: Tensor | None = None  # [ceil(sum out / 16), ceil(in / 2), 16] int32
+        self.block_product = None
+        if (block_kernel is not None and self.kernel is not None and self.codes is None
+                and weight.dtype == torch.bfloat16):
+            self.blocks, self.block_product = block_kernel.pack(weight), block_kernel.product
         # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
         # dtype (see LinearPath): kept only when the packing is in another dtype.
         self.small_rows = small_rows if self.compute_dtype != weight.dtype and small_rows > self.kernel_rows else 0
-        self.small_weight = (weight if self.small_rows or (self.kernel_rows and self.codes is None)
+        self.small_weight = (weight if self.small_rows or (self.kernel_rows and self.codes is None and self.blocks is None)
                              else None)  # [sum out, in]
         self.in_features = int(weight.shape[1])
         self.splits = [linear.out_features for linear in linears]
@@ -105,6 +114,8 @@ class PackedWeight(nn.Module):
             # added to the fp32 sums, and they are rounded to bf16
             if self.codes is not None:
                 return self.quantized_kernel(x, self.codes, self.scale, self.kernel_bias)
+            if self.blocks is not None:
+                return self.block_product(x, self.blocks, self.out_features, None, self.kernel_bias)
             return self.kernel(x, self.small_weight, self.kernel_bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
@@ -128,7 +139,7 @@ class PackedWeight(nn.Module):
         if rows <= self.kernel_rows and self.codes is not None:
             return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.kernel_bias) if t is not None)
         if rows <= self.kernel_rows:
-            weight, bias = self.small_weight, self.kernel_bias
+            weight, bias = self.blocks if self.blocks is not None else self.small_weight, self.kernel_bias
         elif rows <= self.small_rows:
             weight, bias = self.small_weight, self.small_bias
         else:
@@ -210,6 +221,10 @@ class OneDNNEngine:
     # lean_model.KERNEL_ATTENTION_MAX_ROWS query rows) run their attention in the same extension
     # (fp32 sums; checked against SDPA when it loads) instead of SDPA over folded heads
     kernel_attention: bool = True
+    # bf16 models where the kernel's build multiplies bf16 pairs (AVX512_BF16): its products run over the
+    # weights repacked once in column blocks (CpuKernel.block_product) in place of the weights as loaded;
+    # false = over the weights as loaded (the row-by-row product, weight_product)
+    kernel_blocks: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
@@ -246,13 +261,14 @@ class OneDNNEngine:
             return model  # already rewritten (a model shared by several pipelines)
         path, kernel = self._with_kernel(path)
         product = kernel.product if kernel is not None else None
+        blocks = kernel.blocks if kernel is not None and path.kernel_blocks else None
         quantized = kernel.quantized_product if kernel is not None and quantize in ("int8", "auto") else None
         if quantize == "int8" and quantized is None:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
         try:
             swaps = [(module, name, replacement) for module in model.modules()
-                     for name, replacement in self._replacements(module, path, product, quantized)]
+                     for name, replacement in self._replacements(module, path, product, quantized, blocks)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -301,7 +317,9 @@ class OneDNNEngine:
         if rows == "auto":
             from specpipe.engine.cpu_kernel import kernel_isa
 
-            rows = auto_kernel_rows(path, kernel_isa())
+            isa = kernel_isa()
+            blocks = self.kernel_blocks and isa == "avx512_bf16" and path.dtype == torch.bfloat16
+            rows = auto_kernel_rows(replace(path, kernel_blocks=blocks), isa)
             why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
                    if rows else "")
         else:
@@ -313,8 +331,12 @@ class OneDNNEngine:
         kernel = CpuKernel(weight_prefetch=self.weight_prefetch)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
+        blocks = self.kernel_blocks and kernel.blocks is not None and path.dtype == torch.bfloat16
+        if getattr(self, name) == "auto" and not blocks:  # the blocks did not load: the row-by-row product's rows
+            rows = auto_kernel_rows(path, kernel.isa)
+            why = f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
         reason = f"{path.reason}; {why}" if why else path.reason
-        return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=reason), kernel
+        return replace(path, kernel_rows=rows, kernel_build=kernel.build, kernel_blocks=blocks, reason=reason), kernel
 
     def _no_kernel_reason(self, path: LinearPath) -> str:
         """Why `_with_kernel` gave no kernel for `path`, in words."""
@@ -358,7 +380,8 @@ class OneDNNEngine:
         return kernel.attention, "decoding attention in the kernel"
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
-                      quantized_kernel: Callable | None = None) -> list[tuple[str, nn.Module]]:
+                      quantized_kernel: Callable | None = None,
+                      block_kernel: BlockProduct | None = None) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
@@ -374,6 +397,6 @@ class OneDNNEngine:
         replacements = []
         for group in groups:
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
-                                  path.split_rows, kernel, path.kernel_rows, quantized_kernel)
+                                  path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements
