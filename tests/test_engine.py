@@ -843,7 +843,8 @@ needs_pairs = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= c
 @needs_compiler
 @needs_pairs
 def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
-    """block_product over pair_blocks: the fp32 sum of bf16 products rounded once to bf16 (scale, then bias),
+    """block_product over pair_blocks (bf16 weights) and int8_pair_blocks (int8 codes): the fp32 sum of bf16 products
+    rounded once to bf16 (scale, then bias),
     for a vector tail and an odd `in` (9, 75, 601), a last block of fewer than 16 features (1, 37), blocks past one
     tile of the cache (3072 x 576 is 192 blocks of 18 KB), every group size up to 16 rows (one block at a time up
     to 8, two from 9) and rows split into groups (17 = 9 + 8, 40 = 14 + 13 + 13); and each row's output is
@@ -858,6 +859,10 @@ def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
         assert blocks.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16)
         bias = torch.randn(out_features, generator=generator)  # [out]
         scale = torch.rand(out_features, generator=generator) + 0.5  # [out]
+        codes = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        code_blocks = built.int8_pair_blocks(codes)
+        assert code_blocks.dtype == torch.int16 and code_blocks.shape == blocks.shape
+        code_scale = torch.rand(out_features, generator=generator) / 64  # [out]
         for rows in (1, 2, 3, 7, 8, 9, 12, 16, 17, 40):
             x = torch.randn(rows, in_features, generator=generator).bfloat16()  # [rows, in]
             out = built.block_product(x, blocks, out_features, None, bias)
@@ -868,6 +873,13 @@ def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
             assert torch.equal(out, alone)
             scaled = built.block_product(x, blocks, out_features, scale, None)
             torch.testing.assert_close(scaled.float(), (sums * scale).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+            # int8 codes (a drafter's weights): their blocks with the rows' steps, bias after the scale
+            out = built.block_product(x, code_blocks, out_features, code_scale, bias)
+            expected = ((x.float() @ codes.float().t()) * code_scale + bias).bfloat16()
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+            alone = torch.cat([built.block_product(x[r:r + 1], code_blocks, out_features, code_scale, bias)
+                               for r in range(rows)])
+            assert torch.equal(out, alone)
     # leading dimensions and a strided input
     x = torch.randn(2, 3, 150, generator=generator).bfloat16()[..., ::2]  # [2, 3, 75], strided
     weight = torch.randn(37, 75, generator=generator).bfloat16()
@@ -879,7 +891,9 @@ def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
         built.block_product(x.float(), blocks, 37, None, None)
     with pytest.raises(RuntimeError, match="disagree on in_features"):
         built.block_product(torch.randn(2, 77).bfloat16(), blocks, 37, None, None)
-    with pytest.raises(RuntimeError, match="blocks: pair_blocks of a weight of out_features rows"):
+    with pytest.raises(RuntimeError, match="codes: int8"):
+        built.int8_pair_blocks(weight)
+    with pytest.raises(RuntimeError, match="blocks: pair_blocks or int8_pair_blocks of a weight of out_features rows"):
         built.block_product(x, blocks, 60, None, None)
     with pytest.raises(RuntimeError, match="bias: contiguous fp32"):
         built.block_product(x, blocks, 37, None, torch.randn(36))
@@ -923,8 +937,9 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
         torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
     assert calls == ["blocks", "blocks"]  # 6 rows: above the kernel's rows
     linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
+    built = cpu_kernel._build(None, "avx512_bf16")
     with_bias = onednn.PackedWeight([linear], packed.compute_dtype, kernel=packed.kernel, kernel_rows=4,
-                                    block_kernel=cpu_kernel.BlockProduct(cpu_kernel._build(None, "avx512_bf16").pair_blocks,
+                                    block_kernel=cpu_kernel.BlockProduct(built.pair_blocks, built.int8_pair_blocks,
                                                                          block_product))
     x = torch.randn(3, 75).bfloat16()  # [rows, in]
     expected = (x.float() @ linear.weight.detach().float().t() + linear.bias.float()).bfloat16()

@@ -13,7 +13,7 @@ import platform
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -323,9 +323,12 @@ def cpu_description() -> dict:
             paths[DTYPE_NAMES[dtype]] = "none"
             continue
         # engine=fast's defaults on this CPU (whether specpipe's kernel builds is the engine's log line)
-        kernel_rows = auto_kernel_rows(path, kernel_isa())
+        isa = kernel_isa()
+        blocks = isa == "avx512_bf16" and dtype == torch.bfloat16  # engine.kernel_blocks' default
+        kernel_rows = auto_kernel_rows(replace(path, kernel_blocks=blocks), isa)
         paths[DTYPE_NAMES[dtype]] = (f"{DTYPE_NAMES[path.compute_dtype]}:{path.kernel}"
                                      + (f"+kernel<={kernel_rows}" if kernel_rows else "")
+                                     + ("(column blocks)" if kernel_rows and blocks else "")
                                      + (f"+split<={path.split_rows}" if path.split_rows > kernel_rows else ""))
     return {"cpu_model": model, "aten_capability": aten_capability(), "isa_flags": isa_flags,
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),

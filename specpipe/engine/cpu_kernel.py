@@ -560,23 +560,40 @@ namespace {
 constexpr int kBlockFeatures = 16;
 constexpr int64_t kBlockTileBytes = 65536;  // the blocks all row groups run over while they are in L2
 
+// One step's line of a block: 16 features x a pair of k. Bf16Pairs: 16 bf16 pairs (64 bytes), as they are.
+struct Bf16Pairs {
+  using Unit = uint32_t;  // one feature's pair
+  static __m512i load(const Unit* p) { return _mm512_loadu_si512(p); }
+};
+// Int8Pairs: 16 int8 pairs (32 bytes; a drafter's weights, specpipe.engine.quantize) made bf16 in registers
+// (exact: every int8 is a bf16); the weight row's step multiplies the finished sum (Epilogue::scale).
+struct Int8Pairs {
+  using Unit = uint16_t;
+  static __m512i load(const Unit* p) {
+    const int8_t* bytes = reinterpret_cast<const int8_t*>(p);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+  }
+};
+
 // out[r, 16 (first + b) + j] for R rows and B blocks from `first`, one accumulator per row and block.
-template <int R, int B>
-void block_group(const uint32_t* x, const uint32_t* blocks, Epilogue epilogue, uint16_t* out, int64_t pairs,
-                 int64_t out_stride, int64_t out_features, int64_t first) {
+template <typename Line, int R, int B>
+void block_group(const uint32_t* x, const typename Line::Unit* blocks, Epilogue epilogue, uint16_t* out,
+                 int64_t pairs, int64_t out_stride, int64_t out_features, int64_t first) {
   __m512 acc[R][B];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  const uint32_t* lines[B];
+  const typename Line::Unit* lines[B];
 #pragma GCC unroll 4
   for (int b = 0; b < B; ++b) lines[b] = blocks + (first + b) * pairs * kBlockFeatures;
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i weights[B];
 #pragma GCC unroll 4
     for (int b = 0; b < B; ++b) {
-      weights[b] = _mm512_loadu_si512(lines[b] + p * kBlockFeatures);
+      weights[b] = Line::load(lines[b] + p * kBlockFeatures);
       // kBlockPrefetchLines on in the same block; past its end: the next block's first lines (never a fault)
       _mm_prefetch(reinterpret_cast<const char*>(lines[b] + (p + kBlockPrefetchLines) * kBlockFeatures),
                    SPECPIPE_WEIGHT_HINT);
@@ -623,19 +640,57 @@ template <int R>
 constexpr int blocks_per_group() { return R <= 8 ? 1 : 2; }
 
 // Rows [x, x + count) over blocks [begin, end) of the weight, count <= kBlockMaxRows.
-template <int R = 1>
-void block_rows(int64_t count, const uint32_t* x, const uint32_t* blocks, Epilogue epilogue, uint16_t* out,
+template <typename Line, int R = 1>
+void block_rows(int64_t count, const uint32_t* x, const typename Line::Unit* blocks, Epilogue epilogue, uint16_t* out,
                 int64_t pairs, int64_t out_stride, int64_t out_features, int64_t begin, int64_t end) {
   if constexpr (R < kBlockMaxRows) {
     if (count != R)
-      return block_rows<R + 1>(count, x, blocks, epilogue, out, pairs, out_stride, out_features, begin, end);
+      return block_rows<Line, R + 1>(count, x, blocks, epilogue, out, pairs, out_stride, out_features, begin, end);
   }
   constexpr int B = blocks_per_group<R>();
   int64_t b = begin;
-  for (; b + B <= end; b += B) block_group<R, B>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
-  for (; b < end; ++b) block_group<R, 1>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
+  for (; b + B <= end; b += B) block_group<Line, R, B>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
+  for (; b < end; ++b) block_group<Line, R, 1>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
+}
+
+// All rows over all blocks, threads splitting the blocks: groups of up to kBlockMaxRows rows run, one after
+// another, over each tile of blocks while it is in cache, so the weight streams from memory once.
+template <typename Line>
+void block_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilogue epilogue, uint16_t* os, int64_t rows,
+                        int64_t pairs, int64_t count, int64_t out_features) {
+  const int64_t tile = std::max<int64_t>(2, kBlockTileBytes / (pairs * kBlockFeatures * sizeof(typename Line::Unit)));
+  const int64_t grain = std::max<int64_t>(2, count / (4 * at::get_num_threads()));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
+      const int64_t tile_end = std::min(end, tile_begin + tile);
+      for (int64_t first = 0, group = 0; first < rows; first += group) {
+        const int64_t left = rows - first, groups = (left + kBlockMaxRows - 1) / kBlockMaxRows;
+        group = (left + groups - 1) / groups;
+        block_rows<Line>(group, xs + first * pairs, w, epilogue, os + first * out_features, pairs, out_features,
+                         out_features, tile_begin, tile_end);
+      }
+    }
+  });
 }
 #endif
+
+// The column blocks of a weight [out, in] of `Value`s (2-byte bf16 or 1-byte int8), in units of `unit_type` (one
+// feature's pair: int32 or int16)
+template <typename Value>
+torch::Tensor column_blocks(const Value* w, int64_t out_features, int64_t in, c10::ScalarType unit_type,
+                            const torch::TensorOptions& options) {
+  const int64_t pairs = (in + 1) / 2, count = (out_features + 15) / 16;
+  auto blocks = torch::zeros({count, pairs, 16}, options.dtype(unit_type));
+  Value* packed = reinterpret_cast<Value*>(blocks.data_ptr());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t j = 0; j < 16 && 16 * b + j < out_features; ++j) {
+        const Value* row = w + (16 * b + j) * in;
+        for (int64_t k = 0; k < in; ++k) packed[((b * pairs + k / 2) * 16 + j) * 2 + k % 2] = row[k];
+      }
+  });
+  return blocks;
+}
 
 }  // namespace
 
@@ -645,31 +700,29 @@ void block_rows(int64_t count, const uint32_t* x, const uint32_t* blocks, Epilog
 torch::Tensor pair_blocks(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "weight: bf16 [out, in]");
   weight = weight.contiguous();
-  const int64_t out_features = weight.size(0), in = weight.size(1), pairs = (in + 1) / 2;
-  const int64_t count = (out_features + 15) / 16;
-  auto blocks = torch::zeros({count, pairs, 16}, weight.options().dtype(torch::kInt32));
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  uint16_t* packed = reinterpret_cast<uint16_t*>(blocks.data_ptr<int32_t>());
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t j = 0; j < 16 && 16 * b + j < out_features; ++j) {
-        const uint16_t* row = w + (16 * b + j) * in;
-        for (int64_t k = 0; k < in; ++k) packed[((b * pairs + k / 2) * 16 + j) * 2 + k % 2] = row[k];
-      }
-  });
-  return blocks;
+  return column_blocks(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), weight.size(0),
+                       weight.size(1), torch::kInt32, weight.options());
 }
 
-// x [..., in] bf16, blocks from pair_blocks (of a weight [out_features, in]), scale [out] fp32 or None, bias
+// int8 codes [out, in] (specpipe.engine.quantize) -> their column blocks, int16 [ceil(out / 16), ceil(in / 2), 16]:
+// each int16 holds one feature's pair of codes, low byte first; block_product takes the codes' scale.
+torch::Tensor int8_pair_blocks(torch::Tensor codes) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kChar, "codes: int8 [out, in]");
+  codes = codes.contiguous();
+  return column_blocks(codes.data_ptr<int8_t>(), codes.size(0), codes.size(1), torch::kShort, codes.options());
+}
+
+// x [..., in] bf16, blocks from pair_blocks or int8_pair_blocks (of a weight [out_features, in]), scale [out] fp32 or None, bias
 // [out] fp32 or None -> [..., out_features] bf16: out[r, o] = scale[o] * sum_k x[r, k] * w[o, k] + bias[o],
 // summed in fp32 and rounded once. Groups of up to 16 rows run, one after another, over each tile of blocks
 // while it is in cache: the weight streams from memory once for any number of rows.
 torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
 #ifdef __AVX512BF16__
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && blocks.scalar_type() == torch::kInt32 && blocks.is_contiguous()
-              && out_features > 16 * (blocks.size(0) - 1) && out_features <= 16 * blocks.size(0),
-              "blocks: pair_blocks of a weight of out_features rows");
+  const bool int8 = blocks.scalar_type() == torch::kShort;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && (int8 || blocks.scalar_type() == torch::kInt32)
+              && blocks.is_contiguous() && out_features > 16 * (blocks.size(0) - 1) && out_features <= 16 * blocks.size(0),
+              "blocks: pair_blocks or int8_pair_blocks of a weight of out_features rows");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kBFloat16, "x: bf16 [..., in]");
   const int64_t pairs = blocks.size(1), in = x.size(-1);
   TORCH_CHECK(in > 0 && (in + 1) / 2 == pairs, "x and blocks disagree on in_features");
@@ -686,22 +739,13 @@ torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_f
   }
   const Epilogue epilogue{checked_fp32(scale, out_features, "scale"), checked_fp32(bias, out_features, "bias")};
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>());
   uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t count = blocks.size(0);
-  const int64_t tile = std::max<int64_t>(2, kBlockTileBytes / (pairs * 64));
-  const int64_t grain = std::max<int64_t>(2, count / (4 * at::get_num_threads()));
-  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
-      const int64_t tile_end = std::min(end, tile_begin + tile);
-      for (int64_t first = 0, group = 0; first < rows; first += group) {
-        const int64_t left = rows - first, groups = (left + kBlockMaxRows - 1) / kBlockMaxRows;
-        group = (left + groups - 1) / groups;
-        block_rows(group, xs + first * pairs, w, epilogue, os + first * out_features, pairs, out_features,
-                   out_features, tile_begin, tile_end);
-      }
-    }
-  });
+  if (int8)
+    block_product_rows<Int8Pairs>(xs, reinterpret_cast<const uint16_t*>(blocks.data_ptr<int16_t>()), epilogue, os, rows,
+                                  pairs, blocks.size(0), out_features);
+  else
+    block_product_rows<Bf16Pairs>(xs, reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>()), epilogue, os, rows,
+                                  pairs, blocks.size(0), out_features);
   return out;
 #else
   TORCH_CHECK(false, "block_product needs the kernel's AVX512_BF16 build");
@@ -1179,11 +1223,13 @@ def kernel_isa() -> str:
 
 
 class BlockProduct(NamedTuple):
-    """The kernel's product over bf16 weights in column blocks (its AVX512_BF16 build): `pack(weight [out, in]
-    bf16)` -> the blocks (once per weight), `product(x [..., in] bf16, blocks, out, scale [out] fp32 or None,
-    bias [out] fp32 or None)` -> [..., out] bf16. Each row's output is the same whatever rows come with it."""
+    """The kernel's product over weights in column blocks (its AVX512_BF16 build): `pack(weight [out, in] bf16)`
+    or `pack_int8(codes [out, in] int8)` -> the blocks (once per weight), `product(x [..., in] bf16, blocks, out,
+    scale [out] fp32 or None, bias [out] fp32 or None)` -> [..., out] bf16 (int8 codes take their scale). Each
+    row's output is the same whatever rows come with it."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
+    pack_int8: Callable[[torch.Tensor], torch.Tensor]
     product: Callable[..., torch.Tensor]
 
 
@@ -1221,7 +1267,7 @@ class CpuKernel:
             module = _build(build_dir, self.isa, weight_prefetch)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
-                self.blocks = BlockProduct(module.pair_blocks, module.block_product)
+                self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product)
             _self_check(self.product, self.quantized_product, self.blocks)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = self.quantized_product = self.blocks = None
@@ -1273,7 +1319,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
     try:
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "block_product", "rms_norm", "tree_attention"],
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
@@ -1319,6 +1365,11 @@ def _self_check(product, quantized_product, blocks: BlockProduct | None = None) 
             if not torch.allclose(quantized, expected, rtol=tolerance, atol=1e-3):
                 raise RuntimeError(f"the kernel disagrees with an fp32 product of int8 weights for {rows} "
                                    f"{x_rows.dtype} rows")
+            if blocks is not None and x_rows.dtype == torch.bfloat16:
+                out = blocks.product(x_rows, blocks.pack_int8(codes), codes.shape[0], scale, bias).float()
+                if not torch.allclose(out, expected, rtol=tolerance, atol=1e-3):
+                    raise RuntimeError(f"the kernel's column blocks disagree with an fp32 product of int8 weights "
+                                       f"for {rows} bf16 rows")
         expected = x @ weight.float().t()
         if not torch.allclose(product(x, weight, None), expected, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"the kernel disagrees with an fp32 product of bf16 weights for {rows} rows")

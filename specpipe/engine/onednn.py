@@ -74,11 +74,12 @@ class PackedWeight(nn.Module):
         # bf16 weights where the kernel's build multiplies bf16 pairs: its products run over the weight repacked
         # once in column blocks (CpuKernel.block_product, no horizontal sums), in place of the weight itself
         self.out_features = int(weight.shape[0])
-        self.blocks: Tensor | None = None  # [ceil(sum out / 16), ceil(in / 2), 16] int32
+        # (int16 blocks of the int8 codes, which take their scale)
+        self.blocks: Tensor | None = None  # [ceil(sum out / 16), ceil(in / 2), 16] int32, or int16 for codes
         self.block_product = None
-        if (block_kernel is not None and self.kernel is not None and self.codes is None
-                and weight.dtype == torch.bfloat16):
-            self.blocks, self.block_product = block_kernel.pack(weight), block_kernel.product
+        if block_kernel is not None and self.kernel is not None and weight.dtype == torch.bfloat16:
+            self.blocks = block_kernel.pack(weight) if self.codes is None else block_kernel.pack_int8(self.codes)
+            self.block_product = block_kernel.product
         # Products of at most `small_rows` rows (above kernel_rows) run F.linear on the weight in its own
         # dtype (see LinearPath): kept only when the packing is in another dtype.
         self.small_rows = small_rows if self.compute_dtype != weight.dtype and small_rows > self.kernel_rows else 0
@@ -112,10 +113,10 @@ class PackedWeight(nn.Module):
         if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
             # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias
             # added to the fp32 sums, and they are rounded to bf16
+            if self.blocks is not None:
+                return self.block_product(x, self.blocks, self.out_features, self.scale, self.kernel_bias)
             if self.codes is not None:
                 return self.quantized_kernel(x, self.codes, self.scale, self.kernel_bias)
-            if self.blocks is not None:
-                return self.block_product(x, self.blocks, self.out_features, None, self.kernel_bias)
             return self.kernel(x, self.small_weight, self.kernel_bias)
         if x.dtype == self.compute_dtype:
             if x.numel() <= self.split_rows * self.in_features:
@@ -137,7 +138,8 @@ class PackedWeight(nn.Module):
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
         if rows <= self.kernel_rows and self.codes is not None:
-            return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.kernel_bias) if t is not None)
+            codes = self.blocks if self.blocks is not None else self.codes
+            return sum(t.numel() * t.element_size() for t in (codes, self.scale, self.kernel_bias) if t is not None)
         if rows <= self.kernel_rows:
             weight, bias = self.blocks if self.blocks is not None else self.small_weight, self.kernel_bias
         elif rows <= self.small_rows:
