@@ -804,6 +804,17 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     assert rows(fp32, fp32, "gemm:acl", "avx2") == 0
 
 
+def assert_output_layer_rounds_once(model: nn.Module, stock: nn.Module, rows: tuple[int, ...]) -> None:
+    """`model`'s rewritten bf16 output layer gives the fp32 product of the bf16 values rounded once to bf16, as a bf16
+    GEMM's, for products of each number of `rows`."""
+    for count in rows:
+        x = torch.randn(1, count, model.config.hidden_size).bfloat16()  # [batch, rows, hidden]
+        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
+        out = model.lm_head(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+
+
 @needs_compiler
 @pytest.mark.skipif(cpu.probe_linear_path(torch.bfloat16).compute_dtype != torch.bfloat16,
                     reason="oneDNN runs bf16 natively only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
@@ -820,12 +831,7 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     kernel = packed.kernel
     monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
     monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
-    for rows in (1, 5, 6):
-        x = torch.randn(1, rows, model.config.hidden_size).bfloat16()  # [batch, rows, hidden]
-        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
-        out = model.lm_head(x)
-        assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert_output_layer_rounds_once(model, stock, rows=(1, 5, 6))
     assert calls == ["kernel", "kernel", "onednn"]
     linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
     with_bias = onednn.PackedWeight([linear], torch.bfloat16, kernel=kernel, kernel_rows=4)
@@ -929,12 +935,7 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
     calls = []
     block_product = packed.block_product
     monkeypatch.setattr(packed, "block_product", lambda *args: calls.append("blocks") or block_product(*args))
-    for rows in (1, 5, 6):
-        x = torch.randn(1, rows, model.config.hidden_size).bfloat16()  # [batch, rows, hidden]
-        expected = torch.nn.functional.linear(x.float(), stock.lm_head.weight.float()).bfloat16()
-        out = model.lm_head(x)
-        assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert_output_layer_rounds_once(model, stock, rows=(1, 5, 6))
     assert calls == ["blocks", "blocks"]  # 6 rows: above the kernel's rows
     linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
     built = cpu_kernel._build(None, "avx512_bf16")
