@@ -1171,3 +1171,31 @@ def test_an_mkl_isa_cap_is_part_of_the_cost_curve_key_and_the_machine_line(tmp_p
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert cost_curve_path(target, cache_dir=tmp_path) != uncapped
     assert "MKL cap AVX2" in machine_line(machine_info())
+
+
+@needs_compiler
+@needs_pairs
+@pytest.mark.parametrize("model_name", ["tiny_random", "smollm2_135m"])
+def test_a_bf16_chain_verified_in_column_blocks_equals_one_token_steps_bitwise(monkeypatch, model_name):
+    """With bf16 weights in column blocks every row of a verify forward is computed as it would be alone (the products'
+    sums run in the order of k, the norm and the elementwise ops are per row, a chain's keys sit where one-token steps
+    put them): the logits of a chain of 7 drafted tokens equal, bit for bit, those of 8 one-token steps over the same
+    text, so a bf16 pipeline that drafts chains emits exactly `vanilla`'s tokens."""
+    from specpipe.engine import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    cfg = compose_config([f"model={model_name}", "model.dtype=bf16", "engine=fast"])
+    loaded = load_model(cfg.model)
+    OneDNNEngine().apply(loaded.model)
+    assert "column blocks" in getattr(loaded.model, REWRITE_ATTRIBUTE)
+    target = TargetModel(loaded.model, engine="fast")
+    generator = torch.Generator().manual_seed(2)
+    context = torch.randint(0, target.vocab_size, (120,), generator=generator).tolist()
+    chain = torch.randint(0, target.vocab_size, (7,), generator=generator)  # [7] drafted tokens
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    verify = target.forward_tree(context[-1], DraftTree.from_parents(chain, torch.arange(-1, 6)), cache).logits  # [8, V]
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    steps = [target.forward_tree(token, DraftTree.empty(), cache).logits[0] for token in [context[-1], *chain.tolist()]]
+    assert torch.equal(verify, torch.stack(steps))
