@@ -316,16 +316,11 @@ class OneDNNEngine:
         """The path with specpipe's product kernel where it applies and builds, and the kernel."""
         name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
         rows = getattr(self, name)
-        if rows == "auto":
+        auto = rows == "auto"
+        if auto:  # whether the kernel serves at all; column blocks only raise its rows (once it loaded with them)
             from specpipe.engine.cpu_kernel import kernel_isa
 
-            isa = kernel_isa()
-            blocks = self.kernel_blocks and isa == "avx512_bf16" and path.dtype == torch.bfloat16
-            rows = auto_kernel_rows(replace(path, kernel_blocks=blocks), isa)
-            why = (f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
-                   if rows else "")
-        else:
-            why = f"engine.{name}={rows}"
+            rows = auto_kernel_rows(path, kernel_isa())
         if rows <= 0:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
@@ -333,12 +328,14 @@ class OneDNNEngine:
         kernel = CpuKernel(weight_prefetch=self.weight_prefetch)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        blocks = self.kernel_blocks and kernel.blocks is not None and path.dtype == torch.bfloat16
-        if getattr(self, name) == "auto" and not blocks:  # the blocks did not load: the row-by-row product's rows
+        path = replace(path, kernel_blocks=self.kernel_blocks and kernel.blocks is not None
+                       and path.dtype == torch.bfloat16)
+        if auto:
             rows = auto_kernel_rows(path, kernel.isa)
             why = f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
-        reason = f"{path.reason}; {why}" if why else path.reason
-        return replace(path, kernel_rows=rows, kernel_build=kernel.build, kernel_blocks=blocks, reason=reason), kernel
+        else:
+            why = f"engine.{name}={rows}"
+        return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=f"{path.reason}; {why}"), kernel
 
     def _no_kernel_reason(self, path: LinearPath) -> str:
         """Why `_with_kernel` gave no kernel for `path`, in words."""
