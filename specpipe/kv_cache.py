@@ -109,3 +109,18 @@ class PositionIndexedCache(Cache):
     def crop(self, max_length: int) -> None:
         for layer in self.layers:
             layer.crop(max_length)
+
+    def rows_to_write(self, layer_idx: int, like: Tensor, new_tokens: int) -> tuple[Tensor, Tensor, int]:
+        """For a writer that fills layer `layer_idx`'s next `new_tokens` rows in place (the CPU kernel's
+        block_decoder_layer): its key and value buffers [batch, kv_heads, capacity, head_dim], with room for
+        them, and the first of them; they count as written from here on. `like` [batch, kv_heads, any, head_dim]
+        gives a new layer its shape and dtype."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self.layer_class_to_replicate())
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(like, like)
+        start = layer.length
+        layer._reserve(start + new_tokens)
+        layer.length = start + new_tokens
+        return layer._key_buffer, layer._value_buffer, start

@@ -494,7 +494,7 @@ def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kerne
     stock = drafter_for(tiny_mixed, layers=layers).net.to(dtype)
     lean = drafter_for(tiny_mixed, layers=layers).net.to(dtype)
     assert len(stock.layers) == layers
-    OneDNNEngine().apply(lean)
+    OneDNNEngine(draft_layers=False).apply(lean)  # the layers in one kernel call each: the test below
     assert lean.lean and not stock.lean
     if lean.attention_kernel is None:
         pytest.skip("specpipe's CPU kernel does not build here: the lean loop runs SDPA (covered by the pipelines)")
@@ -522,6 +522,63 @@ def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kerne
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.05}
     for stock_rows, lean_rows in zip(*outputs):
         torch.testing.assert_close(lean_rows.float(), stock_rows.float(), **tolerance)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_them(tiny_mixed, layers, quantize):
+    """Where the kernel multiplies weights in column blocks (AVX512_BF16), engine=fast runs each of a bf16 EAGLE
+    head's decoder layers in one call of its block_decoder_layer: a prompt's causal rows and tree rows under a
+    tree mask give the op-by-op lean loop's predicted features and cache rows (to a bf16 step: the SiLU's exp is
+    the C library's), bf16 and int8 weights, a second layer's input norm included; engine.draft_layers=false and
+    rows beyond the kernel's go through the lean loop."""
+    from specpipe.engine.onednn import OneDNNEngine
+
+    net = drafter_for(tiny_mixed, layers=layers).net.to(torch.bfloat16)
+    OneDNNEngine().apply(net, quantize=quantize)
+    if net.layer_kernel is None:
+        pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: the lean loop runs")
+    block_layers = net._block_layers()
+    assert block_layers is not None and len(block_layers.arguments) == layers
+    calls = []
+    layer_kernel = net.layer_kernel
+    net.layer_kernel = lambda rows, *rest: calls.append(rows.shape[0]) or layer_kernel(rows, *rest)
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    generator = torch.Generator().manual_seed(46)
+    features = torch.randn(43, hidden, generator=generator).bfloat16()
+    tokens = torch.randint(0, 1000, (43,), generator=generator)
+    tree_mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree_mask[2, 1] = False  # two siblings under the first node
+    mask = torch.cat([torch.ones(3, 40, dtype=torch.bool), tree_mask], dim=1)  # [3, 43]
+    outputs = []
+    for fused in (True, False):
+        net.__dict__.pop("_made_block_layers", None)
+        kept = net.layer_kernel
+        if not fused:
+            net.layer_kernel = None
+        cache = PositionIndexedCache()
+        with torch.inference_mode():
+            prompt = net(tokens_embedding(tiny_mixed, tokens[:40], torch.bfloat16), features[:40], torch.arange(40),
+                         torch.ones(40, 40, dtype=torch.bool).tril(), cache)
+            tree = net(tokens_embedding(tiny_mixed, tokens[40:], torch.bfloat16), features[40:],
+                       torch.tensor([40, 41, 41]), mask, cache)
+        net.layer_kernel = kept
+        outputs.append((prompt, tree, *(torch.stack([layer.keys, layer.values]) for layer in cache.layers)))
+        assert cache.get_seq_length() == 43
+    assert calls == [40] * layers + [3] * layers  # fused: one call per layer and forward; the lean loop none
+    for fused_rows, lean_rows in zip(*outputs):
+        torch.testing.assert_close(fused_rows.float(), lean_rows.float(), atol=0.02, rtol=2 ** -7)
+    # more rows than the engine routes to the kernel: the lean loop (its products over the weights as packed)
+    net.__dict__.pop("_made_block_layers", None)
+    calls.clear()
+    rows = block_layers.max_rows + 1
+    with torch.inference_mode():
+        net(tokens_embedding(tiny_mixed, tokens[:1].repeat(rows), torch.bfloat16), features[:1].repeat(rows, 1),
+            torch.arange(rows), torch.ones(rows, rows, dtype=torch.bool).tril(), PositionIndexedCache())
+    assert calls == []
+    off = drafter_for(tiny_mixed, layers=layers).net.to(torch.bfloat16)
+    OneDNNEngine(draft_layers=False).apply(off, quantize=quantize)
+    assert off.layer_kernel is None and off.lean
 
 
 def tokens_embedding(model, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

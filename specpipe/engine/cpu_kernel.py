@@ -631,34 +631,46 @@ void block_group(const uint32_t* x, const typename Line::Unit* blocks, Epilogue 
   }
 }
 
-// Rows per group and blocks per group: one accumulator per row and block, R * B of the 32 registers. One
-// block up to 8 rows (a step is the line's load and R multiply-adds), two from 9 to 16 rows (each broadcast
-// of x then serves two). Over SmolLM2-135M's weights (2-core Zen 5 EPYC, ms): one block 8.5 / 8.5 / 9.6 /
-// 12.5 / 16.4 for 1 / 4 / 8 / 12 / 16 rows, two blocks 8.8 / 9.3 / 10.4 / 11.5 / 12.9.
+// Rows per group and blocks per group: one accumulator per row and block, R * B of the 32 registers. Weights
+// streamed from memory (a target's): one block up to 8 rows (a step is the line's load and R multiply-adds),
+// two from 9 to 16 rows (each broadcast of x then serves two). Over SmolLM2-135M's weights (2-core Zen 5 EPYC,
+// ms): one block 8.5 / 8.5 / 9.6 / 12.5 / 16.4 for 1 / 4 / 8 / 12 / 16 rows, two blocks 8.8 / 9.3 / 10.4 /
+// 11.5 / 12.9; more blocks at once for 2-6 rows read the memory slower (+4-11%). Weights in the cache: there one
+// block's chain of multiply-adds into one accumulator waits on the instruction's latency (~6 cycles a line, 41
+// GB/s a core), and few rows gain from several blocks at once (`resident`): an EAGLE head's six bf16 products at
+// 1 / 2 / 4 rows, warm, 0.25 / 0.27 / 0.28 ms one block at a time against 0.15 / 0.20 / 0.21 (int8: 0.26 / 0.25 /
+// 0.30 against 0.20 / 0.21 / 0.29). Cold (after 64 MB streamed) several blocks were no faster (int8 at 1 / 4 rows
+// 0.29 / 0.34 ms against 0.31 / 0.40), and in the pipeline the head's output layer, read last in a level, ran
+// slower with them; so only a head's decoder layer in one call (block_decoder_layer) takes them, its weights read
+// right after the head's fc (in the pipeline, with and without them measured within the VM's drift: run 58).
+// The blocks' count never changes a row's sums (each block sums over k in order).
 constexpr int kBlockMaxRows = 16;
-template <int R>
-constexpr int blocks_per_group() { return R <= 8 ? 1 : 2; }
+template <int R, bool Resident>
+constexpr int blocks_per_group() { return Resident ? (R == 1 ? 4 : R <= 3 ? 3 : 2) : (R <= 8 ? 1 : 2); }
 
 // Rows [x, x + count) over blocks [begin, end) of the weight, count <= kBlockMaxRows.
-template <typename Line, int R = 1>
+template <typename Line, bool Resident, int R = 1>
 void block_rows(int64_t count, const uint32_t* x, const typename Line::Unit* blocks, Epilogue epilogue, uint16_t* out,
                 int64_t pairs, int64_t out_stride, int64_t out_features, int64_t begin, int64_t end) {
   if constexpr (R < kBlockMaxRows) {
     if (count != R)
-      return block_rows<Line, R + 1>(count, x, blocks, epilogue, out, pairs, out_stride, out_features, begin, end);
+      return block_rows<Line, Resident, R + 1>(count, x, blocks, epilogue, out, pairs, out_stride, out_features, begin,
+                                               end);
   }
-  constexpr int B = blocks_per_group<R>();
+  constexpr int B = blocks_per_group<R, Resident>();
   int64_t b = begin;
   for (; b + B <= end; b += B) block_group<Line, R, B>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
   for (; b < end; ++b) block_group<Line, R, 1>(x, blocks, epilogue, out, pairs, out_stride, out_features, b);
 }
 
 // All rows over all blocks, threads splitting the blocks: groups of up to kBlockMaxRows rows run, one after
-// another, over each tile of blocks while it is in cache, so the weight streams from memory once.
-template <typename Line>
+// another, over each tile of blocks while it is in cache, so the weight streams from memory once (one group:
+// the whole range at once, so a resident weight's several blocks at a time are not cut at tiles).
+template <typename Line, bool Resident>
 void block_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilogue epilogue, uint16_t* os, int64_t rows,
                         int64_t pairs, int64_t count, int64_t out_features) {
-  const int64_t tile = std::max<int64_t>(2, kBlockTileBytes / (pairs * kBlockFeatures * sizeof(typename Line::Unit)));
+  const int64_t tile = Resident && rows <= kBlockMaxRows
+      ? count : std::max<int64_t>(2, kBlockTileBytes / (pairs * kBlockFeatures * sizeof(typename Line::Unit)));
   const int64_t grain = std::max<int64_t>(2, count / (4 * at::get_num_threads()));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
@@ -666,8 +678,8 @@ void block_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilog
       for (int64_t first = 0, group = 0; first < rows; first += group) {
         const int64_t left = rows - first, groups = (left + kBlockMaxRows - 1) / kBlockMaxRows;
         group = (left + groups - 1) / groups;
-        block_rows<Line>(group, xs + first * pairs, w, epilogue, os + first * out_features, pairs, out_features,
-                         out_features, tile_begin, tile_end);
+        block_rows<Line, Resident>(group, xs + first * pairs, w, epilogue, os + first * out_features, pairs,
+                                   out_features, out_features, tile_begin, tile_end);
       }
     }
   });
@@ -712,12 +724,13 @@ torch::Tensor int8_pair_blocks(torch::Tensor codes) {
   return column_blocks(codes.data_ptr<int8_t>(), codes.size(0), codes.size(1), torch::kShort, codes.options());
 }
 
-// x [..., in] bf16, blocks from pair_blocks or int8_pair_blocks (of a weight [out_features, in]), scale [out] fp32 or None, bias
-// [out] fp32 or None -> [..., out_features] bf16: out[r, o] = scale[o] * sum_k x[r, k] * w[o, k] + bias[o],
-// summed in fp32 and rounded once. Groups of up to 16 rows run, one after another, over each tile of blocks
-// while it is in cache: the weight streams from memory once for any number of rows.
-torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
-                            c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
+namespace {
+
+// block_product below; `resident`: the weight is expected in the cache (a draft head's layer,
+// block_decoder_layer): few rows take several blocks at a time (the same sums)
+torch::Tensor blocks_times(torch::Tensor x, const torch::Tensor& blocks, int64_t out_features,
+                           const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& bias,
+                           bool resident) {
 #ifdef __AVX512BF16__
   const bool int8 = blocks.scalar_type() == torch::kShort;
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && (int8 || blocks.scalar_type() == torch::kInt32)
@@ -740,17 +753,32 @@ torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_f
   const Epilogue epilogue{checked_fp32(scale, out_features, "scale"), checked_fp32(bias, out_features, "bias")};
   const uint32_t* xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (int8)
-    block_product_rows<Int8Pairs>(xs, reinterpret_cast<const uint16_t*>(blocks.data_ptr<int16_t>()), epilogue, os, rows,
-                                  pairs, blocks.size(0), out_features);
+  const uint16_t* codes = int8 ? reinterpret_cast<const uint16_t*>(blocks.data_ptr<int16_t>()) : nullptr;
+  const uint32_t* pairs_of = int8 ? nullptr : reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>());
+  if (int8 && resident)
+    block_product_rows<Int8Pairs, true>(xs, codes, epilogue, os, rows, pairs, blocks.size(0), out_features);
+  else if (int8)
+    block_product_rows<Int8Pairs, false>(xs, codes, epilogue, os, rows, pairs, blocks.size(0), out_features);
+  else if (resident)
+    block_product_rows<Bf16Pairs, true>(xs, pairs_of, epilogue, os, rows, pairs, blocks.size(0), out_features);
   else
-    block_product_rows<Bf16Pairs>(xs, reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>()), epilogue, os, rows,
-                                  pairs, blocks.size(0), out_features);
+    block_product_rows<Bf16Pairs, false>(xs, pairs_of, epilogue, os, rows, pairs, blocks.size(0), out_features);
   return out;
 #else
   TORCH_CHECK(false, "block_product needs the kernel's AVX512_BF16 build");
   return x;
 #endif
+}
+
+}  // namespace
+
+// x [..., in] bf16, blocks from pair_blocks or int8_pair_blocks (of a weight [out_features, in]), scale [out] fp32 or None, bias
+// [out] fp32 or None -> [..., out_features] bf16: out[r, o] = scale[o] * sum_k x[r, k] * w[o, k] + bias[o],
+// summed in fp32 and rounded once. Groups of up to 16 rows run, one after another, over each tile of blocks
+// while it is in cache: the weight streams from memory once for any number of rows.
+torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
+                            c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
+  return blocks_times(x, blocks, out_features, scale, bias, false);
 }
 
 namespace {
@@ -1193,6 +1221,120 @@ torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tens
     attend<float, float>(query, key, value, mask_data, static_cast<float>(scale), out);
   return out;
 }
+
+// ---- a draft head's decoder layer in one call (AVX512_BF16, weights in column blocks) ----
+// A Llama decoder layer over bf16 rows: x + attention(norm(x)), then + the SiLU-gated MLP of its norm, with
+// every product over column blocks, the norms and the attention above, and the rotary embedding, the cache
+// writes, the residual adds and the SiLU gate inline. Each elementwise op rounds to bf16 as torch's bf16 ops
+// do; the SiLU's exp is the C library's, not ATen's vectorized one, so its output may differ from
+// transformers' by a bf16 step now and then: this serves a draft head's layers (an EAGLE head), whose drafts
+// the target verifies, never the target's own. Why: a level of the embedded model's bf16 EAGLE head spent
+// ~0.3 ms of ~0.6 in ~100 small torch ops and their Python around ~0.3 ms of products and attention.
+namespace {
+
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+inline at::BFloat16 rounded(float v) { return at::BFloat16(v); }  // to nearest even, as a cast to bf16 rounds
+
+// a [q, n] bf16 tensor of a + b, rounded as torch's bf16 add rounds
+torch::Tensor bf16_add(const torch::Tensor& a, const torch::Tensor& b) {
+  auto out = torch::empty_like(a);
+  const at::BFloat16* x = a.data_ptr<at::BFloat16>();
+  const at::BFloat16* y = b.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = a.numel(); i < n; ++i) o[i] = rounded(widen(x[i]) + widen(y[i]));
+  return out;
+}
+
+}  // namespace
+
+// hidden [q, width] bf16 -> [q, width] bf16, and the layer's keys and values of these q rows written into
+// key_cache / value_cache [1, kv_heads, capacity, head_dim] bf16 at rows length ... length + q - 1.
+// input_norm [width] bf16 or None (EAGLE-1's first layer has none), post_norm [width] bf16, eps: the RMSNorms.
+// blocks: column blocks (pair_blocks or int8_pair_blocks) of q|k|v [(heads + 2 kv_heads) * head_dim, width],
+// o [width, heads * head_dim], gate|up [2 intermediate, width] and down [width, intermediate]; scales and biases:
+// each product's [out] fp32 or None. cos, signed_sin [q, head_dim] bf16: the rotary tables of the rows' positions
+// (blocks.py's rotary_tables: sin with its first half negated). mask [q, length + q] bool (True = attend) or None.
+torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Tensor> input_norm,
+                                  torch::Tensor post_norm, double eps, std::vector<torch::Tensor> blocks,
+                                  std::vector<c10::optional<torch::Tensor>> scales,
+                                  std::vector<c10::optional<torch::Tensor>> biases, int64_t heads, int64_t kv_heads,
+                                  int64_t intermediate, torch::Tensor cos, torch::Tensor signed_sin,
+                                  torch::Tensor key_cache, torch::Tensor value_cache, int64_t length,
+                                  c10::optional<torch::Tensor> mask, double scale) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kBFloat16 && hidden.is_contiguous(),
+              "hidden: contiguous bf16 [q, width]");
+  TORCH_CHECK(blocks.size() == 4 && scales.size() == 4 && biases.size() == 4,
+              "blocks, scales, biases: one each for q|k|v, o, gate|up, down");
+  const int64_t q = hidden.size(0), width = hidden.size(1), head_dim = cos.size(-1);
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.dim() == 2 && cos.size(0) == q && cos.is_contiguous() &&
+              signed_sin.is_contiguous() && cos.scalar_type() == torch::kBFloat16 &&
+              signed_sin.scalar_type() == torch::kBFloat16 && head_dim % 2 == 0,
+              "cos, signed_sin: contiguous bf16 [q, head_dim], head_dim even");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.size(0) == 1 &&
+              key_cache.size(1) == kv_heads && key_cache.size(3) == head_dim && key_cache.size(2) >= length + q &&
+              key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_cache.scalar_type() == torch::kBFloat16 && value_cache.scalar_type() == torch::kBFloat16,
+              "key_cache, value_cache: contiguous bf16 [1, kv_heads, capacity >= length + q, head_dim]");
+  const int64_t rotated = heads + kv_heads, half = head_dim / 2;
+  auto normed = input_norm.has_value() ? rms_norm(hidden, *input_norm, eps) : hidden;
+  auto qkv = blocks_times(normed, blocks[0], (rotated + kv_heads) * head_dim, scales[0], biases[0], true);
+  // rotary embedding of the q and k heads (x * cos + rotate_half(x) * sin: each product and the sum rounded),
+  // the queries into `query` [1, heads, q, head_dim], the keys and values into the cache's rows
+  auto query = torch::empty({1, heads, q, head_dim}, hidden.options());
+  const at::BFloat16* qkv_data = qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* cos_data = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sin_data = signed_sin.data_ptr<at::BFloat16>();
+  at::BFloat16* query_data = query.data_ptr<at::BFloat16>();
+  at::BFloat16* keys = key_cache.data_ptr<at::BFloat16>();
+  at::BFloat16* values = value_cache.data_ptr<at::BFloat16>();
+  const int64_t capacity = key_cache.size(2);
+  for (int64_t r = 0; r < q; ++r) {
+    const at::BFloat16* row = qkv_data + r * (rotated + kv_heads) * head_dim;
+    const at::BFloat16* c = cos_data + r * head_dim;
+    const at::BFloat16* s = sin_data + r * head_dim;
+    for (int64_t h = 0; h < rotated; ++h) {
+      const at::BFloat16* x = row + h * head_dim;
+      at::BFloat16* out = h < heads ? query_data + (h * q + r) * head_dim
+                                    : keys + ((h - heads) * capacity + length + r) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float turned = widen(x[i < half ? i + half : i - half]);
+        out[i] = rounded(widen(rounded(widen(x[i]) * widen(c[i]))) + widen(rounded(turned * widen(s[i]))));
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h)
+      std::memcpy(values + (h * capacity + length + r) * head_dim, row + (rotated + h) * head_dim,
+                  head_dim * sizeof(at::BFloat16));
+  }
+  const bool* mask_data = nullptr;
+  torch::Tensor mask_rows;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == q &&
+                mask->size(1) == length + q, "mask: bool [q, length + q]");
+    mask_rows = mask->contiguous();
+    mask_data = mask_rows.data_ptr<bool>();
+  }
+  auto attended = torch::empty({1, q, heads, head_dim}, hidden.options());
+  attend<at::BFloat16, uint16_t>(query, key_cache.narrow(2, 0, length + q), value_cache.narrow(2, 0, length + q),
+                                 mask_data, static_cast<float>(scale), attended);
+  auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1], true));
+  auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true);
+  auto gated = torch::empty({q, intermediate}, hidden.options());
+  const at::BFloat16* gate_up_data = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* gated_data = gated.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < q; ++r)
+    for (int64_t i = 0; i < intermediate; ++i) {
+      const float gate = widen(gate_up_data[r * 2 * intermediate + i]);
+      const at::BFloat16 silu = rounded(gate / (1.0f + std::exp(-gate)));
+      gated_data[r * intermediate + i] = rounded(widen(silu) * widen(gate_up_data[(r * 2 + 1) * intermediate + i]));
+    }
+  return bf16_add(x, blocks_times(gated, blocks[3], width, scales[3], biases[3], true));
+#else
+  TORCH_CHECK(false, "block_decoder_layer needs the kernel's AVX512_BF16 build");
+  return hidden;
+#endif
+}
 """
 
 
@@ -1226,11 +1368,13 @@ class BlockProduct(NamedTuple):
     """The kernel's product over weights in column blocks (its AVX512_BF16 build): `pack(weight [out, in] bf16)`
     or `pack_int8(codes [out, in] int8)` -> the blocks (once per weight), `product(x [..., in] bf16, blocks, out,
     scale [out] fp32 or None, bias [out] fp32 or None)` -> [..., out] bf16 (int8 codes take their scale). Each
-    row's output is the same whatever rows come with it."""
+    row's output is the same whatever rows come with it. `decoder_layer`: a draft head's whole Llama decoder
+    layer over such weights in one call (the source's block_decoder_layer; specpipe.engine.lean_model.BlockLayers)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
     pack_int8: Callable[[torch.Tensor], torch.Tensor]
     product: Callable[..., torch.Tensor]
+    decoder_layer: Callable[..., torch.Tensor] | None = None
 
 
 class CpuKernel:
@@ -1267,7 +1411,8 @@ class CpuKernel:
             module = _build(build_dir, self.isa, weight_prefetch)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
-                self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product)
+                self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
+                                           module.block_decoder_layer)
             _self_check(self.product, self.quantized_product, self.blocks)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = self.quantized_product = self.blocks = None
@@ -1319,7 +1464,8 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
     try:
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention"],
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention",
+                           "block_decoder_layer"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:

@@ -190,6 +190,85 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
     return hidden
 
 
+class BlockLayers:
+    """A draft head's Llama decoder layers, each run in one call of the CPU kernel's block_decoder_layer
+    (its AVX512_BF16 build): the norms, the products over the weights' column blocks, the rotary embedding,
+    the cache writes, the attention and the residual adds of a layer without a torch op between them.
+
+    Why: a level of the embedded model's bf16 EAGLE head took ~0.6 ms, of which ~0.3 ms were ~100 small torch
+    ops and the Python around them (docs/BENCHMARKS.md run 58). The layer's SiLU rounds like transformers' but
+    for an exp that may differ by a bf16 step now and then (see the source), so only draft heads run it:
+    their drafts are verified, the target's forward stays the op-by-op lean loop that is bitwise transformers'.
+    `of` gives None where a layer is not served (another block, another dtype, a product the engine runs
+    elsewhere); `serves` says which calls it takes (one bf16 sequence on the CPU, up to the rows the
+    engine routes to the kernel, a PositionIndexedCache)."""
+
+    def __init__(self, layer_kernel, arguments: list[tuple], layer_ids: list[int], scalings: list[float],
+                 max_rows: int) -> None:
+        self.layer_kernel = layer_kernel
+        self.arguments = arguments  # per layer: block_decoder_layer's weight arguments, in its order
+        self.layer_ids = layer_ids  # per layer: its attention's layer_idx (its rows in the cache)
+        self.scalings = scalings  # per layer: its attention's score scale
+        self.max_rows = max_rows
+
+    @classmethod
+    def of(cls, layer_kernel, layers) -> BlockLayers | None:
+        if layer_kernel is None:
+            return None
+        from specpipe.engine.blocks import FusedGatedMLP
+        from specpipe.engine.onednn import OneDNNLinear
+
+        arguments, layer_ids, scalings, max_rows = [], [], [], []
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if type(attention) is not FusedQKVAttention or type(mlp) is not FusedGatedMLP:
+                return None
+            linears = [attention.o_proj, mlp.down_proj]
+            if not all(isinstance(linear, OneDNNLinear) and len(linear.packed.splits) == 1 for linear in linears):
+                return None
+            packed = [attention.qkv, linears[0].packed, mlp.gate_up, linears[1].packed]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if (any(weight.blocks is None or weight.kernel_rows < 1 for weight in packed)
+                    or type(norms[1]) is not LlamaRMSNorm or type(norms[0]) not in (nn.Identity, LlamaRMSNorm)
+                    or any(norm.weight.dtype != torch.bfloat16 or norm.weight.dim() != 1
+                           for norm in norms if type(norm) is LlamaRMSNorm)
+                    or (type(norms[0]) is LlamaRMSNorm and norms[0].variance_epsilon != norms[1].variance_epsilon)):
+                return None
+            input_norm = norms[0].weight if type(norms[0]) is LlamaRMSNorm else None
+            arguments.append((input_norm, norms[1].weight, norms[1].variance_epsilon,
+                              [weight.blocks for weight in packed], [weight.scale for weight in packed],
+                              [weight.kernel_bias for weight in packed], attention.query_heads, attention.kv_heads,
+                              mlp.intermediate_size))
+            layer_ids.append(attention.layer_idx)
+            scalings.append(attention.scaling)
+            max_rows.append(min(weight.kernel_rows for weight in packed))
+        return cls(layer_kernel, arguments, layer_ids, scalings, min(max_rows)) if arguments else None
+
+    def serves(self, hidden: Tensor, mask: Tensor | None, cache) -> bool:
+        """hidden [batch, q, hidden_size]; mask as `__call__` takes it; cache: what the layers append to."""
+        from specpipe.kv_cache import PositionIndexedCache
+
+        return (hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and hidden.shape[0] == 1
+                and 1 <= hidden.shape[1] <= self.max_rows and isinstance(cache, PositionIndexedCache)
+                and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
+                                      and mask.shape[:3] == (1, 1, hidden.shape[1]))))
+
+    def __call__(self, hidden: Tensor, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor],
+                 cache) -> Tensor:
+        """hidden [1, q, hidden_size]; mask [1, 1, q, kv] bool over the cached rows then these, or None (causal);
+        position_embeddings (cos, sin) [1, q, head_dim] -> [1, q, hidden_size]. Appends q rows to `cache`."""
+        q = hidden.shape[1]
+        cos, signed_sin = (table[0, :, 0].contiguous() for table in rotary_tables(position_embeddings))  # [q, hd]
+        rows = hidden[0].contiguous()  # [q, hidden_size]
+        for arguments, layer_idx, scaling in zip(self.arguments, self.layer_ids, self.scalings):
+            like = rows.new_empty(1, arguments[7], 0, cos.shape[-1])  # [1, kv_heads, 0, head_dim]
+            keys, values, length = cache.rows_to_write(layer_idx, like, q)
+            layer_mask = mask[0, 0] if mask is not None else (
+                torch.ones(q, length + q, dtype=torch.bool).tril(length) if q > 1 else None)  # [q, kv]
+            rows = self.layer_kernel(rows, *arguments, cos, signed_sin, keys, values, length, layer_mask, scaling)
+        return rows[None]
+
+
 class KernelAttention:
     """An attention function (transformers' signature, as tree_attention_forward's) over CpuKernel.attention:
     query [1, heads, q, head_dim], key/value [1, kv_heads, kv, head_dim], attention_mask [1, 1, q, kv] bool or
@@ -230,17 +309,20 @@ def _norm_kernel_serves(model: nn.Module) -> bool:
             and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
 
-def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2") -> int:
+def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
+                    layer_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
-    (`attention_isa`: the build's CpuKernel.isa)."""
+    (`attention_isa`: the build's CpuKernel.isa); `layer_kernel`: the kernel's block_decoder_layer
+    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers)."""
     max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
     for module in list(model.modules()):
         if getattr(module, "accepts_lean_kernels", False):  # a draft head with a lean loop of its own (EagleNet)
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
+            module.layer_kernel = layer_kernel
             swapped += 1
         elif lean_model_applies(module):
             module.__class__ = LeanLlamaModel

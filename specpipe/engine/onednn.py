@@ -227,6 +227,9 @@ class OneDNNEngine:
     # weights repacked once in column blocks (CpuKernel.block_product) in place of the weights as loaded;
     # false = over the weights as loaded (the row-by-row product, weight_product)
     kernel_blocks: bool = True
+    # with the blocks, the norm and the attention kernel: a draft head's Llama decoder layers (an EAGLE head's)
+    # run one kernel call each (lean_model.BlockLayers); false = op by op like the target's
+    draft_layers: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
@@ -283,16 +286,22 @@ class OneDNNEngine:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
             lean = swap_lean_blocks(model)
-        lean_models = 0
+        lean_models, layer = 0, None
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
             extension = kernel if kernel is not None else self._extension(path)
             norm, norm_why = self._norm_kernel(path, extension)
             attention, attention_why = self._attention_kernel(path, extension)
+            layer = (blocks.decoder_layer if self.draft_layers and blocks is not None and norm is not None
+                     and attention is not None else None)
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
-                                          attention_isa=extension.isa if extension is not None else "avx2")
+                                          attention_isa=extension.isa if extension is not None else "avx2",
+                                          layer_kernel=layer)
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
+        if lean_models and layer is not None and any(getattr(module, "layer_kernel", None) is layer
+                                                      for module in model.modules()):
+            int8 += "; a draft head's decoder layers one kernel call each"
         rewrite = (f"{path.describe()}{int8}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []

@@ -34,7 +34,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
 from specpipe.engine.blocks import FusedQKVAttention
-from specpipe.engine.lean_model import LeanLlamaModel, lean_decoder_layers, norm_function
+from specpipe.engine.lean_model import BlockLayers, LeanLlamaModel, lean_decoder_layers, norm_function
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
@@ -65,12 +65,16 @@ class EagleNet(nn.Module):
     Under engine=fast the engine hands it its RMSNorm and attention kernels (`norm_kernel`,
     `attention_kernel`, as to the target's lean forward) and inference runs the layers inline
     (specpipe.engine.lean_model.lean_decoder_layers): ~0.1 ms less per draft level of a bf16 head on
-    the 2-core EPYC (0.30 against 0.40 ms), of which a step runs 2-4."""
+    the 2-core EPYC (0.30 against 0.40 ms), of which a step runs 2-4. Where the kernel's build multiplies
+    weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
+    each (specpipe.engine.lean_model.BlockLayers)."""
 
-    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the three below
+    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the four below
     norm_kernel = None
     attention_kernel = None
     attention_max_rows = LeanLlamaModel.attention_max_rows
+    # the kernel's whole decoder layer over column blocks (bf16 on AVX512_BF16 CPUs), run through BlockLayers
+    layer_kernel = None
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
@@ -90,6 +94,9 @@ class EagleNet(nn.Module):
         hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
         rotary = self.rotary_emb(hidden, position_ids)
         if self.lean:
+            block_layers = self._block_layers()
+            if block_layers is not None and block_layers.serves(hidden, mask, cache):
+                return block_layers(hidden, mask, rotary, cache)
             normalize = norm_function(self.norm_kernel, self.layers[0].post_attention_layernorm.weight, hidden)
             return lean_decoder_layers(self, self.layers, hidden, normalize, mask, position_ids, cache,
                                        cache is not None, rotary)
@@ -97,6 +104,15 @@ class EagleNet(nn.Module):
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
                            past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
         return hidden
+
+    def _block_layers(self) -> BlockLayers | None:
+        """The layers as BlockLayers where the engine gave the layer kernel and it serves them (made once: the
+        engine packs the weights once)."""
+        made = self.__dict__.get("_made_block_layers")
+        if made is None or made[0] is not self.layer_kernel:
+            made = (self.layer_kernel, BlockLayers.of(self.layer_kernel, self.layers))
+            self.__dict__["_made_block_layers"] = made
+        return made[1]
 
     @property
     def lean(self) -> bool:
