@@ -17,6 +17,7 @@ from pathlib import Path
 
 import logging
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
@@ -157,14 +158,17 @@ def tree_rows(nodes: list[int], parents: list[int], slots: dict[int, int], commi
     committed + unfed - 1, where `unfed` committed positions never got a row), its ancestors' rows
     and its own (`slots`: node -> cache row, the new nodes included)."""
     q = len(nodes)
-    mask = torch.zeros(q, cached + q, dtype=torch.bool)
+    # built in numpy: torch's indexed assignments cost ~15 us each, an eighth of a draft level of 8 rows
+    mask = np.zeros((q, cached + q), dtype=bool)
     mask[:, :committed] = True
-    positions = torch.empty(q, dtype=torch.long)
+    rows, columns, depths = [], [], []
     for row, node in enumerate(nodes):
         path = path_to(node, parents)
-        mask[row, [slots[walk] for walk in path]] = True
-        positions[row] = committed + unfed - 1 + len(path)
-    return mask, positions
+        rows.extend([row] * len(path))
+        columns.extend(slots[walk] for walk in path)
+        depths.append(committed + unfed - 1 + len(path))
+    mask[rows, columns] = True
+    return torch.from_numpy(mask), torch.tensor(depths, dtype=torch.long)
 
 
 def path_to(node: int, parents: list[int]) -> list[int]:

@@ -256,12 +256,15 @@ class EagleDrafter:
         unfed = unfed_ancestors_first(frontier, parents, session.slots)
         while unfed:  # a node's input is its parent's predicted feature: feed level by level
             ready = [node for node in unfed if parents[node] == ROOT or parents[node] in session.features]
-            self._feed(session, tokens, parents, ready)
+            fed = self._feed(session, tokens, parents, ready)
+            if ready == frontier:  # the usual level: the frontier is the nodes just fed, in their order
+                return fed
             unfed = [node for node in unfed if node not in session.features]
         return torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
                             for node in frontier])  # [m, vocab]
 
-    def _feed(self, session: EagleSession, tokens: list[int], parents: list[int], nodes: list[int]) -> None:
+    def _feed(self, session: EagleSession, tokens: list[int], parents: list[int], nodes: list[int]) -> Tensor:
+        """Feeds `nodes` (their parents fed) as one forward; returns their log-probs [len(nodes), vocab]."""
         cached = session.cache.get_seq_length()
         for row, node in enumerate(nodes):
             session.slots[node] = cached + row
@@ -275,6 +278,7 @@ class EagleDrafter:
         for row, node in enumerate(nodes):
             session.features[node] = predicted[row]
             session.logprobs[node] = logprobs[row]
+        return logprobs
 
     @torch.inference_mode()
     def _forward(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor,

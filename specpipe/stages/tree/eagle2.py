@@ -142,19 +142,20 @@ class Eagle2TreeBuilder:
                 drafting_ms += step_ms
             logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
-            child_rate = float(top.values[:, 0].exp().mean())  # how sure the draft was at this level
+            best_children = top.values[:, 0].tolist()  # [m]
+            child_rate = sum(map(math.exp, best_children)) / len(best_children)  # how sure the draft was at this level
             chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
             cumulative = torch.tensor(frontier_scores, device=top.values.device)[:, None] + top.values  # [m, c]
             first_new = len(tokens)
-            for row, node in enumerate(frontier):
-                tokens.extend(chosen[row].tolist())
-                parents.extend([node] * top.indices.shape[1])
-                log_scores.extend(cumulative[row].tolist())
+            for node, row_tokens, row_scores in zip(frontier, chosen.tolist(), cumulative.tolist()):
+                tokens.extend(row_tokens)
+                parents.extend([node] * len(row_tokens))
+                log_scores.extend(row_scores)
             best = cumulative.flatten().topk(min(self.top_k, len(tokens) - first_new))
-            if math.exp(float(best.values[0])) < self.min_score:
-                break
-            frontier = [first_new + int(i) for i in best.indices]
             frontier_scores = best.values.tolist()
+            if math.exp(frontier_scores[0]) < self.min_score:
+                break
+            frontier = [first_new + index for index in best.indices.tolist()]
         proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
                             scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
         return proposal, drafting_ms
