@@ -576,6 +576,16 @@ def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_
         net(tokens_embedding(tiny_mixed, tokens[:1].repeat(rows), torch.bfloat16), features[:1].repeat(rows, 1),
             torch.arange(rows), torch.ones(rows, rows, dtype=torch.bool).tril(), PositionIndexedCache())
     assert calls == []
+    # a mask that does not fit the cache: the kernel's error, and the cache as it was
+    net.__dict__.pop("_made_block_layers", None)
+    cache = PositionIndexedCache()
+    with torch.inference_mode():
+        net(tokens_embedding(tiny_mixed, tokens[:5], torch.bfloat16), features[:5], torch.arange(5),
+            torch.ones(5, 5, dtype=torch.bool).tril(), cache)
+        with pytest.raises(RuntimeError, match=r"mask: bool \[q, length \+ q\]"):
+            net(tokens_embedding(tiny_mixed, tokens[5:7], torch.bfloat16), features[5:7], torch.tensor([5, 6]),
+                torch.ones(2, 9, dtype=torch.bool), cache)
+    assert cache.get_seq_length() == 5 and all(layer.length == 5 for layer in cache.layers)
     off = drafter_for(tiny_mixed, layers=layers).net.to(torch.bfloat16)
     OneDNNEngine(draft_layers=False).apply(off, quantize=quantize)
     assert off.layer_kernel is None and off.lean

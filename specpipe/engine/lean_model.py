@@ -260,12 +260,17 @@ class BlockLayers:
         q = hidden.shape[1]
         cos, signed_sin = (table[0, :, 0].contiguous() for table in rotary_tables(position_embeddings))  # [q, hd]
         rows = hidden[0].contiguous()  # [q, hidden_size]
-        for arguments, layer_idx, scaling in zip(self.arguments, self.layer_ids, self.scalings):
-            like = rows.new_empty(1, arguments[7], 0, cos.shape[-1])  # [1, kv_heads, 0, head_dim]
-            keys, values, length = cache.rows_to_write(layer_idx, like, q)
-            layer_mask = mask[0, 0] if mask is not None else (
-                torch.ones(q, length + q, dtype=torch.bool).tril(length) if q > 1 else None)  # [q, kv]
-            rows = self.layer_kernel(rows, *arguments, cos, signed_sin, keys, values, length, layer_mask, scaling)
+        started = cache.get_seq_length()
+        try:
+            for arguments, layer_idx, scaling in zip(self.arguments, self.layer_ids, self.scalings):
+                like = rows.new_empty(1, arguments[7], 0, cos.shape[-1])  # [1, kv_heads, 0, head_dim]
+                keys, values, length = cache.rows_to_write(layer_idx, like, q)
+                layer_mask = mask[0, 0] if mask is not None else (
+                    torch.ones(q, length + q, dtype=torch.bool).tril(length) if q > 1 else None)  # [q, kv]
+                rows = self.layer_kernel(rows, *arguments, cos, signed_sin, keys, values, length, layer_mask, scaling)
+        except BaseException:
+            cache.crop(started)  # rows_to_write counted rows a failed call never wrote
+            raise
         return rows[None]
 
 
