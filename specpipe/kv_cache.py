@@ -40,15 +40,24 @@ class PositionIndexedLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # key_states, value_states: [batch, kv_heads, new_tokens, head_dim]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        new_tokens = key_states.shape[-2]
-        end = self.length + new_tokens
-        self._reserve(end)
-        self._key_buffer[:, :, self.length : end].copy_(key_states)
-        self._value_buffer[:, :, self.length : end].copy_(value_states)
-        self.length = end
+        start = self.rows_to_write(key_states, value_states, key_states.shape[-2])
+        try:
+            self._key_buffer[:, :, start : self.length].copy_(key_states)
+            self._value_buffer[:, :, start : self.length].copy_(value_states)
+        except BaseException:
+            self.length = start  # states that do not fit the buffers: nothing was written
+            raise
         return self.keys, self.values
+
+    def rows_to_write(self, key_like: Tensor, value_like: Tensor, new_tokens: int) -> int:
+        """Makes room for `new_tokens` rows after the valid ones and counts them as written; returns the first.
+        key_like, value_like [batch, kv_heads, any, head_dim] give a new layer its buffers' shape and dtype."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_like, value_like)
+        start = self.length
+        self._reserve(start + new_tokens)
+        self.length = start + new_tokens
+        return start
 
     @property
     def keys(self) -> Tensor | None:  # [batch, kv_heads, length, head_dim]
@@ -118,9 +127,5 @@ class PositionIndexedCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(self.layer_class_to_replicate())
         layer = self.layers[layer_idx]
-        if not layer.is_initialized:
-            layer.lazy_initialization(like, like)
-        start = layer.length
-        layer._reserve(start + new_tokens)
-        layer.length = start + new_tokens
+        start = layer.rows_to_write(like, like, new_tokens)
         return layer._key_buffer, layer._value_buffer, start

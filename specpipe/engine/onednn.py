@@ -299,10 +299,9 @@ class OneDNNEngine:
                                           attention_isa=extension.isa if extension is not None else "avx2",
                                           layer_kernel=layer)
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
-        if lean_models and layer is not None and any(getattr(module, "layer_kernel", None) is layer
-                                                      for module in model.modules()):
-            int8 += "; a draft head's decoder layers one kernel call each"
-        rewrite = (f"{path.describe()}{int8}; {lean} attention/MLP blocks lean, {lean_models} model "
+        layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
+            getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
+        rewrite = (f"{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         if whys:
