@@ -959,12 +959,42 @@ def test_fp32_kernel_rows_are_part_of_the_cost_curve_key(tmp_path):
     assert len(paths) == 2
 
 
+@needs_pairs
+def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkeypatch):
+    """engine.block_lookahead_kb only asks the cache for lines earlier: each distance is its own build (cost curves
+    measured apart), the column-block products are bitwise equal with and without it at every group size (it
+    starts at 5 rows), and the engine passes the config's value to the kernel; bad values are refused by name."""
+    from specpipe.engine import cpu_kernel
+
+    names = {cpu_kernel.build_name("avx512_bf16", block_lookahead_kb=kb) for kb in (0, 32, 64)}
+    assert len(names) == 3 and cpu_kernel.build_name("avx512_bf16") in names
+    kernels = {kb: cpu_kernel.CpuKernel(block_lookahead_kb=kb) for kb in (0, 32)}
+    assert all(kernel.blocks is not None for kernel in kernels.values())
+    generator = torch.Generator().manual_seed(12)
+    weight = torch.randn(1200, 576, generator=generator).bfloat16()  # [out, in]: 75 blocks of 18 KB
+    blocks = kernels[0].blocks.pack(weight)
+    for rows in (1, 4, 5, 8, 9, 16, 21):
+        x = torch.randn(rows, 576, generator=generator).bfloat16()  # [rows, in]
+        near, far = (kernel.blocks.product(x, blocks, 1200, None, None) for kernel in kernels.values())
+        assert torch.equal(near, far), rows
+    built = []
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", lambda block_lookahead_kb=32, **_: built.append(block_lookahead_kb)
+                        or kernels[block_lookahead_kb])
+    OneDNNEngine(block_lookahead_kb=0).apply(fresh_tiny().to(torch.bfloat16))
+    assert built and set(built) == {0}
+    for bad in (-1, 513, 1.5, "32"):
+        with pytest.raises(ConfigError, match="engine.block_lookahead_kb must be an integer from 0 to 512"):
+            OneDNNEngine(block_lookahead_kb=bad)
+        with pytest.raises(ValueError, match="block_lookahead_kb must be an integer from 0 to 512"):
+            cpu_kernel.build_flags("avx512_bf16", block_lookahead_kb=bad)
+
+
 def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, caplog):
     from specpipe.engine import cpu_kernel
 
     without_native_bf16(monkeypatch)
 
-    def no_ninja(build_dir, isa, weight_prefetch):
+    def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_ninja)

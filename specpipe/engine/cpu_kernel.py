@@ -292,6 +292,16 @@ struct Int8PairStep {
 constexpr int64_t kPrefetchRows = 2;
 // The column blocks' prefetch (block_product): lines ahead in each block it reads. 8 and 16 measured alike.
 constexpr int64_t kBlockPrefetchLines = 16;
+// The column blocks' lookahead (engine.block_lookahead_kb; 0 = none): from kBlockLookaheadRows rows on, each
+// step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's weights streamed (2-core Zen 5 EPYC,
+// interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 / 12.7 with 32 KiB against 10.0 /
+// 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128 KiB no more than 32. Below 5
+// rows the memory is the limit and it gained nothing (a thread's last 32 KiB of each weight are read for nothing).
+#ifndef SPECPIPE_BLOCK_LOOKAHEAD_BYTES
+#define SPECPIPE_BLOCK_LOOKAHEAD_BYTES 32768
+#endif
+constexpr int64_t kBlockLookaheadBytes = SPECPIPE_BLOCK_LOOKAHEAD_BYTES;
+constexpr int kBlockLookaheadRows = 5;
 
 // The prefetch's cache hint (set by the build's flags: engine.weight_prefetch). A weight is read once per
 // forward, and _MM_HINT_T0 let the ~270 MB a SmolLM2-135M forward streams evict everything else from L2
@@ -597,6 +607,12 @@ void block_group(const uint32_t* x, const typename Line::Unit* blocks, Epilogue 
       // kBlockPrefetchLines on in the same block; past its end: the next block's first lines (never a fault)
       _mm_prefetch(reinterpret_cast<const char*>(lines[b] + (p + kBlockPrefetchLines) * kBlockFeatures),
                    SPECPIPE_WEIGHT_HINT);
+      // From kBlockLookaheadRows rows on, a line's arithmetic takes as long as its memory, and the near
+      // prefetch above comes too late for the two to overlap: ask L2 as well for the line kBlockLookaheadBytes
+      // on (the blocks lie one after another: past this block, the next ones; past the weight's end, lines
+      // that go unused, never a fault)
+      if constexpr (R >= kBlockLookaheadRows && kBlockLookaheadBytes > 0)
+        _mm_prefetch(reinterpret_cast<const char*>(lines[b] + p * kBlockFeatures) + kBlockLookaheadBytes, _MM_HINT_T1);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -1352,6 +1368,8 @@ ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"), "avx512": ("-mavx2", "-mfma", "-mavx51
              "avx512_bf16": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")}
 # engine.weight_prefetch: the cache hint of the product's software prefetch of the weights (see the source)
 WEIGHT_PREFETCH_HINTS = {"nta": "_MM_HINT_NTA", "t0": "_MM_HINT_T0"}
+# engine.block_lookahead_kb: at most half of a Zen 5 core's 1 MiB L2 ahead of the line it reads
+MAX_BLOCK_LOOKAHEAD_KB = 512
 
 
 def kernel_isa() -> str:
@@ -1384,7 +1402,7 @@ class CpuKernel:
     `attention` is None (and `attention_reason` says why) where it disagrees with SDPA. One instance
     per engine apply: nothing is kept at module level."""
 
-    def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta") -> None:
+    def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> None:
         self.product = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
@@ -1400,7 +1418,7 @@ class CpuKernel:
         self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel (or another ISA's build) is not reused
-        self.build = build_name(self.isa, weight_prefetch)
+        self.build = build_name(self.isa, weight_prefetch, block_lookahead_kb)
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"
             return
@@ -1408,7 +1426,7 @@ class CpuKernel:
             self.reason = "this CPU has no AVX2/FMA for specpipe's CPU kernel"
             return
         try:
-            module = _build(build_dir, self.isa, weight_prefetch)
+            module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
@@ -1432,27 +1450,32 @@ class CpuKernel:
             self.attention = module.tree_attention
 
 
-def build_flags(isa: str, weight_prefetch: str = "nta") -> list[str]:
-    """The compiler flags of one build: the ISA's, and the cache hint of the product's weight prefetch."""
+def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> list[str]:
+    """The compiler flags of one build: the ISA's, the cache hint of the product's weight prefetch, and how far
+    ahead the column-block product asks L2 for the weight (KiB, 0 = not)."""
     if weight_prefetch not in WEIGHT_PREFETCH_HINTS:
         raise ValueError(f"weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got {weight_prefetch!r}")
-    return [*_CFLAGS, *ISA_FLAGS[isa], f"-DSPECPIPE_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[weight_prefetch]}"]
+    if not (isinstance(block_lookahead_kb, int) and 0 <= block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
+        raise ValueError(f"block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB}, "
+                         f"got {block_lookahead_kb!r}")
+    return [*_CFLAGS, *ISA_FLAGS[isa], f"-DSPECPIPE_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[weight_prefetch]}",
+            f"-DSPECPIPE_BLOCK_LOOKAHEAD_BYTES={1024 * block_lookahead_kb}"]
 
 
-def build_name(isa: str | None = None, weight_prefetch: str = "nta") -> str:
+def build_name(isa: str | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> str:
     """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags' and torch's
     version in 12 hex digits."""
     isa = isa or kernel_isa()
-    flags = " ".join(build_flags(isa, weight_prefetch))
+    flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb))
     return f"specpipe_kernel_{isa}_" + hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
-def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
+def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32):
     from torch.utils import cpp_extension
 
     from specpipe.models import cache_root
 
-    name = build_name(isa, weight_prefetch)
+    name = build_name(isa, weight_prefetch, block_lookahead_kb)
     folder = (build_dir or cache_root() / "kernels") / name
     folder.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
@@ -1466,7 +1489,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta"):
             return cpp_extension.load_inline(
                 name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention",
                            "block_decoder_layer"],
-                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
         os.environ["PATH"] = path

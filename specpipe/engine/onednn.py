@@ -233,6 +233,9 @@ class OneDNNEngine:
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
+    # with column blocks, products of 5 rows or more also ask L2 for the weight this many KiB ahead of the line
+    # they read (their arithmetic then takes as long as the memory, and the near prefetch comes too late); 0 = not
+    block_lookahead_kb: int = 32
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -249,6 +252,11 @@ class OneDNNEngine:
         if self.weight_prefetch not in WEIGHT_PREFETCH_HINTS:
             raise ConfigError(f"engine.weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got "
                               f"{self.weight_prefetch!r}")
+        from specpipe.engine.cpu_kernel import MAX_BLOCK_LOOKAHEAD_KB
+
+        if not (isinstance(self.block_lookahead_kb, int) and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
+            raise ConfigError(f"engine.block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB} (KiB), "
+                              f"got {self.block_lookahead_kb!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -333,7 +341,7 @@ class OneDNNEngine:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        kernel = CpuKernel(weight_prefetch=self.weight_prefetch)
+        kernel = CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
         path = replace(path, kernel_blocks=self.kernel_blocks and kernel.blocks is not None
@@ -364,7 +372,7 @@ class OneDNNEngine:
             return None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        return CpuKernel(weight_prefetch=self.weight_prefetch)
+        return CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb)
 
     def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
         """The extension's RMSNorm for the lean forward, and what the log line says about it."""
