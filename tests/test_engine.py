@@ -1229,3 +1229,48 @@ def test_a_bf16_chain_verified_in_column_blocks_equals_one_token_steps_bitwise(m
     target.prefill(context, cache)
     steps = [target.forward_tree(token, DraftTree.empty(), cache).logits[0] for token in [context[-1], *chain.tolist()]]
     assert torch.equal(verify, torch.stack(steps))
+
+
+# ---- the rotary tables -------------------------------------------------------------------------
+def test_the_rotary_tables_give_bitwise_the_modules_cos_and_sin_and_the_engine_hands_them_out(monkeypatch):
+    """RotaryTables (engine=fast's lookup of each position's cos/sin) against LlamaRotaryEmbedding itself: any
+    positions in any order, one row or many, bf16 and fp32, across a growth of the table; dynamic RoPE is left
+    to the module; a module whose rows depended on their neighbours is noticed and then runs itself."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from specpipe.engine.rotary import RotaryTables
+
+    model = fresh_tiny()
+    rotary = model.model.rotary_emb
+    tables = RotaryTables(rotary)
+    generator = torch.Generator().manual_seed(13)
+    for dtype in (torch.bfloat16, torch.float32):
+        hidden = torch.zeros(1, 1, model.config.hidden_size, dtype=dtype)
+        for limit in (40, 700, 3000):  # the second and third grow the table
+            for q in (1, 2, 9, 64):
+                positions = torch.randint(0, limit, (1, q), generator=generator)  # [1, q]
+                expected, looked_up = rotary(hidden, positions), tables(hidden, positions)
+                assert looked_up[0].dtype == dtype
+                assert torch.equal(expected[0], looked_up[0]) and torch.equal(expected[1], looked_up[1]), (dtype, q)
+    assert tables.exact and next(iter(tables.tables.values()))[0].shape[0] >= 3000
+
+    dynamic = copy.deepcopy(rotary)
+    dynamic.rope_type = "dynamic"
+    assert not RotaryTables.serves(dynamic)
+    with pytest.raises(ValueError, match="RotaryTables serves LlamaRotaryEmbedding"):
+        RotaryTables(dynamic)
+
+    class Neighbourly(LlamaRotaryEmbedding):  # rows that shift with the positions around them
+        def forward(self, x, position_ids):
+            cos, sin = super().forward(x, position_ids)
+            return cos + position_ids.shape[-1] * 1e-3, sin
+    odd = Neighbourly(model.config)
+    with monkeypatch.context() as patched:
+        patched.setattr(RotaryTables, "serves", staticmethod(lambda module: True))
+        odd_tables = RotaryTables(odd)
+    positions = torch.tensor([[3, 5]])
+    assert torch.equal(odd_tables(torch.zeros(1, 1, 4), positions)[0], odd(torch.zeros(1, 1, 4), positions)[0])
+    assert not odd_tables.exact
+
+    OneDNNEngine().apply(model)
+    assert isinstance(model.model.rotary_lookup, RotaryTables) and model.model.rotary_lookup.rotary is rotary

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMo
 
 from specpipe.engine.cpu_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
+from specpipe.engine.rotary import RotaryTables
 from specpipe.target import folded_attention_bias, sdpa_forward, tree_attention_forward
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
@@ -88,6 +89,9 @@ class LeanLlamaModel(LlamaModel):
     # in place of SDPA, the folded tree mask and the transposes around it; None = tree_attention_forward's SDPA.
     attention_kernel = None
     attention_max_rows: Mapping[torch.dtype, int] = MappingProxyType({})  # dtype -> rows, for its build
+    # `rotary_lookup` (set by swap_lean_model): RotaryTables over `rotary_emb`, the cos/sin of each position
+    # looked up instead of computed per forward (bitwise the same); None = the module computes them
+    rotary_lookup = None
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -109,7 +113,7 @@ class LeanLlamaModel(LlamaModel):
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + seen).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   past_key_values=past_key_values, position_ids=position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        position_embeddings = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids=position_ids)
         recorded = [hidden] if output_hidden_states else None
         normalize = norm_function(self.norm_kernel, self.norm.weight, hidden)
         hidden = lean_decoder_layers(self, self.layers[: self.config.num_hidden_layers], hidden, normalize, mask,
@@ -314,13 +318,20 @@ def _norm_kernel_serves(model: nn.Module) -> bool:
             and weights[0].shape[0] <= NORM_MAX_WIDTH)
 
 
+def rotary_lookup(model: nn.Module) -> RotaryTables | None:
+    """Tables of `model.rotary_emb`'s cos/sin per position where they serve it (a fixed-frequency Llama RoPE)."""
+    rotary = getattr(model, "rotary_emb", None)
+    return RotaryTables(rotary) if rotary is not None and RotaryTables.serves(rotary) else None
+
+
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
                     layer_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
     (`attention_isa`: the build's CpuKernel.isa); `layer_kernel`: the kernel's block_decoder_layer
-    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers)."""
+    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers). Each also gets `rotary_lookup`
+    (RotaryTables, where they serve its rotary embedding)."""
     max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
     for module in list(model.modules()):
@@ -328,11 +339,13 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
             module.layer_kernel = layer_kernel
+            module.rotary_lookup = rotary_lookup(module)
             swapped += 1
         elif lean_model_applies(module):
             module.__class__ = LeanLlamaModel
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
+            module.rotary_lookup = rotary_lookup(module)
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

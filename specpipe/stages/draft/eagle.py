@@ -69,12 +69,13 @@ class EagleNet(nn.Module):
     weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
     each (specpipe.engine.lean_model.BlockLayers)."""
 
-    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the four below
+    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the five below
     norm_kernel = None
     attention_kernel = None
     attention_max_rows = LeanLlamaModel.attention_max_rows
     # the kernel's whole decoder layer over column blocks (bf16 on AVX512_BF16 CPUs), run through BlockLayers
     layer_kernel = None
+    rotary_lookup = None  # RotaryTables over rotary_emb (specpipe.engine.rotary)
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
@@ -92,7 +93,7 @@ class EagleNet(nn.Module):
         mask [b, 1, q, kv] bool over the cached rows then these, or None for causal rows without a
         cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]."""
         hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
-        rotary = self.rotary_emb(hidden, position_ids)
+        rotary = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids)
         if self.lean:
             block_layers = self._block_layers()
             if block_layers is not None and block_layers.serves(hidden, mask, cache):
