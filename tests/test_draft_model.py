@@ -220,6 +220,22 @@ def test_eagle2_grows_only_the_frontier_nodes_that_pay_for_their_verify_rows():
     assert drafter.expanded == [[ROOT], [0]]
 
 
+def test_eagle2_with_fixed_sizes_drafts_and_keeps_what_the_published_method_would_whatever_the_costs():
+    """fixed_size (EAGLE-2's own total_tokens): on the costs under which the priced tree above expanded one node
+    and would keep only a few, every level of `top_k` nodes is drafted to `depth` and the `max_nodes` best are
+    kept; the verify curve and the drafter's own cost are not read."""
+    drafter = ScriptedDrafter([{1: 0.8, **{token: 0.02 for token in range(2, 9)}}, {9: 0.9}, {6: 0.5, 7: 0.4}])
+    drafter.cost_curve = CostCurve((1, 64), (1.0, 1.0))
+    builder = Eagle2TreeBuilder(CostCurve((1, 64), (10.0, 73.0)), depth=3, top_k=4, children=4, max_nodes=9,
+                                min_score=0.0, fixed_size=True)
+    tree = builder.build(DecodeState(tokens=[0], prompt_length=1), [], [drafter])
+    assert [len(level) for level in drafter.expanded] == [1, 4, 4]
+    assert len(tree) == 9 and builder.cost_curve(64) == 1.0
+    priced = Eagle2TreeBuilder(CostCurve((1, 64), (10.0, 73.0)), depth=3, top_k=4, children=4, max_nodes=9,
+                               min_score=0.0)
+    assert len(priced.build(DecodeState(tokens=[0], prompt_length=1), [], [drafter])) < 9
+
+
 def test_draft_model_errors_are_clear(tiny_mixed, tmp_path):
     with pytest.raises(ConfigError, match="not a local model directory"):
         drafter_for(tiny_mixed, tmp_path)

@@ -35,6 +35,10 @@ class Eagle2TreeBuilder:
     order is a tree closed under ancestors), as many as maximise expected tokens per
     millisecond on the measured cost curve, drafting time included.
 
+    With `fixed_size` the sizes are EAGLE-2's own, fixed: `depth` levels of `top_k` expanded nodes while they are
+    `min_score` likely, and the `max_nodes` best nodes kept, whatever the cost curves say (on the 2-core EPYC,
+    10 nodes of depth 5 accept more per step than the cost curve's ~6, for less speed: docs/BENCHMARKS.md run 59).
+
     Sampling (temperature > 0): children are drawn without replacement from the draft's
     distribution warped as the target's is, and handed to the verifier with the distribution
     each was drawn from (SpecInfer's multi-draft rejection sampling). How many children each
@@ -50,7 +54,7 @@ class Eagle2TreeBuilder:
 
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
                  max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,
-                 gate: DrafterGate | None = None) -> None:
+                 gate: DrafterGate | None = None, fixed_size: bool = False) -> None:
         for key, value in (("depth", depth), ("top_k", top_k), ("children", children)):
             if value < 1:
                 raise ConfigError(f"tree=eagle2: pipeline.tree.{key} must be >= 1, got {value}")
@@ -62,6 +66,11 @@ class Eagle2TreeBuilder:
         self.top_k = top_k
         self.children = children
         self.min_score = min_score
+        # EAGLE-2 as published: `depth` levels of the `top_k` best frontier nodes, the `max_nodes` best drafted
+        # nodes kept (its total_tokens), sizes never priced; the pipeline's cost curves are set aside
+        self.fixed_size = fixed_size
+        if fixed_size:
+            cost_curve = CostCurve.flat()
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
         self.gate = gate
         # the draft levels' estimated time in the last build (the decoder leaves it out of the step's price)
@@ -124,7 +133,7 @@ class Eagle2TreeBuilder:
         return self._grow_sampled(state, drafter, root_logprobs, other_scores)
 
     def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float]) -> tuple[Proposal, float]:
-        draft_cost = getattr(drafter, "cost_curve", None)
+        draft_cost = None if self.fixed_size else getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
         tokens: list[int] = []
         parents: list[int] = []
@@ -163,7 +172,7 @@ class Eagle2TreeBuilder:
     def _grow_sampled(self, state: DecodeState, drafter: StepDrafter, root_logprobs: Tensor,
                       other_scores: list[float]) -> tuple[Proposal, float]:
         sampling = state.sampling
-        draft_cost = getattr(drafter, "cost_curve", None)
+        draft_cost = None if self.fixed_size else getattr(drafter, "cost_curve", None)
         draft_vocab = getattr(drafter, "draft_vocab", None)
 
         def full_vocab(logprobs: Tensor) -> Tensor:  # the verifier needs each node's whole distribution
