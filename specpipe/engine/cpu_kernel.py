@@ -296,7 +296,8 @@ constexpr int64_t kBlockPrefetchLines = 16;
 // step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's weights streamed (2-core Zen 5 EPYC,
 // interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 / 12.7 with 32 KiB against 10.0 /
 // 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128 KiB no more than 32. Below 5
-// rows the memory is the limit and it gained nothing (a thread's last 32 KiB of each weight are read for nothing).
+// rows the memory is the limit: there it made 1-4 rows 3-13% slower (a thread's last 32 KiB of each weight are
+// read for nothing).
 #ifndef SPECPIPE_BLOCK_LOOKAHEAD_BYTES
 #define SPECPIPE_BLOCK_LOOKAHEAD_BYTES 32768
 #endif
