@@ -982,7 +982,7 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
                         or kernels[block_lookahead_kb])
     OneDNNEngine(block_lookahead_kb=0).apply(fresh_tiny().to(torch.bfloat16))
     assert built and set(built) == {0}
-    for bad in (-1, 513, 1.5, "32"):
+    for bad in (-1, 513, 1.5, "32", True):
         with pytest.raises(ConfigError, match="engine.block_lookahead_kb must be an integer from 0 to 512"):
             OneDNNEngine(block_lookahead_kb=bad)
         with pytest.raises(ValueError, match="block_lookahead_kb must be an integer from 0 to 512"):

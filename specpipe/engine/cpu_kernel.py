@@ -1456,7 +1456,7 @@ def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int 
     ahead the column-block product asks L2 for the weight (KiB, 0 = not)."""
     if weight_prefetch not in WEIGHT_PREFETCH_HINTS:
         raise ValueError(f"weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got {weight_prefetch!r}")
-    if not (isinstance(block_lookahead_kb, int) and 0 <= block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
+    if not (type(block_lookahead_kb) is int and 0 <= block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
         raise ValueError(f"block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB}, "
                          f"got {block_lookahead_kb!r}")
     return [*_CFLAGS, *ISA_FLAGS[isa], f"-DSPECPIPE_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[weight_prefetch]}",

@@ -254,7 +254,7 @@ class OneDNNEngine:
                               f"{self.weight_prefetch!r}")
         from specpipe.engine.cpu_kernel import MAX_BLOCK_LOOKAHEAD_KB
 
-        if not (isinstance(self.block_lookahead_kb, int) and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
+        if not (type(self.block_lookahead_kb) is int and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
             raise ConfigError(f"engine.block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB} (KiB), "
                               f"got {self.block_lookahead_kb!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
