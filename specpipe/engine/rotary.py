@@ -5,7 +5,7 @@ small ops on the 2-core Zen 5 EPYC: paid by each target forward and by each leve
 whole level is ~0.55 ms (docs/BENCHMARKS.md run 59). Every value it returns is elementwise in the position
 (position x inv_freq, then cos or sin, times the scaling, cast to the dtype), so a position's row does not
 depend on the positions beside it; the tables here are made by the module itself, a slice of positions at a
-time, and a lookup returns bitwise what the module returns (tested, and checked on the first slice made).
+time, and a lookup returns bitwise what the module returns (tested, and spot-checked each time a table grows).
 """
 from __future__ import annotations
 
