@@ -529,8 +529,7 @@ def test_under_the_fast_engine_the_head_runs_its_layers_inline_through_the_kerne
 def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_them(tiny_mixed, layers, quantize):
     """Where the kernel multiplies weights in column blocks (AVX512_BF16), engine=fast runs each of a bf16 EAGLE
     head's decoder layers in one call of its block_decoder_layer: a prompt's causal rows and tree rows under a
-    tree mask give the op-by-op lean loop's predicted features and cache rows (to a bf16 step: the SiLU's exp is
-    the C library's), bf16 and int8 weights, a second layer's input norm included; engine.draft_layers=false and
+    tree mask give the op-by-op lean loop's predicted features and cache rows (to a bf16 step), bf16 and int8 weights, a second layer's input norm included; engine.draft_layers=false and
     rows beyond the kernel's go through the lean loop."""
     from specpipe.engine.onednn import OneDNNEngine
 

@@ -579,6 +579,17 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
                   torch.randn(1, 2, 5, 64).to(dtype), None, 0.125)
     with pytest.raises(RuntimeError, match=r"mask: bool \[q, kv\]"):
         attention(query, key, value, torch.ones(2, 39, dtype=torch.bool), 0.125)
+    # AVX-512 builds: a row whose last keys are masked gets, bit for bit, what it gets over the keys it sees alone,
+    # whether they fill the score blocks or not (a chain's verify rows then equal its one-token steps); the AVX2
+    # build sums a block's dot products and a lone key's in other orders
+    for head_dim in (64, 128) if isa != "avx2" else ():
+        for kv in (1, 5, 16, 17, 40, 47):
+            cache = torch.randn(2, 1, 3, kv + 9, head_dim, generator=generator).to(dtype)  # [K|V, 1, 3, kv + 9, hd]
+            query = torch.randn(1, 9, 1, head_dim, generator=generator).to(dtype)
+            mask = torch.ones(1, kv + 9, dtype=torch.bool)
+            mask[0, kv:] = False
+            assert torch.equal(attention(query, cache[0], cache[1], mask, 0.125),
+                               attention(query, cache[0, :, :, :kv], cache[1, :, :, :kv], None, 0.125)), (head_dim, kv)
 
 
 @needs_compiler
@@ -693,6 +704,68 @@ def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_anot
 
 
 @needs_compiler
+def test_the_kernels_silu_gate_is_bitwise_torchs_where_it_serves_and_the_check_catches_another_exp():
+    """CpuKernel.gate against F.silu(gate) * up over the halves of one product's rows (the lean MLP's layout), fp32
+    and bf16, one row to the most rows it serves; where ATen's silu would run over threads or with a scalar tail
+    the kernel does not serve; a gate whose exp rounds otherwise is caught by the load-time check; bad input is
+    refused by name."""
+    import torch.nn.functional as F
+
+    from specpipe.engine import cpu_kernel
+
+    kernel = cpu_kernel.CpuKernel()
+    assert kernel.product is not None, kernel.reason
+    if kernel.gate is None:  # this torch's silu rounds otherwise: said, and torch's ops serve
+        assert kernel.gate_reason.startswith("its SiLU gate is not bitwise torch's here")
+        pytest.skip(kernel.gate_reason)
+    generator = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, intermediate in ((1, 1536), (9, 1536), (21, 1536), (3, 64), (1, 28672)):
+            assert cpu_kernel.serves_gate(rows, intermediate)
+            gate_up = (torch.randn(1, rows, 2 * intermediate, generator=generator) * 6).to(dtype)  # [1, rows, 2n]
+            gate, up = gate_up.split(intermediate, dim=-1)
+            got = kernel.gate(gate_up)
+            assert got.shape == (1, rows, intermediate) and torch.equal(got, F.silu(gate) * up), (dtype, rows)
+    assert not cpu_kernel.serves_gate(22, 1536)  # 33792 values: ATen splits them over its threads
+    assert not cpu_kernel.serves_gate(1, 1000)  # not whole vector steps: ATen's scalar tail
+    # silu computed in fp64 and rounded once rounds some value otherwise than ATen's fp32 vector exp
+    assert cpu_kernel._gate_mismatch(lambda gate_up: (
+        F.silu(gate_up.double()[..., :gate_up.shape[-1] // 2]) * gate_up.double()[..., gate_up.shape[-1] // 2:]
+    ).to(gate_up.dtype))
+    with pytest.raises(RuntimeError, match="a multiple of"):
+        kernel.gate(torch.randn(2, 30))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        kernel.gate(torch.randn(2, 64).half())
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_lean_mlp_gates_through_the_kernel_where_it_serves_and_computes_the_same(dtype):
+    """engine=fast's MLP blocks hand steps' and verifies' gates to CpuKernel.gate and a long prompt's to torch;
+    the logits equal, bit for bit, those of engine.kernel_gate=false."""
+    with_gate, without = fresh_tiny(dtype), fresh_tiny(dtype)
+    OneDNNEngine().apply(with_gate)
+    OneDNNEngine(kernel_gate=False).apply(without)
+    mlps = [module for module in with_gate.modules() if isinstance(module, FusedGatedMLP)]
+    assert mlps and all(module._gate_kernel is None for module in without.modules() if isinstance(module, FusedGatedMLP))
+    if mlps[0]._gate_kernel is None:
+        pytest.skip("the kernel's gate does not serve here: " + getattr(with_gate, REWRITE_ATTRIBUTE))
+    calls = []
+    for module in mlps:
+        kernel = module._gate_kernel
+        module._gate_kernel = lambda gate_up, kernel=kernel: calls.append(gate_up.shape[1]) or kernel(gate_up)
+    intermediate = mlps[0].intermediate_size
+    long_prompt = 32768 // intermediate + 1  # rows whose gate ATen would spread over threads
+    generator = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for rows in (1, 5, long_prompt):
+            tokens = torch.randint(0, with_gate.config.vocab_size, (1, rows), generator=generator)
+            calls.clear()
+            assert torch.equal(with_gate(tokens).logits, without(tokens).logits), rows
+            assert calls == ([rows] * len(mlps) if rows < long_prompt else []), rows
+
+
+@needs_compiler
 @pytest.mark.parametrize("rows", [1, 5])
 def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_computes(monkeypatch, caplog, rows):
     """A CPU without a oneDNN bf16 kernel: the bf16 products and norms in specpipe's kernel, the lean
@@ -707,7 +780,7 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     if lean.model.norm_kernel is None:
         assert "1 model forward lean (RMSNorm in torch: its RMSNorm is not bitwise torch's here" in caplog.text
     else:
-        assert f"1 model forward lean (RMSNorm in specpipe's kernel {build_name()})" in caplog.text
+        assert f"1 model forward lean (RMSNorm in specpipe's kernel {build_name()}" in caplog.text
     assert_same_forwards(stock, lean, rows)
     # a norm cast to another dtype than the hidden states after the swap: torch's norm serves them all
     # (the kernel would refuse the mixed dtypes)
@@ -989,12 +1062,41 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
             cpu_kernel.build_flags("avx512_bf16", block_lookahead_kb=bad)
 
 
+@needs_pairs
+def test_the_paired_bf16_attention_is_a_build_switch_and_both_builds_agree_with_sdpa(monkeypatch):
+    """engine.attention_pairs: its own build; the paired attention (bf16 weights, two value rows per vdpbf16ps) and
+    the unpaired one both pass the load-time check against SDPA, differ in the last bits (the switch is real) and
+    leave fp32 alone; the engine hands the config's value to the kernel; a non-bool is refused by name."""
+    from specpipe.engine import cpu_kernel
+
+    assert cpu_kernel.build_name("avx512_bf16", attention_pairs=False) != cpu_kernel.build_name("avx512_bf16")
+    paired, unpaired = (cpu_kernel._build(None, "avx512_bf16", "nta", 32, pairs).tree_attention for pairs in (True, False))
+    assert cpu_kernel._attention_mismatch(paired) == "" and cpu_kernel._attention_mismatch(unpaired) == ""
+    generator = torch.Generator().manual_seed(21)
+    for dtype in (torch.bfloat16, torch.float32):
+        query = torch.randn(1, 9, 4, 64, generator=generator).to(dtype)
+        key, value = torch.randn(2, 1, 3, 200, 64, generator=generator).to(dtype)
+        outputs = [attention(query, key, value, None, 0.125) for attention in (paired, unpaired)]
+        assert torch.equal(*outputs) == (dtype == torch.float32)
+    kernels = {pairs: cpu_kernel.CpuKernel(attention_pairs=pairs) for pairs in (True, False)}
+    built = []
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", lambda attention_pairs=True, **_: built.append(attention_pairs)
+                        or kernels[attention_pairs])
+    OneDNNEngine(attention_pairs=False).apply(fresh_tiny().to(torch.bfloat16))
+    assert built and set(built) == {False}
+    for bad in (0, "true", None):
+        with pytest.raises(ConfigError, match="engine.attention_pairs must be true or false"):
+            OneDNNEngine(attention_pairs=bad)
+        with pytest.raises(ValueError, match="attention_pairs must be true or false"):
+            cpu_kernel.build_flags("avx512_bf16", attention_pairs=bad)
+
+
 def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, caplog):
     from specpipe.engine import cpu_kernel
 
     without_native_bf16(monkeypatch)
 
-    def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb):
+    def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb, attention_pairs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_ninja)

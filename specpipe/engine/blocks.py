@@ -23,6 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, eager_attention_forward
 
+from specpipe.engine.cpu_kernel import serves_gate
 from specpipe.engine.onednn import OneDNNLinear, PackedWeight
 
 
@@ -103,22 +104,28 @@ class FusedQKVAttention(nn.Module):
 
 
 class FusedGatedMLP(nn.Module):
-    """LlamaMLP's forward (SiLU-gated) over one gate|up product."""
+    """LlamaMLP's forward (SiLU-gated) over one gate|up product; `gate_kernel` (CpuKernel.gate) computes
+    silu(gate) * up in one call over both threads for the rows where it is bitwise torch's (decoding steps and
+    verifies: ATen ran the two ops apart on one thread, ~20 us a 9-row verify per layer)."""
 
-    def __init__(self, mlp: LlamaMLP, gate_up: PackedWeight) -> None:
+    def __init__(self, mlp: LlamaMLP, gate_up: PackedWeight, gate_kernel: Callable[[Tensor], Tensor] | None = None) -> None:
         super().__init__()
         self.gate_up = gate_up
         self.intermediate_size = gate_up.splits[0]
         self.down_proj = mlp.down_proj
         self._down_product = _direct_product(self.down_proj)
+        self._gate_kernel = gate_kernel
 
     def forward(self, x: Tensor) -> Tensor:
-        # x [batch, q, hidden] -> gate, up [batch, q, intermediate] -> [batch, q, hidden]
-        gate, up = self.gate_up.product(x).split(self.intermediate_size, dim=-1)
+        # x [batch, q, hidden] -> gate_up [batch, q, 2 * intermediate] -> [batch, q, hidden]
+        gate_up = self.gate_up.product(x)
+        if self._gate_kernel is not None and serves_gate(gate_up.numel() // gate_up.shape[-1], self.intermediate_size):
+            return self._down_product(self._gate_kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self._down_product(F.silu(gate) * up)
 
 
-def _lean_block(module: nn.Module) -> nn.Module | None:
+def _lean_block(module: nn.Module, gate_kernel: Callable[[Tensor], Tensor] | None = None) -> nn.Module | None:
     if type(module).forward is LlamaAttention.forward:
         qkv = _shared_packing(module, ("q_proj", "k_proj", "v_proj"))
         if qkv is not None and not module.training and qkv.splits[1] == qkv.splits[2]:
@@ -126,16 +133,17 @@ def _lean_block(module: nn.Module) -> nn.Module | None:
     if type(module).forward is LlamaMLP.forward and isinstance(module.act_fn, (nn.SiLU, SiLUActivation)):
         gate_up = _shared_packing(module, ("gate_proj", "up_proj"))
         if gate_up is not None and isinstance(module.down_proj, OneDNNLinear):
-            return FusedGatedMLP(module, gate_up)
+            return FusedGatedMLP(module, gate_up, gate_kernel)
     return None
 
 
-def swap_lean_blocks(model: nn.Module) -> int:
-    """Replaces every supported attention/MLP block in place; returns how many were swapped."""
+def swap_lean_blocks(model: nn.Module, gate_kernel: Callable[[Tensor], Tensor] | None = None) -> int:
+    """Replaces every supported attention/MLP block in place (the MLPs' gates over `gate_kernel`, CpuKernel.gate,
+    where it serves); returns how many were swapped."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            lean = _lean_block(child)
+            lean = _lean_block(child, gate_kernel)
             if lean is not None:
                 setattr(parent, name, lean)
                 swapped += 1

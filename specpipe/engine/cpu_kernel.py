@@ -109,6 +109,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <vector>
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -1067,10 +1068,11 @@ void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, co
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
     float* head_scores = scores + g * kv;
-    for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
-    if (visible != nullptr)
-      for (int64_t k = 0; k < kv; ++k)
-        if (!visible[k]) head_scores[k] = -INFINITY;
+    if (visible == nullptr) {
+      for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
+    } else {  // a select, not a branch per key: the compiler makes vectors of it
+      for (int64_t k = 0; k < kv; ++k) head_scores[k] = visible[k] ? head_scores[k] * scale : -INFINITY;
+    }
     const float sum = softmax_weights(head_scores, kv);
     inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
@@ -1119,12 +1121,201 @@ void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, co
   }
 }
 
+#ifdef __AVX512BF16__
+// lane k of the result = the sum of dots[k]'s lanes: 16 horizontal sums in 45 shuffles and adds where
+// one reduction each takes ~8
+inline __m512 lanes_sum16(const __m512* dots) {
+  __m512 halves[8], quarters[4];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k)
+    halves[k] = _mm512_add_ps(_mm512_unpacklo_ps(dots[2 * k], dots[2 * k + 1]),
+                              _mm512_unpackhi_ps(dots[2 * k], dots[2 * k + 1]));
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(halves[2 * k]), b = _mm512_castps_pd(halves[2 * k + 1]);
+    quarters[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // each 128-bit block of quarters[k] now holds that block's part of dots 4k..4k+3
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[0], quarters[1], 0x44),
+                                   _mm512_shuffle_f32x4(quarters[0], quarters[1], 0xEE));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2], quarters[3], 0x44),
+                                    _mm512_shuffle_f32x4(quarters[2], quarters[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// The value rows of keys j and j + 1 as pairs (dims interleaved 16 bits apart), the operand vdpbf16ps
+// multiplies by a pair of weights: per 32 dims, `lo` holds dims 0-3, 8-11, 16-19, 24-27 and `hi` the rest
+template <int NV>
+inline void value_pairs(const uint16_t* first, const uint16_t* second, __m512i* pairs) {
+#pragma GCC unroll 8
+  for (int v = 0; v < NV / 2; ++v) {
+    const __m512i a = _mm512_loadu_si512(first + 32 * v), b = _mm512_loadu_si512(second + 32 * v);
+    pairs[2 * v] = _mm512_unpacklo_epi16(a, b);
+    pairs[2 * v + 1] = _mm512_unpackhi_epi16(a, b);
+  }
+}
+
+// sums[h][v] += the HC heads' weight pairs times the values' pairs, over the keys [0, kv): two keys per
+// vdpbf16ps, each pair of value rows interleaved once for all HC heads; an odd last key pairs with zeros
+template <int NV, int HC>
+void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
+                            int64_t pairs_per_head, __m512* sums) {
+  __m512 acc[HC][NV];
+#pragma GCC unroll 4
+  for (int h = 0; h < HC; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+  __m512i pairs[NV];
+  const int64_t even_end = kv - kv % 2;
+  for (int64_t j = 0; j < even_end; j += 2) {
+    value_pairs<NV>(values + j * value_stride, values + (j + 1) * value_stride, pairs);
+#pragma GCC unroll 4
+    for (int h = 0; h < HC; ++h) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + j / 2]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], (__m512bh)pairs[v], weight);
+    }
+  }
+  if (even_end < kv) {
+    alignas(64) uint16_t zeros[NV * 16] = {};
+    value_pairs<NV>(values + even_end * value_stride, zeros, pairs);
+#pragma GCC unroll 4
+    for (int h = 0; h < HC; ++h) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + even_end / 2]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], (__m512bh)pairs[v], weight);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HC; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) sums[h * NV + v] = acc[h][v];
+}
+
+// accumulate_value_pairs for heads [First, G), as many at once as their sums and the value pairs leave
+// registers for (4 heads of 64 dims, 2 of 128)
+template <int NV, int G, int First>
+void accumulate_heads(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
+                      int64_t pairs_per_head, __m512* sums) {
+  if constexpr (First < G) {
+    constexpr int kAtOnce = NV <= 4 ? 4 : 2;
+    constexpr int kCount = G - First < kAtOnce ? G - First : kAtOnce;
+    accumulate_value_pairs<NV, kCount>(values, value_stride, kv, weight_pairs + First * pairs_per_head,
+                                       pairs_per_head, sums + First * NV);
+    accumulate_heads<NV, G, First + kCount>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+  }
+}
+
+// One query row of G query heads that read the same KV head, bf16 on the AVX512_BF16 build, head_dim
+// NV x 16 (64 or 128): attend_heads' result to bf16 rounding, in fewer instructions. Its multiply-adds had
+// bound it (one per 16 values of a value row per head, each key alone): here 16 keys' scores come out of
+// one vector reduction and are scaled and masked 16 at a time, and the weights, rounded to bf16 (as
+// transformers' eager attention and ATen's flash attention round them before their products with the
+// values), multiply two value rows per vdpbf16ps. `scores` [G, kv] and `weight_pairs` [G, kv / 2 + 1]
+// are scratch.
+template <int NV, int G>
+void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, int64_t key_stride,
+                         const uint16_t* values, int64_t value_stride, const bool* visible, int64_t kv, float scale,
+                         uint16_t* const* outs, float* scores, uint32_t* weight_pairs) {
+  constexpr int kPairRegisters = NV / 2;  // a row of head_dim bf16 values
+  const __m512 scale_lanes = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-INFINITY);
+  // every key's score comes out of lanes_sum16 (a last, partial block padded with zero dots), so a key's
+  // score has the same bits whatever keys follow it: a chain's verify rows equal its one-token steps
+  for (int64_t j = 0; j < kv; j += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, kv - j));
+    const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
+    __mmask16 seen = present;
+    if (visible != nullptr && count == 16) {
+      seen = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(visible + j))),
+                                    _mm512_set1_epi32(1));
+    } else if (visible != nullptr) {
+      seen = 0;
+      for (int k = 0; k < count; ++k) seen |= static_cast<__mmask16>(visible[j + k] ? 1u << k : 0u);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      __m512i row[kPairRegisters];
+#pragma GCC unroll 8
+      for (int v = 0; v < kPairRegisters; ++v) row[v] = _mm512_loadu_si512(queries[g] + 32 * v);
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        __m512 acc = _mm512_setzero_ps();
+        if (count == 16 || k < count)
+#pragma GCC unroll 8
+          for (int v = 0; v < kPairRegisters; ++v)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(keys + (j + k) * key_stride + 32 * v),
+                                   (__m512bh)row[v]);
+        dots[k] = acc;
+      }
+      _mm512_mask_storeu_ps(scores + g * kv + j, present,
+                            _mm512_mask_blend_ps(seen, masked, _mm512_mul_ps(lanes_sum16(dots), scale_lanes)));
+    }
+  }
+  const int64_t pairs_per_head = kv / 2 + 1;
+  float inverse[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    float* head_scores = scores + g * kv;
+    const float sum = softmax_weights(head_scores, kv);
+    inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    uint16_t* rounded = reinterpret_cast<uint16_t*>(weight_pairs + g * pairs_per_head);
+    int64_t k = 0;
+    for (; k + 16 <= kv; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(head_scores + k)));
+    for (; k < kv; ++k) rounded[k] = c10::BFloat16(head_scores[k]).x;
+    rounded[kv] = 0;  // an odd last key's partner
+  }
+  __m512 sums[G * NV];
+  accumulate_heads<NV, G, 0>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+  // back to the dims' order: per 32 dims, lo's and hi's blocks of four alternate
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) float result[NV * 16];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m512 head_inverse = _mm512_set1_ps(inverse[g]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v) {
+      const __m512 lo = sums[g * NV + 2 * v], hi = sums[g * NV + 2 * v + 1];
+      _mm512_store_ps(result + 32 * v, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), head_inverse));
+      _mm512_store_ps(result + 32 * v + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), head_inverse));
+    }
+    for (int64_t d = 0; d < NV * 16; ++d) store_value(outs[g] + d, result[d]);
+  }
+}
+#endif
+
 // The query heads [first, first + count) of one KV head over one row, `count` of them together where the
-// head size has a vector path (count <= max_heads_together), else one at a time through attend_row.
+// head size has a vector path (count <= max_heads_together), else one at a time through attend_row. bf16
+// rows of 64 or 128 dims take attend_heads_paired on the AVX512_BF16 build (SPECPIPE_ATTENTION_PAIRS=0
+// builds without it); `weight_pairs` [count, kv / 2 + 1] is its scratch.
+#ifndef SPECPIPE_ATTENTION_PAIRS
+#define SPECPIPE_ATTENTION_PAIRS 1
+#endif
 template <int NV, typename T>
 void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t key_stride, const T* values,
                      int64_t value_stride, const bool* visible, int64_t kv, float scale, T* const* outs,
-                     float* scores) {
+                     float* scores, uint32_t* weight_pairs) {
+#if defined(__AVX512BF16__) && SPECPIPE_ATTENTION_PAIRS
+  if constexpr (std::is_same_v<T, uint16_t> && (NV == 4 || NV == 8)) {
+    switch (count) {
+      case 4:
+        return attend_heads_paired<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+      case 3:
+        return attend_heads_paired<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+      case 2:
+        return attend_heads_paired<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+    }
+    for (int g = 0; g < count; ++g)
+      attend_heads_paired<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g,
+                                 scores, weight_pairs);
+    return;
+  }
+#endif
   switch (count) {
     case 4:
       if constexpr (max_heads_together<NV, T>() >= 4)
@@ -1171,6 +1362,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   // read the same keys); a verify's units spread evenly over the threads
   at::parallel_for(0, kv_heads * chunks * q, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(together * kv), sums(head_dim);
+    std::vector<uint32_t> weight_pairs(together * (kv / 2 + 1));
     const Raw* queries[4];
     Raw* outs[4];
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -1187,15 +1379,15 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
       switch (nv) {
         case 4:
           attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                             outs, scores.data());
+                             outs, scores.data(), weight_pairs.data());
           break;
         case 8:
           attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                             outs, scores.data());
+                             outs, scores.data(), weight_pairs.data());
           break;
         case 16:
           attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                              outs, scores.data());
+                              outs, scores.data(), weight_pairs.data());
           break;
         default:
           attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale,
@@ -1239,13 +1431,106 @@ torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tens
   return out;
 }
 
+// ---- the MLP's SiLU gate in one call ----
+namespace {
+
+// ATen's own vector exp (Vectorized<float>::exp is Sleef's, which libtorch_cpu exports): the gate must
+// round as F.silu does, bit for bit
+#ifdef __AVX512F__
+extern "C" __m512 Sleef_expf16_u10(__m512);
+inline Lanes aten_exp(Lanes x) { return Sleef_expf16_u10(x); }
+inline Lanes lanes_negated(Lanes x) {  // the sign bit flipped, as Vectorized<float>::neg
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
+inline Lanes lanes_div(Lanes a, Lanes b) { return _mm512_div_ps(a, b); }
+// the bf16 nearest to each lane (ties to even, NaN quiet), as c10::BFloat16 rounds: as the upper halves
+// of fp32 lanes
+inline __m512i bf16_bits(Lanes v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7fc0));
+}
+inline Lanes bf16_rounded(Lanes v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+inline void store_bf16(uint16_t* p, Lanes v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+#else
+extern "C" __m256 Sleef_expf8_u10(__m256);
+inline Lanes aten_exp(Lanes x) { return Sleef_expf8_u10(x); }
+inline Lanes lanes_negated(Lanes x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+inline Lanes lanes_div(Lanes a, Lanes b) { return _mm256_div_ps(a, b); }
+inline __m256i bf16_bits(Lanes v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline Lanes bf16_rounded(Lanes v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline void store_bf16(uint16_t* p, Lanes v) {
+  const __m256i bits = bf16_bits(v);  // each below 2^16: packing saturates nothing
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+#endif
+inline Lanes rounded_as(const uint16_t*, Lanes v) { return bf16_rounded(v); }
+inline Lanes rounded_as(const float*, Lanes v) { return v; }
+inline void store_lanes(uint16_t* p, Lanes v) { store_bf16(p, v); }
+inline void store_lanes(float* p, Lanes v) { lanes_store(p, v); }
+
+// out[r] = silu(gate_up[r, :n]) * gate_up[r, n:], each op rounded to T as F.silu(gate) * up rounds: silu
+// as ATen's vector kernel computes it (x / (1 + e^-x)), then the product. Units of 256 values spread over
+// the threads (ATen runs such a gate on one thread below 32768 values).
+template <typename T>
+void gate_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  constexpr int64_t kUnit = 256;
+  const int64_t units_per_row = (n + kUnit - 1) / kUnit;
+  at::parallel_for(0, rows * units_per_row, 2048 / kUnit, [&](int64_t begin, int64_t end) {
+    const Lanes one = lanes_set(1.0f);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / units_per_row, start = (unit % units_per_row) * kUnit;
+      const int64_t stop = std::min(n, start + kUnit);
+      const T* gate = gate_up + r * 2 * n;
+      const T* up = gate + n;
+      for (int64_t i = start; i < stop; i += kLanes) {
+        const Lanes g = load_weights(gate + i);
+        const Lanes silu = rounded_as(gate, lanes_div(g, lanes_add(one, aten_exp(lanes_negated(g)))));
+        store_lanes(out + r * n + i, lanes_mul(silu, load_weights(up + i)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// gate_up [..., 2n] fp32 or bf16, contiguous -> silu(gate) * up [..., n] in its dtype, bitwise F.silu(gate) *
+// up where ATen runs that silu wholly in vectors (n a multiple of its two-vector step; checked when the
+// kernel loads): the lean MLP's two elementwise ops, ~10 us each on one thread for a 9-row verify of
+// SmolLM2-135M, in one pass over both threads.
+torch::Tensor silu_gate(torch::Tensor gate_up) {
+  const auto dtype = gate_up.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "gate_up: fp32 or bf16");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.is_contiguous() && gate_up.size(-1) % (2 * kLanes) == 0,
+              "gate_up: contiguous [..., 2n], n a multiple of ", kLanes);
+  const int64_t n = gate_up.size(-1) / 2, rows = n ? gate_up.numel() / (2 * n) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, gate_up.options());
+  if (dtype == torch::kBFloat16)
+    gate_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
+              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), rows, n);
+  else
+    gate_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  return out;
+}
+
 // ---- a draft head's decoder layer in one call (AVX512_BF16, weights in column blocks) ----
 // A Llama decoder layer over bf16 rows: x + attention(norm(x)), then + the SiLU-gated MLP of its norm, with
 // every product over column blocks, the norms and the attention above, and the rotary embedding, the cache
 // writes, the residual adds and the SiLU gate inline. Each elementwise op rounds to bf16 as torch's bf16 ops
-// do; the SiLU's exp is the C library's, not ATen's vectorized one, so its output may differ from
-// transformers' by a bf16 step now and then: this serves a draft head's layers (an EAGLE head), whose drafts
-// the target verifies, never the target's own. Why: a level of the embedded model's bf16 EAGLE head spent
+// do; the SiLU gate is silu_gate's (ATen's vector exp) where the intermediate size is a multiple of the
+// vector, else the C library's exp, which may differ from transformers' by a bf16 step now and then: this
+// serves a draft head's layers (an EAGLE head), whose drafts the target verifies, never the target's own. Why: a level of the embedded model's bf16 EAGLE head spent
 // ~0.3 ms of ~0.6 in ~100 small torch ops and their Python around ~0.3 ms of products and attention.
 namespace {
 
@@ -1337,6 +1622,8 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
                                  mask_data, static_cast<float>(scale), attended);
   auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1], true));
   auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true);
+  if (intermediate % kLanes == 0)  // ATen's vector exp, over both threads
+    return bf16_add(x, blocks_times(silu_gate(gate_up), blocks[3], width, scales[3], biases[3], true));
   auto gated = torch::empty({q, intermediate}, hidden.options());
   const at::BFloat16* gate_up_data = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* gated_data = gated.data_ptr<at::BFloat16>();
@@ -1400,10 +1687,12 @@ class CpuKernel:
     """Loads (building it once per machine) the weight product, and the RMSNorm and the decoding
     attention beside it; `product` is None and `reason` says why where they are not available, `norm`
     is None (and `norm_reason` says why) where the norm is not bitwise torch's on this machine,
-    `attention` is None (and `attention_reason` says why) where it disagrees with SDPA. One instance
-    per engine apply: nothing is kept at module level."""
+    `attention` is None (and `attention_reason` says why) where it disagrees with SDPA, `gate` is None (and
+    `gate_reason` says why) where it is not bitwise F.silu(gate) * up here. One instance per engine apply:
+    nothing is kept at module level."""
 
-    def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> None:
+    def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
+                 attention_pairs: bool = True) -> None:
         self.product = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
@@ -1413,13 +1702,16 @@ class CpuKernel:
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
         self.attention = None
+        # gate(gate_up [..., 2n]) -> [..., n]: silu(gate) * up, bitwise torch's where `serves_gate` says so
+        self.gate = None
         self.reason = ""
         self.norm_reason = ""
         self.attention_reason = ""
+        self.gate_reason = ""
         self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel (or another ISA's build) is not reused
-        self.build = build_name(self.isa, weight_prefetch, block_lookahead_kb)
+        self.build = build_name(self.isa, weight_prefetch, block_lookahead_kb, attention_pairs)
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"
             return
@@ -1427,7 +1719,7 @@ class CpuKernel:
             self.reason = "this CPU has no AVX2/FMA for specpipe's CPU kernel"
             return
         try:
-            module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb)
+            module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb, attention_pairs)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
@@ -1449,34 +1741,50 @@ class CpuKernel:
             self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
         else:
             self.attention = module.tree_attention
+        mismatch = _gate_mismatch(module.silu_gate)
+        if mismatch:
+            self.gate_reason = f"its SiLU gate is not bitwise torch's here ({mismatch})"
+        else:
+            self.gate = module.silu_gate
 
 
-def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> list[str]:
-    """The compiler flags of one build: the ISA's, the cache hint of the product's weight prefetch, and how far
-    ahead the column-block product asks L2 for the weight (KiB, 0 = not)."""
+def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
+                attention_pairs: bool = True) -> list[str]:
+    """The compiler flags of one build: the ISA's, the cache hint of the product's weight prefetch, how far
+    ahead the column-block product asks L2 for the weight (KiB, 0 = not), and whether the AVX512_BF16 build's
+    bf16 attention multiplies bf16 weights by pairs of value rows (attend_heads_paired)."""
     if weight_prefetch not in WEIGHT_PREFETCH_HINTS:
         raise ValueError(f"weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got {weight_prefetch!r}")
     if not (type(block_lookahead_kb) is int and 0 <= block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
         raise ValueError(f"block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB}, "
                          f"got {block_lookahead_kb!r}")
     return [*_CFLAGS, *ISA_FLAGS[isa], f"-DSPECPIPE_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[weight_prefetch]}",
-            f"-DSPECPIPE_BLOCK_LOOKAHEAD_BYTES={1024 * block_lookahead_kb}"]
+            f"-DSPECPIPE_BLOCK_LOOKAHEAD_BYTES={1024 * block_lookahead_kb}",
+            *(() if _checked_switch("attention_pairs", attention_pairs) else ("-DSPECPIPE_ATTENTION_PAIRS=0",))]
 
 
-def build_name(isa: str | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32) -> str:
+def _checked_switch(name: str, value: bool) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def build_name(isa: str | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
+               attention_pairs: bool = True) -> str:
     """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags' and torch's
     version in 12 hex digits."""
     isa = isa or kernel_isa()
-    flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb))
+    flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs))
     return f"specpipe_kernel_{isa}_" + hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
-def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32):
+def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
+           attention_pairs: bool = True):
     from torch.utils import cpp_extension
 
     from specpipe.models import cache_root
 
-    name = build_name(isa, weight_prefetch, block_lookahead_kb)
+    name = build_name(isa, weight_prefetch, block_lookahead_kb, attention_pairs)
     folder = (build_dir or cache_root() / "kernels") / name
     folder.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
@@ -1488,9 +1796,9 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
     try:
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention",
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
                            "block_decoder_layer"],
-                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
         os.environ["PATH"] = path
@@ -1584,6 +1892,45 @@ def _attention_mismatch(attention) -> str:
             error = (attention(query, key, value, mask, scale).float() - sdpa_reference(query, key, value, mask, scale))
             if not error.abs().max() <= tolerance:
                 return f"{dtype} head_dim {head_dim}, {q} rows over {kv} keys: max error {error.abs().max():.3g}"
+    return ""
+
+
+# ATen runs an elementwise op of fewer values than its grain size on one thread, each row's values in
+# vector steps of two vectors (64 bf16 on AVX-512): there F.silu rounds every value as the kernel's gate
+# does. Over more values, a thread's share can start mid-row, and ATen's scalar tail (std::exp, not its
+# vector exp) can round a value differently.
+GATE_ALIGNMENT = 64
+ATEN_GRAIN_SIZE = 32768
+
+
+def serves_gate(rows: int, intermediate: int) -> bool:
+    """Whether CpuKernel.gate is bitwise F.silu(gate) * up for `rows` rows of `intermediate` values."""
+    return intermediate % GATE_ALIGNMENT == 0 and rows * intermediate < ATEN_GRAIN_SIZE
+
+
+def _gate_mismatch(gate) -> str:
+    """'' when `gate` equals F.silu(gate) * up bitwise (NaN for NaN) for every bf16 value as the gate, in fp32
+    and bf16, in the layout the lean MLP hands it (gate and up the halves of one product's rows), else which
+    case did not."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # [65536]
+    for dtype in (torch.float32, torch.bfloat16):
+        values = every_bf16.to(dtype)
+        if dtype == torch.float32:  # and fp32 values between the bf16 ones
+            values = torch.cat((values, torch.randn(1 << 14, generator=generator) * 8))
+        for intermediate in (1536, GATE_ALIGNMENT):
+            rows = (ATEN_GRAIN_SIZE - 1) // intermediate
+            for start in range(0, values.numel(), rows * intermediate):
+                gates = values[start:start + rows * intermediate]
+                gates = torch.cat((gates, torch.zeros(-gates.numel() % intermediate, dtype=dtype)))  # whole rows
+                ups = (torch.randn(gates.numel(), generator=generator) * 4).to(dtype)
+                gate_up = torch.cat((gates.view(-1, intermediate), ups.view(-1, intermediate)), dim=1)
+                gate_part, up = gate_up.split(intermediate, dim=-1)
+                expected, got = F.silu(gate_part) * up, gate(gate_up)
+                if not bool(((got == expected) | (got.isnan() & expected.isnan())).all()):
+                    return f"{dtype}, {gate_up.shape[0]} rows of {intermediate}"
     return ""
 
 

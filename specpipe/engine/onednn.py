@@ -223,6 +223,9 @@ class OneDNNEngine:
     # lean_model.KERNEL_ATTENTION_MAX_ROWS query rows) run their attention in the same extension
     # (fp32 sums; checked against SDPA when it loads) instead of SDPA over folded heads
     kernel_attention: bool = True
+    # fp32 and bf16 models: the lean MLP blocks' silu(gate) * up runs as one call of the same extension over
+    # both threads where it is bitwise torch's (checked when it loads; rows of under 32768 values)
+    kernel_gate: bool = True
     # bf16 models where the kernel's build multiplies bf16 pairs (AVX512_BF16): its products run over the
     # weights repacked once in column blocks (CpuKernel.block_product) in place of the weights as loaded;
     # false = over the weights as loaded (the row-by-row product, weight_product)
@@ -236,6 +239,10 @@ class OneDNNEngine:
     # with column blocks, products of 5 rows or more also ask L2 for the weight this many KiB ahead of the line
     # they read (their arithmetic then takes as long as the memory, and the near prefetch comes too late); 0 = not
     block_lookahead_kb: int = 32
+    # bf16 models on the kernel's AVX512_BF16 build: the attention rounds its softmax weights to bf16 (as transformers'
+    # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
+    # faster; false = fp32 weights, one value row per multiply-add
+    attention_pairs: bool = True
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -257,6 +264,8 @@ class OneDNNEngine:
         if not (type(self.block_lookahead_kb) is int and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
             raise ConfigError(f"engine.block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB} (KiB), "
                               f"got {self.block_lookahead_kb!r}")
+        if type(self.attention_pairs) is not bool:
+            raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
@@ -290,15 +299,16 @@ class OneDNNEngine:
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
         lean = 0
+        extension = kernel if kernel is not None else self._extension(path)
+        gate, gate_why = self._gate_kernel(path, extension)
         if self.fuse and self.lean_blocks:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
-            lean = swap_lean_blocks(model)
+            lean = swap_lean_blocks(model, gate_kernel=gate)
         lean_models, layer = 0, None
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
-            extension = kernel if kernel is not None else self._extension(path)
             norm, norm_why = self._norm_kernel(path, extension)
             attention, attention_why = self._attention_kernel(path, extension)
             layer = (blocks.decoder_layer if self.draft_layers and blocks is not None and norm is not None
@@ -312,6 +322,7 @@ class OneDNNEngine:
         rewrite = (f"{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
+        whys += [gate_why] if lean and gate_why else []
         if whys:
             rewrite += f" ({'; '.join(whys)})"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
@@ -341,7 +352,8 @@ class OneDNNEngine:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        kernel = CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb)
+        kernel = CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
+                           attention_pairs=self.attention_pairs)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
         path = replace(path, kernel_blocks=self.kernel_blocks and kernel.blocks is not None
@@ -368,11 +380,13 @@ class OneDNNEngine:
 
     def _extension(self, path: LinearPath) -> CpuKernel | None:
         """The extension for the lean forward's norm and attention where the product path did not load it."""
-        if not (self.kernel_norm or self.kernel_attention) or path.dtype not in (torch.float32, torch.bfloat16):
+        if not (self.kernel_norm or self.kernel_attention or self.kernel_gate) or path.dtype not in (torch.float32,
+                                                                                                     torch.bfloat16):
             return None
         from specpipe.engine.cpu_kernel import CpuKernel
 
-        return CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb)
+        return CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
+                           attention_pairs=self.attention_pairs)
 
     def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
         """The extension's RMSNorm for the lean forward, and what the log line says about it."""
@@ -393,6 +407,16 @@ class OneDNNEngine:
         if kernel.attention is None:
             return None, f"attention in SDPA: {kernel.attention_reason}"
         return kernel.attention, "decoding attention in the kernel"
+
+    def _gate_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
+        """The extension's SiLU gate for the lean MLP blocks, and what the log line says about it."""
+        if not self.kernel_gate or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
+            return None, ""
+        if kernel.product is None:
+            return None, f"SiLU gate in torch: {kernel.reason}"
+        if kernel.gate is None:
+            return None, f"SiLU gate in torch: {kernel.gate_reason}"
+        return kernel.gate, "SiLU gate in the kernel"
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
                       quantized_kernel: Callable | None = None,
