@@ -82,7 +82,14 @@ KV cache's own rows and the boolean tree mask, fp32 sums, the output in the layo
 reads. SDPA took 25-29 us per layer for one bf16 token of SmolLM2-135M over 256 cached tokens, and a
 verify's folded mask and transposes around it added more; the kernel takes 4.3 us (one token) and 12 us
 (4 rows) per layer on a 2-core Zen 5 EPYC, and a whole forward ~10% less time in fp32 and bf16 (run 25,
-docs/BENCHMARKS.md). It agrees with SDPA to float rounding, not bitwise (checked when it loads).
+docs/BENCHMARKS.md). It agrees with SDPA to float rounding, not bitwise (checked when it loads). Its multiply-adds,
+not its reads, bounded it; on the AVX512_BF16 build bf16 rows of 64 or 128 dims (`attend_heads_paired`,
+`engine.attention_pairs`) take 16 keys' scores from one vector reduction and multiply weights rounded to bf16 by
+two value rows per vdpbf16ps: 1.4-1.7x faster per layer (run 60).
+
+`silu_gate` is the lean MLP's silu(gate) * up in one pass over both threads (`engine.kernel_gate`), with ATen's own
+vector exp (Sleef's, exported by libtorch_cpu), so bitwise torch's where ATen runs that silu in vectors on one
+thread (checked over every bf16 value when the kernel loads).
 """
 from __future__ import annotations
 
@@ -1435,9 +1442,11 @@ torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tens
 namespace {
 
 // ATen's own vector exp (Vectorized<float>::exp is Sleef's, which libtorch_cpu exports): the gate must
-// round as F.silu does, bit for bit
+// round as F.silu does, bit for bit. Weak: a torch that does not export it still loads the extension, and
+// silu_gate then refuses to run (the load-time check says so).
 #ifdef __AVX512F__
-extern "C" __m512 Sleef_expf16_u10(__m512);
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+inline bool has_aten_exp() { return &Sleef_expf16_u10 != nullptr; }
 inline Lanes aten_exp(Lanes x) { return Sleef_expf16_u10(x); }
 inline Lanes lanes_negated(Lanes x) {  // the sign bit flipped, as Vectorized<float>::neg
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
@@ -1456,7 +1465,8 @@ inline void store_bf16(uint16_t* p, Lanes v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 #else
-extern "C" __m256 Sleef_expf8_u10(__m256);
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+inline bool has_aten_exp() { return &Sleef_expf8_u10 != nullptr; }
 inline Lanes aten_exp(Lanes x) { return Sleef_expf8_u10(x); }
 inline Lanes lanes_negated(Lanes x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 inline Lanes lanes_div(Lanes a, Lanes b) { return _mm256_div_ps(a, b); }
@@ -1509,6 +1519,7 @@ void gate_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
 // SmolLM2-135M, in one pass over both threads.
 torch::Tensor silu_gate(torch::Tensor gate_up) {
   const auto dtype = gate_up.scalar_type();
+  TORCH_CHECK(has_aten_exp(), "this torch does not export Sleef's vector exp, which ATen's silu uses");
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "gate_up: fp32 or bf16");
   TORCH_CHECK(gate_up.dim() >= 1 && gate_up.is_contiguous() && gate_up.size(-1) % (2 * kLanes) == 0,
               "gate_up: contiguous [..., 2n], n a multiple of ", kLanes);
@@ -1622,7 +1633,7 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
                                  mask_data, static_cast<float>(scale), attended);
   auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1], true));
   auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true);
-  if (intermediate % kLanes == 0)  // ATen's vector exp, over both threads
+  if (intermediate % kLanes == 0 && has_aten_exp())  // ATen's vector exp, over both threads
     return bf16_add(x, blocks_times(silu_gate(gate_up), blocks[3], width, scales[3], biases[3], true));
   auto gated = torch::empty({q, intermediate}, hidden.options());
   const at::BFloat16* gate_up_data = gate_up.data_ptr<at::BFloat16>();
@@ -1741,7 +1752,10 @@ class CpuKernel:
             self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
         else:
             self.attention = module.tree_attention
-        mismatch = _gate_mismatch(module.silu_gate)
+        try:
+            mismatch = _gate_mismatch(module.silu_gate)
+        except RuntimeError as error:  # e.g. a torch without Sleef's exp among its symbols
+            mismatch = _first_line(error)[:200]
         if mismatch:
             self.gate_reason = f"its SiLU gate is not bitwise torch's here ({mismatch})"
         else:
