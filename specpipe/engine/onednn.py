@@ -300,7 +300,8 @@ class OneDNNEngine:
             setattr(module, name, replacement)
         lean = 0
         extension = kernel if kernel is not None else self._extension(path)
-        gate, gate_why = self._gate_kernel(path, extension)
+        gate, gate_why = self._kernel_part(self.kernel_gate, path, extension, "gate", "SiLU gate in torch",
+                                           "SiLU gate in the kernel")
         if self.fuse and self.lean_blocks:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
@@ -309,8 +310,10 @@ class OneDNNEngine:
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
-            norm, norm_why = self._norm_kernel(path, extension)
-            attention, attention_why = self._attention_kernel(path, extension)
+            norm, norm_why = self._kernel_part(self.kernel_norm, path, extension, "norm", "RMSNorm in torch",
+                                               f"RMSNorm in specpipe's kernel {getattr(extension, 'build', '')}")
+            attention, attention_why = self._kernel_part(self.kernel_attention, path, extension, "attention",
+                                                         "attention in SDPA", "decoding attention in the kernel")
             layer = (blocks.decoder_layer if self.draft_layers and blocks is not None and norm is not None
                      and attention is not None else None)
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
@@ -388,35 +391,19 @@ class OneDNNEngine:
         return CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
                            attention_pairs=self.attention_pairs)
 
-    def _norm_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
-        """The extension's RMSNorm for the lean forward, and what the log line says about it."""
-        if not self.kernel_norm or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
+    @staticmethod
+    def _kernel_part(enabled: bool, path: LinearPath, kernel: CpuKernel | None, part: str, instead: str,
+                     served: str) -> tuple[Callable | None, str]:
+        """The extension's `part` (CpuKernel.norm, .attention or .gate) where the config enables it and it serves
+        this dtype, and what the log line says about it: `served`, or why `instead` runs."""
+        if not enabled or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
             return None, ""
         if kernel.product is None:
-            return None, f"RMSNorm in torch: {kernel.reason}"
-        if kernel.norm is None:
-            return None, f"RMSNorm in torch: {kernel.norm_reason}"
-        return kernel.norm, f"RMSNorm in specpipe's kernel {kernel.build}"
-
-    def _attention_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
-        """The extension's decoding attention for the lean forward, and what the log line says about it."""
-        if not self.kernel_attention or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
-            return None, ""
-        if kernel.product is None:
-            return None, f"attention in SDPA: {kernel.reason}"
-        if kernel.attention is None:
-            return None, f"attention in SDPA: {kernel.attention_reason}"
-        return kernel.attention, "decoding attention in the kernel"
-
-    def _gate_kernel(self, path: LinearPath, kernel: CpuKernel | None) -> tuple[Callable | None, str]:
-        """The extension's SiLU gate for the lean MLP blocks, and what the log line says about it."""
-        if not self.kernel_gate or kernel is None or path.dtype not in (torch.float32, torch.bfloat16):
-            return None, ""
-        if kernel.product is None:
-            return None, f"SiLU gate in torch: {kernel.reason}"
-        if kernel.gate is None:
-            return None, f"SiLU gate in torch: {kernel.gate_reason}"
-        return kernel.gate, "SiLU gate in the kernel"
+            return None, f"{instead}: {kernel.reason}"
+        function = getattr(kernel, part)
+        if function is None:
+            return None, f"{instead}: {getattr(kernel, part + '_reason')}"
+        return function, served
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
                       quantized_kernel: Callable | None = None,
