@@ -856,7 +856,8 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
 
 def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     """auto: the kernel where it outran oneDNN (AVX2 fp32, bf16 packed in fp32, AVX-512 up to 8 rows, 24 bf16
-    rows with pair products, 64 in column blocks), not on AMX CPUs, under oneDNN's other bf16 kernels or off x86."""
+    rows with pair products, 64 in column blocks; 12 in column blocks on AMX CPUs), not AMX's other cases, under
+    oneDNN's other bf16 kernels or off x86."""
     def rows(dtype, compute, kernel, isa="avx512"):
         return cpu.auto_kernel_rows(cpu.LinearPath(dtype, compute, kernel, ""), isa)
 
@@ -871,7 +872,10 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     blocks = cpu.LinearPath(bf16, bf16, "brg_matmul:avx512_core_bf16", "", kernel_blocks=True)
     assert cpu.auto_kernel_rows(blocks, "avx512_bf16") == cpu.AUTO_BF16_BLOCK_KERNEL_ROWS == 64
     assert rows(fp32, fp32, "brgemm:avx512_core_amx") == 0
-    assert rows(bf16, bf16, "brgemm:avx512_core_amx_bf16", "avx512_bf16") == 0
+    assert rows(bf16, bf16, "brgemm:avx512_core_amx_bf16", "avx512_bf16") == 0  # pairs, not column blocks
+    amx_blocks = cpu.LinearPath(bf16, bf16, "brg_matmul:avx10_1_512_amx", "", kernel_blocks=True)
+    assert cpu.auto_kernel_rows(amx_blocks, "avx512_bf16") == cpu.AUTO_BF16_AMX_KERNEL_ROWS == 12
+    assert cpu.auto_kernel_rows(amx_blocks, "avx512") == 0  # no pair products: not measured on AMX
     assert rows(bf16, bf16, "brg_matmul:avx2_vnni_2", "avx2") == 0
     monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
     assert rows(fp32, fp32, "gemm:acl", "avx2") == 0

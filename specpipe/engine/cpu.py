@@ -69,6 +69,15 @@ AUTO_BF16_PAIR_KERNEL_ROWS = 24
 #     bf16  25.0  42.4  46.8  67.7  80.9 107.9 151.8
 #        -> 24.5  32.9  38.4  54.5  69.4 102.3 169.1
 AUTO_BF16_BLOCK_KERNEL_ROWS = 64
+# - bf16 weights in column blocks where oneDNN's bf16 kernel runs on AMX tiles: SmolLM2-135M's whole forward on
+#   a 2-core Intel Xeon with AMX (family 6 model 207; oneDNN brg_matmul:avx10_1_512_amx), KV 256, 20
+#   interleaved rounds, median ms (bench/engine_ab.py, session 57), oneDNN -> the blocks for every product:
+#     q        1     2     4     6     8    10    12    14    16    24
+#     bf16  28.8  31.9  33.3  29.0  30.6  33.2  39.9  40.5  38.4  46.0
+#        -> 25.7  28.9  32.2  23.2  26.9  33.1  37.3  40.6  44.3  64.9
+#   AMX's tiles take 16 rows per pass, so from 16 rows oneDNN wins; below, both stream the same weights and the
+#   kernel's one pass over them costs less than oneDNN's per-call set-up.
+AUTO_BF16_AMX_KERNEL_ROWS = 12
 
 
 def onednn_available() -> bool:
@@ -145,14 +154,16 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
     `kernel_isa`, specpipe.engine.cpu_kernel.kernel_isa) serves for a model whose linears take `path` on
     this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
     kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
-    AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs, 64 in column blocks), and 0 on AMX CPUs, under oneDNN's
-    other bf16 kernels and off x86, where the kernel was not measured against oneDNN (or does not exist)."""
+    AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs, 64 in column blocks), 12 bf16 rows in column blocks
+    where oneDNN's bf16 kernel is AMX, and 0 for AMX's other cases, under oneDNN's other bf16 kernels and off x86,
+    where the kernel was not measured against oneDNN (or does not exist)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
     if path.dtype == torch.bfloat16 and path.compute_dtype == torch.float32:
         return AUTO_BF16_UPCAST_KERNEL_ROWS
     if "amx" in path.kernel:
-        return 0
+        blocks = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16" and path.kernel_blocks
+        return AUTO_BF16_AMX_KERNEL_ROWS if blocks else 0
     if "avx512" in path.kernel:
         pairs = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16"
         if pairs:

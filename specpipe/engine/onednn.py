@@ -347,10 +347,10 @@ class OneDNNEngine:
         name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
         rows = getattr(self, name)
         auto = rows == "auto"
-        if auto:  # whether the kernel serves at all; column blocks only raise its rows (once it loaded with them)
+        if auto:  # whether the kernel serves at all, if it loads with the column blocks asked for (checked below)
             from specpipe.engine.cpu_kernel import kernel_isa
 
-            rows = auto_kernel_rows(path, kernel_isa())
+            rows = auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa())
         if rows <= 0:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
@@ -359,14 +359,19 @@ class OneDNNEngine:
                            attention_pairs=self.attention_pairs)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        path = replace(path, kernel_blocks=self.kernel_blocks and kernel.blocks is not None
-                       and path.dtype == torch.bfloat16)
+        path = replace(path, kernel_blocks=self._blocks_asked(path) and kernel.blocks is not None)
         if auto:
             rows = auto_kernel_rows(path, kernel.isa)
+            if rows <= 0:  # on AMX CPUs the kernel outruns oneDNN only in column blocks, and they did not load
+                return replace(path, reason=f"{path.reason}; specpipe's kernel outruns oneDNN's {path.kernel} only "
+                                            f"in column blocks, which its {kernel.isa} build lacks"), None
             why = f"specpipe's kernel outran oneDNN's {path.kernel} for up to {rows} rows on such CPUs"
         else:
             why = f"engine.{name}={rows}"
         return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=f"{path.reason}; {why}"), kernel
+
+    def _blocks_asked(self, path: LinearPath) -> bool:
+        return self.kernel_blocks and path.dtype == torch.bfloat16
 
     def _no_kernel_reason(self, path: LinearPath) -> str:
         """Why `_with_kernel` gave no kernel for `path`, in words."""
@@ -377,7 +382,7 @@ class OneDNNEngine:
         if rows == "auto":
             from specpipe.engine.cpu_kernel import kernel_isa
 
-            if auto_kernel_rows(path, kernel_isa()) == 0:
+            if auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa()) == 0:
                 return f"engine.{name}=auto: oneDNN's {path.kernel} outruns it on such CPUs"
         return path.reason  # a kernel that could not be built or run says why there
 
