@@ -881,6 +881,32 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
     assert rows(fp32, fp32, "gemm:acl", "avx2") == 0
 
 
+def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
+    """On a CPU whose oneDNN bf16 kernel is AMX, engine.bf16_kernel_rows=auto serves 12 rows where the kernel loads
+    with column blocks, and leaves every product to oneDNN, saying why, where it loads without them or blocks are
+    off. The kernel is a stand-in, so the test runs alike on every machine."""
+    import specpipe.engine.cpu_kernel as cpu_kernel
+
+    def stand_in(blocks):
+        return lambda **_: SimpleNamespace(product=lambda *args: None, blocks=blocks, isa="avx512_bf16" if blocks
+                                           else "avx512", build="stand-in", reason="")
+
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernel, "kernel_isa", lambda: "avx512_bf16")
+    amx = cpu.LinearPath(torch.bfloat16, torch.bfloat16, "brg_matmul:avx10_1_512_amx", "probed")
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object()))
+    path, kernel = OneDNNEngine()._with_kernel(amx)
+    assert kernel is not None and path.kernel_blocks and path.kernel_rows == cpu.AUTO_BF16_AMX_KERNEL_ROWS == 12
+    assert "outran oneDNN's brg_matmul:avx10_1_512_amx for up to 12 rows" in path.reason
+    path, kernel = OneDNNEngine(kernel_blocks=False)._with_kernel(amx)
+    assert kernel is None and path.kernel_rows == 0
+    assert "outruns it on such CPUs" in OneDNNEngine(kernel_blocks=False)._no_kernel_reason(amx)
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=None))
+    path, kernel = OneDNNEngine()._with_kernel(amx)
+    assert kernel is None and path.kernel_rows == 0
+    assert "only in column blocks, which its avx512 build lacks" in path.reason
+
+
 def assert_output_layer_rounds_once(model: nn.Module, stock: nn.Module, rows: tuple[int, ...]) -> None:
     """`model`'s rewritten bf16 output layer gives the fp32 product of the bf16 values rounded once to bf16, as a bf16
     GEMM's, for products of each number of `rows`."""
