@@ -59,8 +59,9 @@ def main() -> None:
 
     for q in queries:
         before, after = forward("before", q)[1], forward("after", q)[1]
+        differing = int((before.argmax(-1) != after.argmax(-1)).sum())
         print(f"q={q}: logits differ by at most {(before - after).abs().max().item():.3g}, "
-              f"argmax {'equal' if torch.equal(before.argmax(-1), after.argmax(-1)) else 'DIFFERS'} in every row")
+              f"argmax differs in {differing} of {before.shape[0]} rows")
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for q in queries:
