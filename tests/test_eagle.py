@@ -544,11 +544,13 @@ def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_
     net.layer_kernel = lambda rows, *rest: calls.append(rows.shape[0]) or layer_kernel(rows, *rest)
     hidden = tiny_mixed.loaded.model.config.hidden_size
     generator = torch.Generator().manual_seed(46)
-    features = torch.randn(43, hidden, generator=generator).bfloat16()
-    tokens = torch.randint(0, 1000, (43,), generator=generator)
+    # a prompt of as many causal rows as the kernel takes in one call, up to 40 (64 serve on a Zen 5, 12 on AMX CPUs)
+    n = min(40, block_layers.max_rows)
+    features = torch.randn(n + 3, hidden, generator=generator).bfloat16()
+    tokens = torch.randint(0, 1000, (n + 3,), generator=generator)
     tree_mask = torch.ones(3, 3, dtype=torch.bool).tril()
     tree_mask[2, 1] = False  # two siblings under the first node
-    mask = torch.cat([torch.ones(3, 40, dtype=torch.bool), tree_mask], dim=1)  # [3, 43]
+    mask = torch.cat([torch.ones(3, n, dtype=torch.bool), tree_mask], dim=1)  # [3, n + 3]
     outputs = []
     for fused in (True, False):
         net.__dict__.pop("_made_block_layers", None)
@@ -557,14 +559,14 @@ def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_
             net.layer_kernel = None
         cache = PositionIndexedCache()
         with torch.inference_mode():
-            prompt = net(tokens_embedding(tiny_mixed, tokens[:40], torch.bfloat16), features[:40], torch.arange(40),
-                         torch.ones(40, 40, dtype=torch.bool).tril(), cache)
-            tree = net(tokens_embedding(tiny_mixed, tokens[40:], torch.bfloat16), features[40:],
-                       torch.tensor([40, 41, 41]), mask, cache)
+            prompt = net(tokens_embedding(tiny_mixed, tokens[:n], torch.bfloat16), features[:n], torch.arange(n),
+                         torch.ones(n, n, dtype=torch.bool).tril(), cache)
+            tree = net(tokens_embedding(tiny_mixed, tokens[n:], torch.bfloat16), features[n:],
+                       torch.tensor([n, n + 1, n + 1]), mask, cache)
         net.layer_kernel = kept
         outputs.append((prompt, tree, *(torch.stack([layer.keys, layer.values]) for layer in cache.layers)))
-        assert cache.get_seq_length() == 43
-    assert calls == [40] * layers + [3] * layers  # fused: one call per layer and forward; the lean loop none
+        assert cache.get_seq_length() == n + 3
+    assert calls == [n] * layers + [3] * layers  # fused: one call per layer and forward; the lean loop none
     for fused_rows, lean_rows in zip(*outputs):
         torch.testing.assert_close(fused_rows.float(), lean_rows.float(), atol=0.02, rtol=2 ** -7)
     # more rows than the engine routes to the kernel: the lean loop (its products over the weights as packed)
