@@ -348,9 +348,7 @@ class OneDNNEngine:
         rows = getattr(self, name)
         auto = rows == "auto"
         if auto:  # whether the kernel serves at all, if it loads with the column blocks asked for (checked below)
-            from specpipe.engine.cpu_kernel import kernel_isa
-
-            rows = auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa())
+            rows = self._auto_rows_as_asked(path)
         if rows <= 0:
             return path, None
         from specpipe.engine.cpu_kernel import CpuKernel
@@ -373,6 +371,12 @@ class OneDNNEngine:
     def _blocks_asked(self, path: LinearPath) -> bool:
         return self.kernel_blocks and path.dtype == torch.bfloat16
 
+    def _auto_rows_as_asked(self, path: LinearPath) -> int:
+        """`auto_kernel_rows` for `path` on this CPU's kernel build, were it to load with the blocks asked for."""
+        from specpipe.engine.cpu_kernel import kernel_isa
+
+        return auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa())
+
     def _no_kernel_reason(self, path: LinearPath) -> str:
         """Why `_with_kernel` gave no kernel for `path`, in words."""
         name = "bf16_kernel_rows" if path.dtype == torch.bfloat16 else "fp32_kernel_rows"
@@ -380,9 +384,7 @@ class OneDNNEngine:
         if rows == 0:
             return f"engine.{name}=0"
         if rows == "auto":
-            from specpipe.engine.cpu_kernel import kernel_isa
-
-            if auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa()) == 0:
+            if self._auto_rows_as_asked(path) == 0:
                 return f"engine.{name}=auto: oneDNN's {path.kernel} outruns it on such CPUs"
         return path.reason  # a kernel that could not be built or run says why there
 
