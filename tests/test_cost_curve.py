@@ -157,7 +157,8 @@ def test_cost_curve_online_prices_the_whole_step_not_only_its_forward(tiny):
         return propose(state)
 
     proposer.propose = slow_propose
-    steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=20))
+    # 64 tokens: where the tiny model's answer falls into a loop (as under AMX's sums) steps take 16 tokens each
+    steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=64))
     priced = steps[2:]  # every step but the prefill and the first
     assert len(seen) == len(priced) > 2
     for (queries, milliseconds), step in zip(seen, priced):
