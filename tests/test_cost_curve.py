@@ -342,3 +342,21 @@ def test_a_curve_measured_on_a_busy_machine_is_not_cached(tiny, tmp_path, monkey
     assert isinstance(curve, CostCurve) and min(curve.milliseconds) > 0  # the run goes on with it
     assert cost_curve_path(target, kv_length=8, cache_dir=tmp_path).is_file() is not competed
     assert ("is not cached: other processes kept" in caplog.text) is competed
+
+
+@pytest.mark.parametrize("runtime, policy, throttled", [(950000, "SCHED_FIFO", True), (-1, "SCHED_FIFO", False),
+                                                         (950000, "SCHED_OTHER", False)])
+def test_a_benchmark_records_real_time_throttling(tmp_path, monkeypatch, runtime, policy, throttled):
+    """`chrt -f 1` with the kernel's real-time cap stalls a busy decode ~50 ms a second: the report says so."""
+    import os
+
+    from specpipe.tasks import bench_report
+
+    (tmp_path / "sched_rt_runtime_us").write_text(f"{runtime}\n")
+    (tmp_path / "sched_rt_period_us").write_text("1000000\n")
+    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: getattr(os, policy))
+    found = bench_report.realtime_throttling(tmp_path)
+    assert found == ("SCHED_FIFO, throttled to 950000 of every 1000000 us" if throttled else "")
+    machine = {**bench_report.machine_info(), "realtime_throttling": found or "none"}
+    assert ("real-time SCHED_FIFO" in bench_report.machine_line(machine)) == throttled
+

@@ -269,6 +269,24 @@ TABLE_LEGEND = ("Cells: wall-clock speedup over `hf_generate` (ratio of mean tok
                 "share of prompts whose output tokens (all turns) equal `hf_generate`'s.")
 
 
+def realtime_throttling(settings: Path = Path("/proc/sys/kernel")) -> str:
+    """Where this process runs under a real-time policy (`chrt -f 1` runs it SCHED_FIFO) and the kernel
+    caps real-time tasks to a share of each period (Linux's default: 950000 of 1000000 us): a decode
+    that keeps every core busy then stalls for the rest of each period, ~50 ms a second, falling on
+    whichever forward spans it (measured on a 2-core Xeon: 3-5% of bf16 forwards took 2-3x their median
+    under `chrt -f 1`, none without). "" otherwise."""
+    try:
+        policy = os.sched_getscheduler(0)
+        runtime = int((settings / "sched_rt_runtime_us").read_text())
+        period = int((settings / "sched_rt_period_us").read_text())
+    except (AttributeError, OSError, ValueError):
+        return ""
+    names = {os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
+    if policy not in names or runtime < 0 or runtime >= period:
+        return ""
+    return f"{names[policy]}, throttled to {runtime} of every {period} us"
+
+
 def machine_info() -> dict:
     import torch
     import transformers
@@ -299,6 +317,7 @@ def machine_info() -> dict:
         # sleeping OpenMP threads (PASSIVE) made SmolLM2-135M's fp32 step ~35% slower on the 2-core EPYC (run 38)
         "omp_wait_policy": wait_policy or "unset",
         "gomp_spincount": spin_count or "unset",
+        "realtime_throttling": realtime_throttling() or "none",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -319,8 +338,10 @@ def machine_line(machine: dict) -> str:
     waits = "".join(f", {name} {machine[key]}" for key, name in (("omp_wait_policy", "OMP_WAIT_POLICY"),
                                                                    ("gomp_spincount", "GOMP_SPINCOUNT"))
                     if machine.get(key, "unset") != "unset")
+    throttled = machine.get("realtime_throttling", "none")
+    throttled = "" if throttled == "none" else f", real-time {throttled}: stalls the rest of each period (noisy times)"
     return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}"
-            f"{waits}{gpus}{ranks}, torch {machine.get('torch')}, transformers {machine.get('transformers')}")
+            f"{waits}{throttled}{gpus}{ranks}, torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
 
 def _decoding(sampling: dict | None) -> str:
