@@ -80,15 +80,22 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="a config override for every method")
     parser.add_argument("--warmup", type=int, default=1,
                         help="questions run through every method first, not counted (as the benchmark's bench.warmup)")
+    parser.add_argument("--history", default=None,
+                        help="a question JSONL whose first turns go through every method before the warm-up, not counted: "
+                             "what the benchmark's earlier categories teach the calibrations, the drafter gate and the "
+                             "online cost curve before it meets the last ones")
+    parser.add_argument("--history-per-category", type=int, default=4)
     args = parser.parse_args()
 
     questions = select_questions(read_questions(resolve_prompts_path(args.prompts)), args.per_category)
+    history = [] if args.history is None else select_questions(
+        read_questions(resolve_prompts_path(args.history)), args.history_per_category)
     pipelines = {method: build(method, args.dtype, args.override) for method in args.methods}
     pipelines["vanilla"] = next(iter(pipelines.values())).without_drafting()
     totals = {method: collections.defaultdict(collections.Counter) for method in pipelines}  # method -> category -> sums
     order = list(pipelines.items())
     with learning_paused(*pipelines.values()):
-        for question in questions[: args.warmup]:
+        for question in [*history, *questions[: args.warmup]]:
             for _, pipeline in order:
                 for _ in first_turn_steps(pipeline, question, args.max_new_tokens):
                     pass
@@ -98,7 +105,8 @@ def main() -> None:
         return sums["tokens"] / sums["seconds"]
 
     vanilla = sum(totals["vanilla"].values(), collections.Counter())
-    print(f"{args.dtype}, {len(questions)} questions of {args.prompts}, {args.max_new_tokens} new tokens, 2 rounds")
+    print(f"{args.dtype}, {len(questions)} questions of {args.prompts}, {args.max_new_tokens} new tokens, 2 rounds"
+          + (f", after {len(history)} questions of {args.history}" if history else ""))
     print("| method | accepted | nodes | tok/s | vs vanilla | " + " | ".join(f"{s} ms" for s in STAGES) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(STAGES))
     for method in pipelines:
