@@ -359,4 +359,3 @@ def test_a_benchmark_records_real_time_throttling(tmp_path, monkeypatch, runtime
     assert found == ("SCHED_FIFO, throttled to 950000 of every 1000000 us" if throttled else "")
     machine = {**bench_report.machine_info(), "realtime_throttling": found or "none"}
     assert ("real-time SCHED_FIFO" in bench_report.machine_line(machine)) == throttled
-
