@@ -338,8 +338,8 @@ def machine_line(machine: dict) -> str:
     waits = "".join(f", {name} {machine[key]}" for key, name in (("omp_wait_policy", "OMP_WAIT_POLICY"),
                                                                    ("gomp_spincount", "GOMP_SPINCOUNT"))
                     if machine.get(key, "unset") != "unset")
-    throttled = machine.get("realtime_throttling", "none")
-    throttled = "" if throttled == "none" else f", real-time {throttled}: stalls the rest of each period (noisy times)"
+    throttling = machine.get("realtime_throttling", "none")
+    throttled = "" if throttling == "none" else f", real-time {throttling}: stalls the rest of each period (noisy times)"
     return (f"{machine.get('cpu')}{isa}, {machine.get('cores')} cores, torch threads {machine.get('torch_threads')}"
             f"{waits}{throttled}{gpus}{ranks}, torch {machine.get('torch')}, transformers {machine.get('transformers')}")
 
