@@ -1093,6 +1093,41 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
 
 
 @needs_pairs
+def test_the_lookahead_rows_are_a_build_of_their_own_that_computes_the_same(monkeypatch):
+    """engine.block_lookahead_rows moves where the lookahead starts: 1 row is its own build, 5 (the source's
+    default) keeps the default build's name, the products are bitwise equal either way at every group size, auto is
+    1 on CPUs with AMX and 5 elsewhere, the engine hands the resolved value to the kernel, bad values are refused."""
+    from specpipe.engine import cpu_kernel
+
+    assert cpu_kernel.build_name("avx512_bf16", block_lookahead_rows=5) == cpu_kernel.build_name("avx512_bf16")
+    assert cpu_kernel.build_name("avx512_bf16", block_lookahead_rows=1) != cpu_kernel.build_name("avx512_bf16")
+    builds = [cpu_kernel._build(None, "avx512_bf16", "nta", 32, True, rows) for rows in (5, 1)]
+    generator = torch.Generator().manual_seed(13)
+    weight = torch.randn(1200, 576, generator=generator).bfloat16()  # [out, in]
+    blocks = builds[0].pair_blocks(weight)
+    for rows in (1, 2, 4, 5, 8, 16, 21):
+        x = torch.randn(rows, 576, generator=generator).bfloat16()  # [rows, in]
+        late, early = (build.block_product(x, blocks, 1200, None, None) for build in builds)
+        assert torch.equal(late, early), rows
+    for flags, expected in (({"avx512f", "amx_bf16", "amx_tile"}, 1), ({"avx512f", "avx512_bf16"}, 5)):
+        monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda flags=flags: flags)
+        assert OneDNNEngine()._lookahead_rows() == expected
+        assert OneDNNEngine(block_lookahead_rows=3)._lookahead_rows() == 3
+    monkeypatch.undo()
+    kernel = cpu_kernel.CpuKernel()
+    built = []
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", lambda block_lookahead_rows=5, **_: built.append(block_lookahead_rows)
+                        or kernel)
+    OneDNNEngine(block_lookahead_rows=2).apply(fresh_tiny().to(torch.bfloat16))
+    assert built and set(built) == {2}
+    for bad in (0, 17, 1.5, "5", True, None):
+        with pytest.raises(ConfigError, match="engine.block_lookahead_rows must be 'auto' or an integer from 1 to 16"):
+            OneDNNEngine(block_lookahead_rows=bad)
+        with pytest.raises(ValueError, match="block_lookahead_rows must be an integer from 1 to 16"):
+            cpu_kernel.build_flags("avx512_bf16", block_lookahead_rows=bad)
+
+
+@needs_pairs
 def test_the_paired_bf16_attention_is_a_build_switch_and_both_builds_agree_with_sdpa(monkeypatch):
     """engine.attention_pairs: its own build; the paired attention (bf16 weights, two value rows per vdpbf16ps) and
     the unpaired one both pass the load-time check against SDPA, differ in the last bits (the switch is real) and
@@ -1126,7 +1161,7 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
 
     without_native_bf16(monkeypatch)
 
-    def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb, attention_pairs):
+    def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_kernel, "_build", no_ninja)

@@ -300,7 +300,8 @@ struct Int8PairStep {
 constexpr int64_t kPrefetchRows = 2;
 // The column blocks' prefetch (block_product): lines ahead in each block it reads. 8 and 16 measured alike.
 constexpr int64_t kBlockPrefetchLines = 16;
-// The column blocks' lookahead (engine.block_lookahead_kb; 0 = none): from kBlockLookaheadRows rows on, each
+// The column blocks' lookahead (engine.block_lookahead_kb; 0 = none): from kBlockLookaheadRows rows on
+// (engine.block_lookahead_rows), each
 // step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's weights streamed (2-core Zen 5 EPYC,
 // interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 / 12.7 with 32 KiB against 10.0 /
 // 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128 KiB no more than 32. Below 5
@@ -310,7 +311,10 @@ constexpr int64_t kBlockPrefetchLines = 16;
 #define SPECPIPE_BLOCK_LOOKAHEAD_BYTES 32768
 #endif
 constexpr int64_t kBlockLookaheadBytes = SPECPIPE_BLOCK_LOOKAHEAD_BYTES;
-constexpr int kBlockLookaheadRows = 5;
+#ifndef SPECPIPE_BLOCK_LOOKAHEAD_ROWS
+#define SPECPIPE_BLOCK_LOOKAHEAD_ROWS 5
+#endif
+constexpr int kBlockLookaheadRows = SPECPIPE_BLOCK_LOOKAHEAD_ROWS;
 
 // The prefetch's cache hint (set by the build's flags: engine.weight_prefetch). A weight is read once per
 // forward, and _MM_HINT_T0 let the ~270 MB a SmolLM2-135M forward streams evict everything else from L2
@@ -1669,6 +1673,20 @@ ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"), "avx512": ("-mavx2", "-mfma", "-mavx51
 WEIGHT_PREFETCH_HINTS = {"nta": "_MM_HINT_NTA", "t0": "_MM_HINT_T0"}
 # engine.block_lookahead_kb: at most half of a Zen 5 core's 1 MiB L2 ahead of the line it reads
 MAX_BLOCK_LOOKAHEAD_KB = 512
+# engine.block_lookahead_rows: the source's default, and the most rows a column-block pass takes (kBlockMaxRows)
+DEFAULT_BLOCK_LOOKAHEAD_ROWS = 5
+MAX_BLOCK_LOOKAHEAD_ROWS = 16
+# engine.block_lookahead_rows=auto on AMX CPUs. On the 2-core AMX Xeon (family 6 model 207, 15-18 GB/s) SmolLM2-135M's
+# bf16 forward with the lookahead from 1 row against from 5 (interleaved, 15 rounds, median ms): 1 / 2 / 3 / 4 rows
+# 24.3 / 27.1 / 29.0 / 30.2 against 33.9 / 37.5 / 39.0 / 46.0, 5-8 rows alike, logits bitwise equal. Its own
+# prefetchers keep too few lines in flight for a one-row pass; on the Zen 5 EPYC they keep enough and the
+# lookahead made 1-4 rows 3-13% slower, so other CPUs keep the source's 5.
+AUTO_AMX_BLOCK_LOOKAHEAD_ROWS = 1
+
+
+def auto_block_lookahead_rows() -> int:
+    """engine.block_lookahead_rows=auto: from 1 row on CPUs with AMX tiles, from 5 elsewhere (see the constants)."""
+    return AUTO_AMX_BLOCK_LOOKAHEAD_ROWS if "amx_bf16" in cpu_flags() else DEFAULT_BLOCK_LOOKAHEAD_ROWS
 
 
 def kernel_isa() -> str:
@@ -1703,7 +1721,7 @@ class CpuKernel:
     nothing is kept at module level."""
 
     def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
-                 attention_pairs: bool = True) -> None:
+                 attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS) -> None:
         self.product = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
@@ -1722,7 +1740,7 @@ class CpuKernel:
         self.isa = kernel_isa()
         # which build of the source: part of the engine's description, so a cost curve measured with
         # another version of the kernel (or another ISA's build) is not reused
-        self.build = build_name(self.isa, weight_prefetch, block_lookahead_kb, attention_pairs)
+        self.build = build_name(self.isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows)
         if platform.machine().lower() not in ("x86_64", "amd64"):
             self.reason = f"specpipe's CPU kernel is for x86 CPUs, this is {platform.machine()}"
             return
@@ -1730,7 +1748,8 @@ class CpuKernel:
             self.reason = "this CPU has no AVX2/FMA for specpipe's CPU kernel"
             return
         try:
-            module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb, attention_pairs)
+            module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb, attention_pairs,
+                            block_lookahead_rows)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
@@ -1763,18 +1782,24 @@ class CpuKernel:
 
 
 def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
-                attention_pairs: bool = True) -> list[str]:
+                attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS) -> list[str]:
     """The compiler flags of one build: the ISA's, the cache hint of the product's weight prefetch, how far
-    ahead the column-block product asks L2 for the weight (KiB, 0 = not), and whether the AVX512_BF16 build's
-    bf16 attention multiplies bf16 weights by pairs of value rows (attend_heads_paired)."""
+    ahead the column-block product asks L2 for the weight (KiB, 0 = not) and from how many rows on, and
+    whether the AVX512_BF16 build's bf16 attention multiplies bf16 weights by pairs of value rows
+    (attend_heads_paired)."""
     if weight_prefetch not in WEIGHT_PREFETCH_HINTS:
         raise ValueError(f"weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got {weight_prefetch!r}")
     if not (type(block_lookahead_kb) is int and 0 <= block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
         raise ValueError(f"block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB}, "
                          f"got {block_lookahead_kb!r}")
+    if not (type(block_lookahead_rows) is int and 1 <= block_lookahead_rows <= MAX_BLOCK_LOOKAHEAD_ROWS):
+        raise ValueError(f"block_lookahead_rows must be an integer from 1 to {MAX_BLOCK_LOOKAHEAD_ROWS}, "
+                         f"got {block_lookahead_rows!r}")
+    rows = () if block_lookahead_rows == DEFAULT_BLOCK_LOOKAHEAD_ROWS else (
+        f"-DSPECPIPE_BLOCK_LOOKAHEAD_ROWS={block_lookahead_rows}",)
     return [*_CFLAGS, *ISA_FLAGS[isa], f"-DSPECPIPE_WEIGHT_HINT={WEIGHT_PREFETCH_HINTS[weight_prefetch]}",
             f"-DSPECPIPE_BLOCK_LOOKAHEAD_BYTES={1024 * block_lookahead_kb}",
-            *(() if _checked_switch("attention_pairs", attention_pairs) else ("-DSPECPIPE_ATTENTION_PAIRS=0",))]
+            *(() if _checked_switch("attention_pairs", attention_pairs) else ("-DSPECPIPE_ATTENTION_PAIRS=0",)), *rows]
 
 
 def _checked_switch(name: str, value: bool) -> bool:
@@ -1784,21 +1809,21 @@ def _checked_switch(name: str, value: bool) -> bool:
 
 
 def build_name(isa: str | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
-               attention_pairs: bool = True) -> str:
+               attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS) -> str:
     """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags' and torch's
     version in 12 hex digits."""
     isa = isa or kernel_isa()
-    flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs))
+    flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows))
     return f"specpipe_kernel_{isa}_" + hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
 
 
 def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
-           attention_pairs: bool = True):
+           attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS):
     from torch.utils import cpp_extension
 
     from specpipe.models import cache_root
 
-    name = build_name(isa, weight_prefetch, block_lookahead_kb, attention_pairs)
+    name = build_name(isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows)
     folder = (build_dir or cache_root() / "kernels") / name
     folder.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
@@ -1812,7 +1837,8 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
             return cpp_extension.load_inline(
                 name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
                            "block_decoder_layer"],
-                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs), extra_ldflags=["-fopenmp"],
+                build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
+                                                                      block_lookahead_rows), extra_ldflags=["-fopenmp"],
                 verbose=False)
     finally:
         os.environ["PATH"] = path

@@ -239,6 +239,9 @@ class OneDNNEngine:
     # with column blocks, products of 5 rows or more also ask L2 for the weight this many KiB ahead of the line
     # they read (their arithmetic then takes as long as the memory, and the near prefetch comes too late); 0 = not
     block_lookahead_kb: int = 32
+    # with the lookahead on: from how many rows of a product on it asks (1-16); "auto" =
+    # cpu_kernel.auto_block_lookahead_rows (1 on AMX CPUs, 5 elsewhere)
+    block_lookahead_rows: int | str = "auto"
     # bf16 models on the kernel's AVX512_BF16 build: the attention rounds its softmax weights to bf16 (as transformers'
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
     # faster; false = fp32 weights, one value row per multiply-add
@@ -264,6 +267,12 @@ class OneDNNEngine:
         if not (type(self.block_lookahead_kb) is int and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
             raise ConfigError(f"engine.block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB} (KiB), "
                               f"got {self.block_lookahead_kb!r}")
+        from specpipe.engine.cpu_kernel import MAX_BLOCK_LOOKAHEAD_ROWS
+
+        rows = self.block_lookahead_rows
+        if rows != "auto" and not (type(rows) is int and 1 <= rows <= MAX_BLOCK_LOOKAHEAD_ROWS):
+            raise ConfigError(f"engine.block_lookahead_rows must be 'auto' or an integer from 1 to "
+                              f"{MAX_BLOCK_LOOKAHEAD_ROWS}, got {rows!r}")
         if type(self.attention_pairs) is not bool:
             raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
@@ -354,7 +363,7 @@ class OneDNNEngine:
         from specpipe.engine.cpu_kernel import CpuKernel
 
         kernel = CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
-                           attention_pairs=self.attention_pairs)
+                           attention_pairs=self.attention_pairs, block_lookahead_rows=self._lookahead_rows())
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
         path = replace(path, kernel_blocks=self._blocks_asked(path) and kernel.blocks is not None)
@@ -367,6 +376,11 @@ class OneDNNEngine:
         else:
             why = f"engine.{name}={rows}"
         return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=f"{path.reason}; {why}"), kernel
+
+    def _lookahead_rows(self) -> int:
+        from specpipe.engine.cpu_kernel import auto_block_lookahead_rows
+
+        return auto_block_lookahead_rows() if self.block_lookahead_rows == "auto" else self.block_lookahead_rows
 
     def _blocks_asked(self, path: LinearPath) -> bool:
         return self.kernel_blocks and path.dtype == torch.bfloat16
@@ -396,7 +410,7 @@ class OneDNNEngine:
         from specpipe.engine.cpu_kernel import CpuKernel
 
         return CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
-                           attention_pairs=self.attention_pairs)
+                           attention_pairs=self.attention_pairs, block_lookahead_rows=self._lookahead_rows())
 
     @staticmethod
     def _kernel_part(enabled: bool, path: LinearPath, kernel: CpuKernel | None, part: str, instead: str,
