@@ -775,12 +775,13 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     OneDNNEngine(lean_forward=False).apply(stock)
     with caplog.at_level(logging.INFO):
         OneDNNEngine(kernel_attention=False).apply(lean)
-    from specpipe.engine.cpu_kernel import build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
 
+    engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
     if lean.model.norm_kernel is None:
         assert "1 model forward lean (RMSNorm in torch: its RMSNorm is not bitwise torch's here" in caplog.text
     else:
-        assert f"1 model forward lean (RMSNorm in specpipe's kernel {build_name()}" in caplog.text
+        assert f"1 model forward lean (RMSNorm in specpipe's kernel {engine_build}" in caplog.text
     assert_same_forwards(stock, lean, rows)
     # a norm cast to another dtype than the hidden states after the swap: torch's norm serves them all
     # (the kernel would refuse the mixed dtypes)
@@ -796,10 +797,12 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):  # the row-by-row product, which an AVX2 CPU's kernel has (no column blocks)
         OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
-    from specpipe.engine.cpu_kernel import build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
+
+    engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
 
     # the kernel's build is named: a cost curve measured with another version of it is not reused
-    assert (f"bf16 weights summed in fp32 (specpipe's CPU kernel {build_name()}) for up to 5 rows"
+    assert (f"bf16 weights summed in fp32 (specpipe's CPU kernel {engine_build}) for up to 5 rows"
             in caplog.text)
     packed = model.lm_head.packed
     assert packed.kernel_rows == 5 and packed.small_weight.dtype == torch.bfloat16 and packed.split_rows == 0
@@ -830,9 +833,11 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
     model, stock = fresh_tiny(), fresh_tiny()
     with caplog.at_level(logging.INFO):
         OneDNNEngine(fp32_kernel_rows=5, fp32_split_rows=2).apply(model)
-    from specpipe.engine.cpu_kernel import build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
 
-    assert (f"fp32 weights streamed once for all rows (specpipe's CPU kernel {build_name()}) for up to 5 rows"
+    engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
+
+    assert (f"fp32 weights streamed once for all rows (specpipe's CPU kernel {engine_build}) for up to 5 rows"
             in caplog.text and "engine.fp32_kernel_rows=5" in caplog.text)
     packed = model.lm_head.packed
     # the kernel serves the rows split GEMMs would have: no plain copy for them
