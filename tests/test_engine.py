@@ -888,13 +888,14 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
 
 def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     """On a CPU whose oneDNN bf16 kernel is AMX, engine.bf16_kernel_rows=auto serves 12 rows where the kernel loads
-    with column blocks, and leaves every product to oneDNN, saying why, where it loads without them or blocks are
-    off. The kernel is a stand-in, so the test runs alike on every machine."""
+    with column blocks (32 where the blocks run on AMX tiles themselves), and leaves every product to oneDNN, saying
+    why, where it loads without them or blocks are off. The kernel is a stand-in, so the test runs alike on every
+    machine."""
     import specpipe.engine.cpu_kernel as cpu_kernel
 
-    def stand_in(blocks):
+    def stand_in(blocks, amx=False):
         return lambda **_: SimpleNamespace(product=lambda *args: None, blocks=blocks, isa="avx512_bf16" if blocks
-                                           else "avx512", build="stand-in", reason="")
+                                           else "avx512", build="stand-in", reason="", amx=amx)
 
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernel, "kernel_isa", lambda: "avx512_bf16")
@@ -903,6 +904,11 @@ def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     path, kernel = OneDNNEngine()._with_kernel(amx)
     assert kernel is not None and path.kernel_blocks and path.kernel_rows == cpu.AUTO_BF16_AMX_KERNEL_ROWS == 12
     assert "outran oneDNN's brg_matmul:avx10_1_512_amx for up to 12 rows" in path.reason
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object(), amx=True))
+    path, kernel = OneDNNEngine()._with_kernel(amx)
+    assert path.kernel_rows == cpu.AUTO_BF16_AMX_TILE_KERNEL_ROWS == 32 and path.kernel_amx_rows == 6
+    assert "in column blocks (on AMX tiles from 6 rows)" in path.describe()
+    monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object()))
     path, kernel = OneDNNEngine(kernel_blocks=False)._with_kernel(amx)
     assert kernel is None and path.kernel_rows == 0
     assert "outruns it on such CPUs" in OneDNNEngine(kernel_blocks=False)._no_kernel_reason(amx)
@@ -1130,6 +1136,86 @@ def test_the_lookahead_rows_are_a_build_of_their_own_that_computes_the_same(monk
             OneDNNEngine(block_lookahead_rows=bad)
         with pytest.raises(ValueError, match="block_lookahead_rows must be an integer from 1 to 16"):
             cpu_kernel.build_flags("avx512_bf16", block_lookahead_rows=bad)
+
+
+needs_amx = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"} <= cpu.cpu_flags(),
+                               reason="needs a CPU with AMX tiles")
+
+
+@needs_amx
+def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_each_row_alone(caplog):
+    """engine.amx_rows: on an AMX CPU the blocks' products run on the tiles; over a SmolLM2-sized weight they are
+    within a bf16 rounding of the vdpbf16ps product, each row's output is bitwise that row's alone (so a tree
+    verify's rows match one-token steps), and the engine's log says which product serves (its cost curves apart)."""
+    from specpipe.engine import cpu_kernel
+
+    kernel, vector = cpu_kernel.CpuKernel(amx_rows=1), cpu_kernel.CpuKernel()
+    assert kernel.amx and kernel.blocks.product is not vector.blocks.product, kernel.amx_reason
+    generator = torch.Generator().manual_seed(14)
+    weight = torch.randn(1000, 576, generator=generator).bfloat16()  # [out, in]
+    bias = torch.randn(1000, generator=generator)  # [out]
+    packed = kernel.blocks.pack(weight)
+    x = torch.randn(21, 576, generator=generator).bfloat16()  # [rows, in]
+    tiles = kernel.blocks.product(x, packed, 1000, None, bias)  # [rows, out]
+    vectors = vector.blocks.product(x, packed, 1000, None, bias)
+    expected = x.float() @ weight.float().t() + bias
+    assert torch.allclose(tiles.float(), expected, rtol=2 ** -7, atol=1e-2)
+    assert torch.allclose(tiles.float(), vectors.float(), rtol=2 ** -7, atol=1e-2)
+    for rows in (1, 2, 7, 16):
+        assert torch.equal(kernel.blocks.product(x[:rows], packed, 1000, None, bias), tiles[:rows]), rows
+    from_three = cpu_kernel.CpuKernel(amx_rows=3)  # fewer rows: the vector product, bitwise
+    assert torch.equal(from_three.blocks.product(x[:2], packed, 1000, None, bias), vectors[:2])
+    assert torch.equal(from_three.blocks.product(x[:3], packed, 1000, None, bias), tiles[:3])
+    lines = {}
+    for setting in ("auto", 0, 4):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
+        lines[setting] = caplog.text
+    assert f"in column blocks (on AMX tiles from {cpu_kernel.AUTO_AMX_ROWS} rows)," in lines["auto"]
+    assert "in column blocks (on AMX tiles from 4 rows)," in lines[4]
+    assert "in column blocks," in lines[0] and "AMX tiles" not in lines[0]
+
+
+@needs_pairs
+def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_refuses(monkeypatch, caplog):
+    """No AMX tiles on the CPU, Linux refusing the tile state, or a tile product that disagrees with the vector one:
+    the column blocks keep their vector product and the kernel says why; a row count asked for in engine.amx_rows
+    warns with that reason (auto does not); a bad value is refused by name."""
+    from types import SimpleNamespace
+
+    from specpipe.engine import cpu_kernel
+
+    kernel = cpu_kernel.CpuKernel()
+    vector_product = kernel.blocks.product
+
+    def wrong(x, blocks, out_features, scale, bias, min_rows):  # a tile product off by one in every output
+        return vector_product(x, blocks, out_features, scale, bias) + 1
+
+    def right(x, blocks, out_features, scale, bias, min_rows):
+        return vector_product(x, blocks, out_features, scale, bias)
+
+    cases = [({"avx512_bf16"}, SimpleNamespace(amx_request=lambda: True, amx_block_product=right),
+              "this CPU has no AMX tiles"),
+             ({"amx_bf16"}, SimpleNamespace(amx_request=lambda: False, amx_block_product=right),
+              "Linux did not grant this process the AMX tile state"),
+             ({"amx_bf16"}, SimpleNamespace(amx_request=lambda: True, amx_block_product=wrong),
+              "its AMX product disagrees with the column blocks' here (1 rows of 96 inputs: off by up to")]
+    for flags, module, reason in cases:
+        monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda flags=flags: flags)
+        kernel.amx, kernel.amx_reason = False, ""
+        kernel._take_amx(module, 6)
+        assert not kernel.amx and kernel.blocks.product is vector_product and reason in kernel.amx_reason, flags
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    for setting, warned in (("auto", False), (8, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
+        assert ("engine.amx_rows=8, but the column blocks run without AMX tiles: this CPU has no AMX tiles"
+                in caplog.text) == warned, setting
+    for bad in ("yes", -1, 1.5, None, True):
+        with pytest.raises(ConfigError, match="engine.amx_rows must be 'auto' or a row count >= 0"):
+            OneDNNEngine(amx_rows=bad)
 
 
 @needs_pairs

@@ -117,6 +117,8 @@ _SOURCE = r"""
 #include <vector>
 #include <cmath>
 #include <type_traits>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -600,6 +602,34 @@ struct Int8Pairs {
   }
 };
 
+// One block's 16 sums of a row into the output: times the scale, then plus the bias, each rounded as
+// Epilogue::apply rounds; to bf16 to nearest even. Only the block's real features (the weight's last block).
+struct BlockEpilogue {
+  int64_t feature, valid;
+  __m512 add = _mm512_setzero_ps(), times = _mm512_set1_ps(1.0f);
+  bool scaled, biased;
+  BlockEpilogue(const Epilogue& epilogue, int64_t block, int64_t out_features)
+      : feature(block * kBlockFeatures), valid(std::min<int64_t>(kBlockFeatures, out_features - feature)),
+        scaled(epilogue.scale != nullptr), biased(epilogue.bias != nullptr) {
+    if (biased) add = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.bias + feature);
+    if (scaled) times = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.scale + feature);
+  }
+  // sums: the block's 16 features of one row; row: that row of the output
+  void store(__m512 sums, uint16_t* row) const {
+    if (scaled) sums = _mm512_mul_ps(sums, times);
+    if (biased) sums = _mm512_add_ps(sums, add);
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
+    row += feature;
+    if (valid == kBlockFeatures) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), rounded);
+    } else {  // the weight's last block: only its real features (a masked 16-bit store needs AVX-512VL)
+      alignas(32) uint16_t lanes[kBlockFeatures];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), rounded);
+      std::memcpy(row, lanes, valid * sizeof(uint16_t));
+    }
+  }
+};
+
 // out[r, 16 (first + b) + j] for R rows and B blocks from `first`, one accumulator per row and block.
 template <typename Line, int R, int B>
 void block_group(const uint32_t* x, const typename Line::Unit* blocks, Epilogue epilogue, uint16_t* out,
@@ -636,27 +666,9 @@ void block_group(const uint32_t* x, const typename Line::Unit* blocks, Epilogue 
   }
 #pragma GCC unroll 4
   for (int b = 0; b < B; ++b) {
-    const int64_t feature = (first + b) * kBlockFeatures;
-    const int64_t valid = std::min<int64_t>(kBlockFeatures, out_features - feature);
-    __m512 add = _mm512_setzero_ps(), times = _mm512_set1_ps(1.0f);
-    if (epilogue.bias != nullptr) add = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.bias + feature);
-    if (epilogue.scale != nullptr) times = _mm512_maskz_loadu_ps((__mmask16)((1u << valid) - 1), epilogue.scale + feature);
+    const BlockEpilogue finish(epilogue, first + b, out_features);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      // times the scale, then plus the bias, each rounded as Epilogue::apply rounds; to bf16 to nearest even
-      __m512 sums = acc[r][b];
-      if (epilogue.scale != nullptr) sums = _mm512_mul_ps(sums, times);
-      if (epilogue.bias != nullptr) sums = _mm512_add_ps(sums, add);
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
-      uint16_t* row = out + r * out_stride + feature;
-      if (valid == kBlockFeatures) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), rounded);
-      } else {  // the weight's last block: only its real features (a masked 16-bit store needs AVX-512VL)
-        alignas(32) uint16_t lanes[kBlockFeatures];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), rounded);
-        std::memcpy(row, lanes, valid * sizeof(uint16_t));
-      }
-    }
+    for (int r = 0; r < R; ++r) finish.store(acc[r][b], out + r * out_stride);
   }
 }
 
@@ -713,6 +725,116 @@ void block_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilog
     }
   });
 }
+
+// ---- the column blocks on AMX tiles (engine.kernel_amx) ----
+// A block's 16 lines from pair p on are, as they lie, the B tile of one TDPBF16PS (16 pairs of k x 16 features),
+// and 16 pairs of k of up to 16 rows of x its A tile: one instruction does what 16 rows x 16 lines of vdpbf16ps do,
+// so the product of up to 16 rows is bound by the weight's memory alone. Each C element sums its row's pairs in the
+// order of k, whatever rows come with it (a row's output does not depend on the rows beside it); the tiles' sums
+// need not be bitwise the vdpbf16ps ones, so one weight always takes one of the two.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define SPECPIPE_AMX 1
+#define SPECPIPE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+constexpr int64_t kAmxPairs = 16;  // pairs of k per step: 64 bytes of a row of x, 16 lines of a block
+constexpr int kAmxBlocks = 4;      // blocks per group: C tiles 0-3; tile 4 holds x, tiles 5 and 6 the blocks' lines
+
+// The 64-byte operand of LDTILECFG (palette 1)
+struct AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tiles' shapes for groups of `rows` rows, in the calling thread (tile state is per thread)
+SPECPIPE_AMX_TARGET void amx_configure(int rows) {
+  AmxConfig config;
+  for (int t = 0; t <= kAmxBlocks; ++t) config.rows[t] = rows, config.bytes_per_row[t] = 64;
+  for (int t = kAmxBlocks + 1; t <= kAmxBlocks + 2; ++t) config.rows[t] = kAmxPairs, config.bytes_per_row[t] = 64;
+  // GCC 12 takes LDTILECFG for a reader of fewer bytes than its 64 and dropped the stores of the shapes: the
+  // barrier makes it store all of them first
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+SPECPIPE_AMX_TARGET void amx_release() { _tile_release(); }
+
+// out[r, 16 (first + b) + j] for the configured rows (x's, `rows` of them) and B blocks from `first`
+template <int B>
+SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const uint32_t* blocks, Epilogue epilogue,
+                                   uint16_t* out, int64_t pairs, int64_t out_stride, int64_t out_features,
+                                   int64_t first) {
+  _tile_zero(0);
+  if constexpr (B > 1) _tile_zero(1);
+  if constexpr (B > 2) _tile_zero(2);
+  if constexpr (B > 3) _tile_zero(3);
+  const uint32_t* lines[B];
+  for (int b = 0; b < B; ++b) lines[b] = blocks + (first + b) * pairs * kBlockFeatures;
+  const int64_t x_stride = pairs * sizeof(uint32_t);
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    // the next step's lines of each block, and (as the column blocks ask from kBlockLookaheadRows rows) L2 for
+    // the lines kBlockLookaheadBytes on; past the weight's end only lines that go unused, never a fault
+    for (int b = 0; b < B; ++b) {
+      const char* line = reinterpret_cast<const char*>(lines[b] + p * kBlockFeatures);
+#pragma GCC unroll 16
+      for (int l = 0; l < kAmxPairs; ++l) {
+        _mm_prefetch(line + (kAmxPairs + l) * 64, SPECPIPE_WEIGHT_HINT);
+        if constexpr (kBlockLookaheadBytes > 0) _mm_prefetch(line + l * 64 + kBlockLookaheadBytes, _MM_HINT_T1);
+      }
+    }
+    _tile_loadd(4, x + p, x_stride);
+    _tile_loadd(5, lines[0] + p * kBlockFeatures, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (B > 1) {
+      _tile_loadd(6, lines[1] + p * kBlockFeatures, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (B > 2) {
+      _tile_loadd(5, lines[2] + p * kBlockFeatures, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (B > 3) {
+      _tile_loadd(6, lines[3] + p * kBlockFeatures, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  alignas(64) float sums[kAmxBlocks][kBlockMaxRows][kBlockFeatures];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (B > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (B > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (B > 3) _tile_stored(3, sums[3], 64);
+  for (int b = 0; b < B; ++b) {
+    const BlockEpilogue finish(epilogue, first + b, out_features);
+    for (int r = 0; r < rows; ++r) finish.store(_mm512_load_ps(sums[b][r]), out + r * out_stride);
+  }
+}
+
+// block_product_rows on the tiles: bf16 blocks whose pairs are a multiple of kAmxPairs
+void amx_product_rows(const uint32_t* xs, const uint32_t* w, Epilogue epilogue, uint16_t* os, int64_t rows,
+                      int64_t pairs, int64_t count, int64_t out_features) {
+  const int64_t tile = std::max<int64_t>(kAmxBlocks, kBlockTileBytes / (pairs * kBlockFeatures * sizeof(uint32_t)));
+  const int64_t grain = std::max<int64_t>(kAmxBlocks, count / (4 * at::get_num_threads()));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    int configured = 0;
+    for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
+      const int64_t tile_end = std::min(end, tile_begin + tile);
+      for (int64_t first = 0, group = 0; first < rows; first += group) {
+        const int64_t left = rows - first, groups = (left + kBlockMaxRows - 1) / kBlockMaxRows;
+        group = (left + groups - 1) / groups;
+        if (group != configured) amx_configure(static_cast<int>(group)), configured = static_cast<int>(group);
+        const uint32_t* x = xs + first * pairs;
+        uint16_t* out = os + first * out_features;
+        int64_t b = tile_begin;
+        for (; b + kAmxBlocks <= tile_end; b += kAmxBlocks)
+          amx_group<kAmxBlocks>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
+        for (; b < tile_end; ++b) amx_group<1>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
+      }
+    }
+    if (configured) amx_release();
+  });
+}
+#endif
 #endif
 
 // The column blocks of a weight [out, in] of `Value`s (2-byte bf16 or 1-byte int8), in units of `unit_type` (one
@@ -759,7 +881,7 @@ namespace {
 // block_decoder_layer): few rows take several blocks at a time (the same sums)
 torch::Tensor blocks_times(torch::Tensor x, const torch::Tensor& blocks, int64_t out_features,
                            const c10::optional<torch::Tensor>& scale, const c10::optional<torch::Tensor>& bias,
-                           bool resident) {
+                           bool resident, int64_t amx_rows = 0) {
 #ifdef __AVX512BF16__
   const bool int8 = blocks.scalar_type() == torch::kShort;
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && (int8 || blocks.scalar_type() == torch::kInt32)
@@ -784,6 +906,12 @@ torch::Tensor blocks_times(torch::Tensor x, const torch::Tensor& blocks, int64_t
   uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint16_t* codes = int8 ? reinterpret_cast<const uint16_t*>(blocks.data_ptr<int16_t>()) : nullptr;
   const uint32_t* pairs_of = int8 ? nullptr : reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>());
+#ifdef SPECPIPE_AMX
+  if (amx_rows > 0 && rows >= amx_rows && !int8 && pairs % kAmxPairs == 0) {
+    amx_product_rows(xs, pairs_of, epilogue, os, rows, pairs, blocks.size(0), out_features);
+    return out;
+  }
+#endif
   if (int8 && resident)
     block_product_rows<Int8Pairs, true>(xs, codes, epilogue, os, rows, pairs, blocks.size(0), out_features);
   else if (int8)
@@ -808,6 +936,26 @@ torch::Tensor blocks_times(torch::Tensor x, const torch::Tensor& blocks, int64_t
 torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
   return blocks_times(x, blocks, out_features, scale, bias, false);
+}
+
+// block_product on AMX tiles for products of `min_rows` rows (>= 1) and more where the blocks are bf16 and their
+// pairs of k a multiple of 16 (else block_product itself). Only after amx_request() granted the tiles to this process.
+torch::Tensor amx_block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
+                                c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                                int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 1, "min_rows: 1 or more");
+  return blocks_times(x, blocks, out_features, scale, bias, false, min_rows);
+}
+
+// Asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): true where it is granted
+// and this build has the tiles; a process must ask before its first tile instruction.
+bool amx_request() {
+#ifdef SPECPIPE_AMX
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+  return false;
+#endif
 }
 
 namespace {
@@ -1684,6 +1832,13 @@ MAX_BLOCK_LOOKAHEAD_ROWS = 16
 AUTO_AMX_BLOCK_LOOKAHEAD_ROWS = 1
 
 
+# engine.amx_rows=auto: from how many rows the column blocks' products run on AMX tiles where the CPU has them.
+# SmolLM2-135M's bf16 linears (120 weights, 240 MB) on the 2-core AMX Xeon, vector product against tiles, median ms:
+# 1 / 2 / 4 / 8 / 12 / 16 / 32 rows 11.6 / 10.9 / 13.1 / 16.8 / 23.7 / 31.2 / 66.0 against 16.2 / 14.8 / 14.8 /
+# 15.3 / 16.4 / 17.1 / 26.1: the tiles stream the weights slower but cost little more per row.
+AUTO_AMX_ROWS = 6
+
+
 def auto_block_lookahead_rows() -> int:
     """engine.block_lookahead_rows=auto: from 1 row on CPUs with AMX tiles, from 5 elsewhere (see the constants)."""
     return AUTO_AMX_BLOCK_LOOKAHEAD_ROWS if "amx_bf16" in cpu_flags() else DEFAULT_BLOCK_LOOKAHEAD_ROWS
@@ -1721,12 +1876,17 @@ class CpuKernel:
     nothing is kept at module level."""
 
     def __init__(self, build_dir: Path | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
-                 attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS) -> None:
+                 attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS,
+                 amx_rows: int = 0) -> None:
         self.product = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
         self.quantized_product = None
         self.blocks: BlockProduct | None = None  # bf16 weights in column blocks: the AVX512_BF16 build only
+        # with `amx_rows` > 0: whether the blocks' products of that many rows and more run on AMX tiles
+        # (amx_block_product), and if not, why
+        self.amx = False
+        self.amx_reason = ""
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
@@ -1755,6 +1915,8 @@ class CpuKernel:
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
                                            module.block_decoder_layer)
             _self_check(self.product, self.quantized_product, self.blocks)
+            if amx_rows > 0:
+                self._take_amx(module, amx_rows)
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = self.quantized_product = self.blocks = None
             self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
@@ -1779,6 +1941,30 @@ class CpuKernel:
             self.gate_reason = f"its SiLU gate is not bitwise torch's here ({mismatch})"
         else:
             self.gate = module.silu_gate
+
+
+    def _take_amx(self, module, min_rows: int) -> None:
+        """The blocks' products of `min_rows` rows and more on AMX tiles where this CPU has them, Linux grants them
+        and they pass the check."""
+        if self.blocks is None:
+            self.amx_reason = f"AMX tiles multiply the column blocks, which the kernel's {self.isa} build lacks"
+        elif "amx_bf16" not in cpu_flags():
+            self.amx_reason = "this CPU has no AMX tiles"
+        elif not module.amx_request():
+            self.amx_reason = "Linux did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        else:
+            tiles = module.amx_block_product
+
+            def product(x, blocks, out_features, scale, bias):
+                return tiles(x, blocks, out_features, scale, bias, min_rows)
+
+            mismatch = _amx_mismatch(lambda x, blocks, out_features, scale, bias: tiles(x, blocks, out_features,
+                                                                                       scale, bias, 1), self.blocks)
+            if mismatch:
+                self.amx_reason = f"its AMX product disagrees with the column blocks' here ({mismatch})"
+            else:
+                self.blocks = self.blocks._replace(product=product)
+                self.amx = True
 
 
 def build_flags(isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
@@ -1836,7 +2022,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
                 name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
-                           "block_decoder_layer"],
+                           "block_decoder_layer", "amx_block_product", "amx_request"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                                                                       block_lookahead_rows), extra_ldflags=["-fopenmp"],
                 verbose=False)
@@ -1902,6 +2088,34 @@ def _self_check(product, quantized_product, blocks: BlockProduct | None = None) 
             if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-4):
                 raise RuntimeError(f"the kernel's column blocks disagree with an fp32 product for {rows} bf16 rows")
 
+
+
+def _amx_mismatch(amx_product, blocks: BlockProduct) -> str:
+    """How the AMX product disagrees with the column blocks' (fp32 sums of bf16 products both, in the order of k,
+    maybe not bitwise alike) or with itself across row counts (a row's output must not depend on the rows beside
+    it); '' where it agrees. Widths of 16 pairs and more (the tiles' step), odd features, 1-33 rows, int8 blocks."""
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in ((37, 96), (16, 32), (50, 576)):
+        weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
+        bias = torch.randn(out_features, generator=generator)  # [out]
+        packed = blocks.pack(weight)
+        x = torch.randn(33, in_features, generator=generator).bfloat16()  # [rows, in]
+        alone = torch.cat([amx_product(x[row:row + 1], packed, out_features, None, bias) for row in range(33)])
+        for rows in (1, 3, 16, 19, 33):
+            out = amx_product(x[:rows], packed, out_features, None, bias)  # [rows, out]
+            if not torch.equal(out, alone[:rows]):
+                return f"{rows} rows of {in_features} inputs differ from the same rows one at a time"
+            expected = blocks.product(x[:rows], packed, out_features, None, bias)
+            if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3):
+                gap = (out.float() - expected.float()).abs().max()
+                return f"{rows} rows of {in_features} inputs: off by up to {gap:.3g}"
+    codes = torch.randint(-127, 128, (37, 96), generator=generator, dtype=torch.int8)  # [out, in]
+    scale = torch.rand(37, generator=generator) / 64  # [out]
+    x = torch.randn(5, 96, generator=generator).bfloat16()  # [rows, in]
+    packed = blocks.pack_int8(codes)
+    if not torch.equal(amx_product(x, packed, 37, scale, None), blocks.product(x, packed, 37, scale, None)):
+        return "int8 blocks (the column blocks' own product) differ"
+    return ""
 
 
 def sdpa_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
