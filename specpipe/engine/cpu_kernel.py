@@ -303,12 +303,12 @@ constexpr int64_t kPrefetchRows = 2;
 // The column blocks' prefetch (block_product): lines ahead in each block it reads. 8 and 16 measured alike.
 constexpr int64_t kBlockPrefetchLines = 16;
 // The column blocks' lookahead (engine.block_lookahead_kb; 0 = none): from kBlockLookaheadRows rows on
-// (engine.block_lookahead_rows), each
-// step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's weights streamed (2-core Zen 5 EPYC,
-// interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 / 12.7 with 32 KiB against 10.0 /
-// 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128 KiB no more than 32. Below 5
-// rows the memory is the limit: there it made 1-4 rows 3-13% slower (a thread's last 32 KiB of each weight are
-// read for nothing).
+// (engine.block_lookahead_rows), each step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's
+// weights streamed (2-core Zen 5 EPYC, interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 /
+// 12.7 with 32 KiB against 10.0 / 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128
+// KiB no more than 32. Below 5 rows that CPU's memory is the limit: there it made 1-4 rows 3-13% slower (a thread's
+// last 32 KiB of each weight are read for nothing); on the AMX Xeon it made them 26-34% faster (see
+// AUTO_AMX_BLOCK_LOOKAHEAD_ROWS).
 #ifndef SPECPIPE_BLOCK_LOOKAHEAD_BYTES
 #define SPECPIPE_BLOCK_LOOKAHEAD_BYTES 32768
 #endif
