@@ -905,7 +905,7 @@ def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     assert kernel is not None and path.kernel_blocks and path.kernel_rows == cpu.AUTO_BF16_AMX_KERNEL_ROWS == 12
     assert "outran oneDNN's brg_matmul:avx10_1_512_amx for up to 12 rows" in path.reason
     monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object(), amx=True))
-    path, kernel = OneDNNEngine()._with_kernel(amx)
+    path, kernel = OneDNNEngine(amx_rows=6)._with_kernel(amx)
     assert path.kernel_rows == cpu.AUTO_BF16_AMX_TILE_KERNEL_ROWS == 32 and path.kernel_amx_rows == 6
     assert "in column blocks (on AMX tiles from 6 rows)" in path.describe()
     monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object()))
@@ -1143,13 +1143,15 @@ needs_amx = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16", "amx_b
 
 
 @needs_amx
-def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_each_row_alone(caplog):
+def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_each_row_alone(monkeypatch, caplog):
     """engine.amx_rows: on an AMX CPU the blocks' products run on the tiles; over a SmolLM2-sized weight they are
     within a bf16 rounding of the vdpbf16ps product, each row's output is bitwise that row's alone (so a tree
     verify's rows match one-token steps), and the engine's log says which product serves (its cost curves apart)."""
     from specpipe.engine import cpu_kernel
 
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
     kernel, vector = cpu_kernel.CpuKernel(amx_rows=1), cpu_kernel.CpuKernel()
+    assert kernel.isa == "avx512_bf16"
     assert kernel.amx and kernel.blocks.product is not vector.blocks.product, kernel.amx_reason
     generator = torch.Generator().manual_seed(14)
     weight = torch.randn(1000, 576, generator=generator).bfloat16()  # [out, in]
@@ -1167,14 +1169,41 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     assert torch.equal(from_three.blocks.product(x[:2], packed, 1000, None, bias), vectors[:2])
     assert torch.equal(from_three.blocks.product(x[:3], packed, 1000, None, bias), tiles[:3])
     lines = {}
-    for setting in ("auto", 0, 4):
+    for setting in (0, 4):
         caplog.clear()
         with caplog.at_level(logging.INFO):
             OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
         lines[setting] = caplog.text
-    assert f"in column blocks (on AMX tiles from {cpu_kernel.AUTO_AMX_ROWS} rows)," in lines["auto"]
     assert "in column blocks (on AMX tiles from 4 rows)," in lines[4]
     assert "in column blocks," in lines[0] and "AMX tiles" not in lines[0]
+    assert OneDNNEngine().amx_rows == 0  # the default keeps a verify's rows bitwise one-token steps'
+
+
+@needs_amx
+def test_a_bf16_chain_verified_on_amx_tiles_is_not_bitwise_one_token_steps(monkeypatch):
+    """Why engine.amx_rows defaults to 0: with the tiles from 4 rows, a chain of 7 drafted tokens verified in one
+    forward no longer gives bitwise the logits of 8 one-token steps (it does without them: the test below), while the
+    tile product of each row is still its own and close to the vector one. If a CPU's tiles summed as its vectors do,
+    this fails, and the default could change."""
+    from specpipe.engine import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    model = fresh_tiny().to(torch.bfloat16)
+    OneDNNEngine(amx_rows=4).apply(model)
+    assert "on AMX tiles from 4 rows" in getattr(model, REWRITE_ATTRIBUTE)
+    target = TargetModel(model, engine="fast")
+    generator = torch.Generator().manual_seed(2)
+    context = torch.randint(0, target.vocab_size, (40,), generator=generator).tolist()
+    chain = torch.randint(0, target.vocab_size, (7,), generator=generator)  # [7] drafted tokens
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    verify = target.forward_tree(context[-1], DraftTree.from_parents(chain, torch.arange(-1, 6)), cache).logits  # [8, V]
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    steps = torch.stack([target.forward_tree(token, DraftTree.empty(), cache).logits[0]
+                         for token in [context[-1], *chain.tolist()]])  # [8, V]
+    assert not torch.equal(verify, steps)
+    assert torch.allclose(verify.float(), steps.float(), atol=0.1)
 
 
 @needs_pairs
@@ -1186,6 +1215,7 @@ def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_ref
 
     from specpipe.engine import cpu_kernel
 
+    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
     kernel = cpu_kernel.CpuKernel()
     vector_product = kernel.blocks.product
 
@@ -1207,14 +1237,14 @@ def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_ref
         kernel._take_amx(module, 6)
         assert not kernel.amx and kernel.blocks.product is vector_product and reason in kernel.amx_reason, flags
     monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
-    for setting, warned in (("auto", False), (8, True)):
+    for setting, warned in ((0, False), (8, True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
         assert ("engine.amx_rows=8, but the column blocks run without AMX tiles: this CPU has no AMX tiles"
                 in caplog.text) == warned, setting
-    for bad in ("yes", -1, 1.5, None, True):
-        with pytest.raises(ConfigError, match="engine.amx_rows must be 'auto' or a row count >= 0"):
+    for bad in ("auto", -1, 1.5, None, True):
+        with pytest.raises(ConfigError, match="engine.amx_rows must be a row count >= 0"):
             OneDNNEngine(amx_rows=bad)
 
 

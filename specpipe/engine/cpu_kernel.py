@@ -1832,13 +1832,6 @@ MAX_BLOCK_LOOKAHEAD_ROWS = 16
 AUTO_AMX_BLOCK_LOOKAHEAD_ROWS = 1
 
 
-# engine.amx_rows=auto: from how many rows the column blocks' products run on AMX tiles where the CPU has them.
-# SmolLM2-135M's bf16 linears (120 weights, 240 MB) on the 2-core AMX Xeon, vector product against tiles, median ms:
-# 1 / 2 / 4 / 8 / 12 / 16 / 32 rows 11.6 / 10.9 / 13.1 / 16.8 / 23.7 / 31.2 / 66.0 against 16.2 / 14.8 / 14.8 /
-# 15.3 / 16.4 / 17.1 / 26.1: the tiles stream the weights slower but cost little more per row.
-AUTO_AMX_ROWS = 6
-
-
 def auto_block_lookahead_rows() -> int:
     """engine.block_lookahead_rows=auto: from 1 row on CPUs with AMX tiles, from 5 elsewhere (see the constants)."""
     return AUTO_AMX_BLOCK_LOOKAHEAD_ROWS if "amx_bf16" in cpu_flags() else DEFAULT_BLOCK_LOOKAHEAD_ROWS
