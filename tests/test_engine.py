@@ -1179,6 +1179,21 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     assert OneDNNEngine().amx_rows == 0  # the default keeps a verify's rows bitwise one-token steps'
 
 
+def chain_verified_and_stepped(target: TargetModel, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [8, V] of a random chain of 7 drafted tokens after a random context, verified in one forward, and
+    the logits [8, V] of the same 8 tokens fed as one-token steps."""
+    generator = torch.Generator().manual_seed(2)
+    context = torch.randint(0, target.vocab_size, (context_length,), generator=generator).tolist()
+    chain = torch.randint(0, target.vocab_size, (7,), generator=generator)  # [7] drafted tokens
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    verify = target.forward_tree(context[-1], DraftTree.from_parents(chain, torch.arange(-1, 6)), cache).logits  # [8, V]
+    cache = target.new_cache()
+    target.prefill(context, cache)
+    steps = [target.forward_tree(token, DraftTree.empty(), cache).logits[0] for token in [context[-1], *chain.tolist()]]
+    return verify, torch.stack(steps)
+
+
 @needs_amx
 def test_a_bf16_chain_verified_on_amx_tiles_is_not_bitwise_one_token_steps(monkeypatch):
     """Why engine.amx_rows defaults to 0: with the tiles from 4 rows, a chain of 7 drafted tokens verified in one
@@ -1191,17 +1206,7 @@ def test_a_bf16_chain_verified_on_amx_tiles_is_not_bitwise_one_token_steps(monke
     model = fresh_tiny().to(torch.bfloat16)
     OneDNNEngine(amx_rows=4).apply(model)
     assert "on AMX tiles from 4 rows" in getattr(model, REWRITE_ATTRIBUTE)
-    target = TargetModel(model, engine="fast")
-    generator = torch.Generator().manual_seed(2)
-    context = torch.randint(0, target.vocab_size, (40,), generator=generator).tolist()
-    chain = torch.randint(0, target.vocab_size, (7,), generator=generator)  # [7] drafted tokens
-    cache = target.new_cache()
-    target.prefill(context, cache)
-    verify = target.forward_tree(context[-1], DraftTree.from_parents(chain, torch.arange(-1, 6)), cache).logits  # [8, V]
-    cache = target.new_cache()
-    target.prefill(context, cache)
-    steps = torch.stack([target.forward_tree(token, DraftTree.empty(), cache).logits[0]
-                         for token in [context[-1], *chain.tolist()]])  # [8, V]
+    verify, steps = chain_verified_and_stepped(TargetModel(model, engine="fast"), context_length=40)
     assert not torch.equal(verify, steps)
     assert torch.allclose(verify.float(), steps.float(), atol=0.1)
 
@@ -1506,17 +1511,8 @@ def test_a_bf16_chain_verified_in_column_blocks_equals_one_token_steps_bitwise(m
     loaded = load_model(cfg.model)
     OneDNNEngine().apply(loaded.model)
     assert "column blocks" in getattr(loaded.model, REWRITE_ATTRIBUTE)
-    target = TargetModel(loaded.model, engine="fast")
-    generator = torch.Generator().manual_seed(2)
-    context = torch.randint(0, target.vocab_size, (120,), generator=generator).tolist()
-    chain = torch.randint(0, target.vocab_size, (7,), generator=generator)  # [7] drafted tokens
-    cache = target.new_cache()
-    target.prefill(context, cache)
-    verify = target.forward_tree(context[-1], DraftTree.from_parents(chain, torch.arange(-1, 6)), cache).logits  # [8, V]
-    cache = target.new_cache()
-    target.prefill(context, cache)
-    steps = [target.forward_tree(token, DraftTree.empty(), cache).logits[0] for token in [context[-1], *chain.tolist()]]
-    assert torch.equal(verify, torch.stack(steps))
+    verify, steps = chain_verified_and_stepped(TargetModel(loaded.model, engine="fast"), context_length=120)
+    assert torch.equal(verify, steps)
 
 
 # ---- the rotary tables -------------------------------------------------------------------------
