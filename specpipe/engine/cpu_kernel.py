@@ -726,12 +726,12 @@ void block_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilog
   });
 }
 
-// ---- the column blocks on AMX tiles (engine.kernel_amx) ----
+// ---- the column blocks on AMX tiles (engine.amx_rows) ----
 // A block's 16 lines from pair p on are, as they lie, the B tile of one TDPBF16PS (16 pairs of k x 16 features),
 // and 16 pairs of k of up to 16 rows of x its A tile: one instruction does what 16 rows x 16 lines of vdpbf16ps do,
 // so the product of up to 16 rows is bound by the weight's memory alone. Each C element sums its row's pairs in the
 // order of k, whatever rows come with it (a row's output does not depend on the rows beside it); the tiles' sums
-// need not be bitwise the vdpbf16ps ones, so one weight always takes one of the two.
+// are not bitwise the vdpbf16ps ones, so a product's row count alone picks one of the two.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define SPECPIPE_AMX 1
 #define SPECPIPE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
@@ -773,8 +773,8 @@ SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const uint32_t* 
   for (int b = 0; b < B; ++b) lines[b] = blocks + (first + b) * pairs * kBlockFeatures;
   const int64_t x_stride = pairs * sizeof(uint32_t);
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
-    // the next step's lines of each block, and (as the column blocks ask from kBlockLookaheadRows rows) L2 for
-    // the lines kBlockLookaheadBytes on; past the weight's end only lines that go unused, never a fault
+    // the next step's lines of each block, and L2 for the lines kBlockLookaheadBytes on (at any row count: the
+    // tiles serve products of several rows); past the weight's end only lines that go unused, never a fault
     for (int b = 0; b < B; ++b) {
       const char* line = reinterpret_cast<const char*>(lines[b] + p * kBlockFeatures);
 #pragma GCC unroll 16
@@ -1946,17 +1946,15 @@ class CpuKernel:
         elif not module.amx_request():
             self.amx_reason = "Linux did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
         else:
-            tiles = module.amx_block_product
+            def tiles_from(rows: int):  # BlockProduct.product's signature, the tiles from `rows` rows
+                return lambda x, blocks, out_features, scale, bias: module.amx_block_product(
+                    x, blocks, out_features, scale, bias, rows)
 
-            def product(x, blocks, out_features, scale, bias):
-                return tiles(x, blocks, out_features, scale, bias, min_rows)
-
-            mismatch = _amx_mismatch(lambda x, blocks, out_features, scale, bias: tiles(x, blocks, out_features,
-                                                                                       scale, bias, 1), self.blocks)
+            mismatch = _amx_mismatch(tiles_from(1), self.blocks)
             if mismatch:
                 self.amx_reason = f"its AMX product disagrees with the column blocks' here ({mismatch})"
             else:
-                self.blocks = self.blocks._replace(product=product)
+                self.blocks = self.blocks._replace(product=tiles_from(min_rows))
                 self.amx = True
 
 
