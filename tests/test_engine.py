@@ -1103,6 +1103,30 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
             cpu_kernel.build_flags("avx512_bf16", block_lookahead_kb=bad)
 
 
+@needs_compiler
+def test_the_row_by_row_product_asks_l2_ahead_too_and_computes_the_same():
+    """The lookahead also serves the product over fp32 and bf16 weights row by row (weight_product) and over int8 ones
+    (quantized_product): with it from 1 row, from 5 (1-4 rows without) or not at all (this CPU's own build only: one
+    build fewer to compile for the AVX2 one), every group size gives bitwise the same outputs."""
+    from specpipe.engine import cpu_kernel
+
+    generator = torch.Generator().manual_seed(15)
+    weight = torch.randn(1200, 576, generator=generator)  # [out, in]: 2.6 MB in fp32, past any lookahead
+    bias = torch.randn(1200, generator=generator)  # [out]
+    codes = torch.randint(-127, 128, (1200, 576), generator=generator, dtype=torch.int8)  # [out, in]
+    scale = torch.rand(1200, generator=generator) / 64  # [out]
+    for isa in sorted({"avx2", cpu_kernel.kernel_isa()}):
+        settings = ((32, 5), (32, 1)) + (((0, 5),) if isa != "avx2" else ())  # (lookahead KiB, from rows)
+        builds = [cpu_kernel._build(None, isa, "nta", kb, True, rows) for kb, rows in settings]
+        for rows in (1, 2, 5, 8, 13):
+            x = torch.randn(rows, 576, generator=generator)  # [rows, in]
+            for w, values in ((weight, x), (weight.bfloat16(), x.bfloat16())):
+                outputs = [build.weight_product(values, w, bias) for build in builds]
+                assert all(torch.equal(outputs[0], out) for out in outputs[1:]), (isa, rows, w.dtype)
+            outputs = [build.quantized_product(x, codes, scale, bias) for build in builds]
+            assert all(torch.equal(outputs[0], out) for out in outputs[1:]), (isa, rows, "int8")
+
+
 @needs_pairs
 def test_the_lookahead_rows_are_a_build_of_their_own_that_computes_the_same(monkeypatch):
     """engine.block_lookahead_rows moves where the lookahead starts: 1 row is its own build, 5 (the source's

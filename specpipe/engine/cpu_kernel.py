@@ -302,8 +302,9 @@ struct Int8PairStep {
 constexpr int64_t kPrefetchRows = 2;
 // The column blocks' prefetch (block_product): lines ahead in each block it reads. 8 and 16 measured alike.
 constexpr int64_t kBlockPrefetchLines = 16;
-// The column blocks' lookahead (engine.block_lookahead_kb; 0 = none): from kBlockLookaheadRows rows on
-// (engine.block_lookahead_rows), each step also asks L2 for the weight this many bytes on. Over SmolLM2-135M's
+// The lookahead (engine.block_lookahead_kb; 0 = none) of the column blocks' product and of the row-by-row one
+// (product_block): from kBlockLookaheadRows rows on (engine.block_lookahead_rows), each step also asks L2 for the
+// weight this many bytes on. Over SmolLM2-135M's
 // weights streamed (2-core Zen 5 EPYC, interleaved, ms) 8 / 9 / 10 / 12 / 16 rows took 8.7 / 9.4 / 9.6 / 10.4 /
 // 12.7 with 32 KiB against 10.0 / 11.4 / 12.1 / 12.9 / 14.2 without; 16 KiB gained about half of that, 64 and 128
 // KiB no more than 32. Below 5 rows that CPU's memory is the limit: there it made 1-4 rows 3-13% slower (a thread's
@@ -358,6 +359,12 @@ void product_block(const typename Step::X* x, const W* w, Epilogue epilogue, Out
         for (int p = 0; p < O; ++p) {
           weights[p] = Step::weights(rows + p * in + k + kValues * u);
           _mm_prefetch(ahead + (p * in + k + kValues * u) * sizeof(W), SPECPIPE_WEIGHT_HINT);
+          // the column blocks' lookahead here too: L2 asked for the weight kBlockLookaheadBytes on (the rows lie one
+          // after another; past the weight's end, lines that go unused). On the AMX Xeon, from one row on, an fp32
+          // forward took half the time (see AUTO_AMX_BLOCK_LOOKAHEAD_ROWS)
+          if constexpr (R >= kBlockLookaheadRows && kBlockLookaheadBytes > 0)
+            _mm_prefetch(reinterpret_cast<const char*>(rows + p * in + k + kValues * u) + kBlockLookaheadBytes,
+                         _MM_HINT_T1);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
@@ -1828,7 +1835,9 @@ MAX_BLOCK_LOOKAHEAD_ROWS = 16
 # bf16 forward with the lookahead from 1 row against from 5 (interleaved, 15 rounds, median ms): 1 / 2 / 3 / 4 rows
 # 24.3 / 27.1 / 29.0 / 30.2 against 33.9 / 37.5 / 39.0 / 46.0, 5-8 rows alike, logits bitwise equal. Its own
 # prefetchers keep too few lines in flight for a one-row pass; on the Zen 5 EPYC they keep enough and the
-# lookahead made 1-4 rows 3-13% slower, so other CPUs keep the source's 5.
+# lookahead made 1-4 rows 3-13% slower, so other CPUs keep the source's 5. The row-by-row product (fp32 weights) on the
+# AMX Xeon, interleaved, 12 rounds: 1 / 2 / 4 / 6 / 8 rows 31.0 / 32.3 / 35.1 / 39.9 / 41.3 ms from 1 row against
+# 62.6 / 60.1 / 51.9 / 58.4 / 69.3 without the lookahead (its fp32 oneDNN kernel: 72.8 / 47.6 / 54.7 at 1 / 4 / 8).
 AUTO_AMX_BLOCK_LOOKAHEAD_ROWS = 1
 
 

@@ -236,9 +236,9 @@ class OneDNNEngine:
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
-    # with column blocks, products of block_lookahead_rows rows or more also ask L2 for the weight this many KiB ahead
-    # of the line they read (their arithmetic then takes as long as the memory, and the near prefetch comes too late);
-    # 0 = not
+    # the kernel's products (column blocks, and row by row over fp32 or int8 weights) of block_lookahead_rows rows or
+    # more also ask L2 for the weight this many KiB ahead of the line they read (their arithmetic then takes as long as
+    # the memory, and the near prefetch comes too late); 0 = not
     block_lookahead_kb: int = 32
     # with the lookahead on: from how many rows of a product on it asks (1-16); "auto" =
     # cpu_kernel.auto_block_lookahead_rows (1 on AMX CPUs, 5 elsewhere)
