@@ -1239,7 +1239,7 @@ def test_a_bf16_chain_verified_on_amx_tiles_is_not_bitwise_one_token_steps(monke
 def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_refuses(monkeypatch, caplog):
     """No AMX tiles on the CPU, Linux refusing the tile state, or a tile product that disagrees with the vector one:
     the column blocks keep their vector product and the kernel says why; a row count asked for in engine.amx_rows
-    warns with that reason (auto does not); a bad value is refused by name."""
+    warns with that reason (0, the default, does not); a bad value ("auto" among them) is refused by name."""
     from types import SimpleNamespace
 
     from specpipe.engine import cpu_kernel
