@@ -2,7 +2,7 @@
 
 The VM this project is developed on drifts by 15-25% within minutes, so "before" and "after" of an
 engine change are two models in one process, their forwards taking turns over the same random
-context and draft chains. Prints the median ms per forward for each q, the ratio after/before, and
+context and draft trees. Prints the median ms per forward for each q, the ratio after/before, and
 how far the two models' logits are apart (the largest difference and whether every row's argmax agrees).
 
     chrt -f 1 .venv/bin/python bench/engine_ab.py --dtype fp32 --queries 1,2,4,8,16 \\
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specpipe.cost import random_chain
+from specpipe.cost import random_branches, random_chain
 from specpipe.engine.base import REWRITE_ATTRIBUTE
 from specpipe.pipelines.builder import build_target, compose_config, load_model
 from specpipe.target import TargetModel
@@ -34,7 +34,9 @@ def build(dtype: str, overrides: list[str]) -> TargetModel:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--queries", default="1,2,4,8,16", help="rows per forward: the root and q - 1 chain nodes")
+    parser.add_argument("--queries", default="1,2,4,8,16", help="rows per forward: the root and q - 1 draft nodes")
+    parser.add_argument("--tree", choices=("chain", "branched"), default="chain",
+                        help="the draft nodes as one chain, or as two branches (on AMX CPUs only those take the tiles)")
     parser.add_argument("--kv-length", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--before", action="append", default=[])
@@ -48,11 +50,12 @@ def main() -> None:
     for name, target in sides.items():
         caches[name] = target.new_cache()
         target.prefill(context[:-1], caches[name])
-    chains = {q: random_chain(q, vocab, torch.Generator().manual_seed(q)) for q in queries}
+    shape = random_chain if args.tree == "chain" else random_branches
+    trees = {q: shape(q, vocab, torch.Generator().manual_seed(q)) for q in queries}
 
     def forward(name: str, q: int) -> tuple[float, torch.Tensor]:
         started = time.perf_counter()
-        out = sides[name].forward_tree(context[-1], chains[q], caches[name])
+        out = sides[name].forward_tree(context[-1], trees[q], caches[name])
         elapsed = time.perf_counter() - started
         caches[name].crop(args.kv_length)
         return elapsed, out.logits  # [q, vocab]
@@ -67,7 +70,7 @@ def main() -> None:
         for q in queries:
             for name in sides:
                 times.setdefault((name, q), []).append(forward(name, q)[0])
-    print(f"\n{args.dtype}, KV {args.kv_length}, {args.rounds} interleaved rounds, median ms per forward")
+    print(f"\n{args.dtype}, KV {args.kv_length}, {args.tree} trees, {args.rounds} interleaved rounds, median ms per forward")
     print("| q | before | after | after / before |\n|---:|---:|---:|---:|")
     for q in queries:
         before, after = (statistics.median(times[(name, q)]) * 1000 for name in ("before", "after"))

@@ -18,6 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specpipe.engine.base import tiles_permitted
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.base import LookaheadRows
@@ -249,7 +250,10 @@ class TargetModel:
                 mask[start:end, committed] = block.mask[:, 0]
                 mask[start:end, committed + start:committed + end] = block.mask[:, 1:]
                 start = end
-        out = self.forward_masked(input_ids, position_ids, mask, cache)
+        # a branched tree's rows cannot be bitwise one-token steps (the attention's sums depend on where a row's
+        # ancestors sit): its products may take AMX tiles; a chain's keep the vector product and stay bitwise
+        with tiles_permitted(self.model, not tree.is_chain()):
+            out = self.forward_masked(input_ids, position_ids, mask, cache)
         blocks: list[Tensor] = []
         start = n + 1
         for size in sizes:  # each block's logits with the root's row first: [1 + r, vocab]

@@ -153,6 +153,10 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def is_chain(self) -> bool:
+        """Whether every node is the one before it's child (no branches; an empty tree is one)."""
+        return bool(torch.equal(self.parents, torch.arange(-1, len(self) - 1)))
+
     def children(self) -> dict[int, list[int]]:
         """Node -> its children in node order; -1 is the root."""
         children: dict[int, list[int]] = {}

@@ -10,8 +10,10 @@ import copy
 import logging
 import os
 import platform
+import re
 import shutil
 import sysconfig
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from conftest import DRAFTING_PIPELINES, HEAD_PIPELINES, near_tie_divergence, random_prompts, run_steps
 from specpipe.engine import cpu, onednn
-from specpipe.engine.base import REWRITE_ATTRIBUTE
+from specpipe.engine.base import REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, tiles_permitted
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
 from specpipe.engine.lean_model import LeanLlamaModel, rms_norm
@@ -888,14 +890,16 @@ def test_auto_kernel_rows_follow_what_was_measured_against_onednn(monkeypatch):
 
 def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     """On a CPU whose oneDNN bf16 kernel is AMX, engine.bf16_kernel_rows=auto serves 12 rows where the kernel loads
-    with column blocks (32 where the blocks run on AMX tiles themselves), and leaves every product to oneDNN, saying
+    with column blocks (12 too where branched trees take AMX tiles: chains keep the vector product, which would lose to
+    oneDNN from 13 rows), and leaves every product to oneDNN, saying
     why, where it loads without them or blocks are off. The kernel is a stand-in, so the test runs alike on every
     machine."""
     import specpipe.engine.cpu_kernel as cpu_kernel
 
     def stand_in(blocks, amx=False):
         return lambda **_: SimpleNamespace(product=lambda *args: None, blocks=blocks, isa="avx512_bf16" if blocks
-                                           else "avx512", build="stand-in", reason="", amx=amx)
+                                           else "avx512", build="stand-in", reason="", amx=amx,
+                                           amx_reason="" if amx else "a stand-in")
 
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernel, "kernel_isa", lambda: "avx512_bf16")
@@ -906,8 +910,8 @@ def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     assert "outran oneDNN's brg_matmul:avx10_1_512_amx for up to 12 rows" in path.reason
     monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object(), amx=True))
     path, kernel = OneDNNEngine(amx_rows=6)._with_kernel(amx)
-    assert path.kernel_rows == cpu.AUTO_BF16_AMX_TILE_KERNEL_ROWS == 32 and path.kernel_amx_rows == 6
-    assert "in column blocks (on AMX tiles from 6 rows)" in path.describe()
+    assert path.kernel_rows == cpu.AUTO_BF16_AMX_KERNEL_ROWS == 12 and path.kernel_amx_rows == 6
+    assert "in column blocks (on AMX tiles from 6 rows in branched trees)" in path.describe()
     monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object()))
     path, kernel = OneDNNEngine(kernel_blocks=False)._with_kernel(amx)
     assert kernel is None and path.kernel_rows == 0
@@ -1037,7 +1041,8 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
     model, rows_model, stock = fresh_tiny("bf16"), fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.INFO):
         OneDNNEngine(bf16_kernel_rows=5).apply(model)
-    assert "bf16 weights in column blocks, summed in fp32" in caplog.text
+    assert re.search(r"bf16 weights in column blocks( \(on AMX tiles from \d+ rows in branched trees\))?, summed in fp32",
+                     caplog.text)
     OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(rows_model)
     assert "column blocks" not in getattr(rows_model, REWRITE_ATTRIBUTE)
     packed, rows_packed = model.lm_head.packed, rows_model.lm_head.packed
@@ -1168,9 +1173,10 @@ needs_amx = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16", "amx_b
 
 @needs_amx
 def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_each_row_alone(monkeypatch, caplog):
-    """engine.amx_rows: on an AMX CPU the blocks' products run on the tiles; over a SmolLM2-sized weight they are
-    within a bf16 rounding of the vdpbf16ps product, each row's output is bitwise that row's alone (so a tree
-    verify's rows match one-token steps), and the engine's log says which product serves (its cost curves apart)."""
+    """engine.amx_rows: on an AMX CPU the blocks' products run on the tiles where a forward permits them (a branched
+    tree's verify) and by the vector product elsewhere; over a SmolLM2-sized weight the tiles are within a bf16
+    rounding of the vdpbf16ps product, each row's output is bitwise that row's alone, and the engine's log says which
+    product serves (its cost curves apart); auto takes the tiles from 6 rows on such a CPU."""
     from specpipe.engine import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
@@ -1182,25 +1188,30 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     bias = torch.randn(1000, generator=generator)  # [out]
     packed = kernel.blocks.pack(weight)
     x = torch.randn(21, 576, generator=generator).bfloat16()  # [rows, in]
-    tiles = kernel.blocks.product(x, packed, 1000, None, bias)  # [rows, out]
+    with kernel.tiles.permitted():
+        tiles = kernel.blocks.product(x, packed, 1000, None, bias)  # [rows, out]
     vectors = vector.blocks.product(x, packed, 1000, None, bias)
+    assert torch.equal(kernel.blocks.product(x, packed, 1000, None, bias), vectors)  # not permitted: the vectors
+    assert not torch.equal(tiles, vectors)
     expected = x.float() @ weight.float().t() + bias
     assert torch.allclose(tiles.float(), expected, rtol=2 ** -7, atol=1e-2)
     assert torch.allclose(tiles.float(), vectors.float(), rtol=2 ** -7, atol=1e-2)
-    for rows in (1, 2, 7, 16):
-        assert torch.equal(kernel.blocks.product(x[:rows], packed, 1000, None, bias), tiles[:rows]), rows
-    from_three = cpu_kernel.CpuKernel(amx_rows=3)  # fewer rows: the vector product, bitwise
-    assert torch.equal(from_three.blocks.product(x[:2], packed, 1000, None, bias), vectors[:2])
-    assert torch.equal(from_three.blocks.product(x[:3], packed, 1000, None, bias), tiles[:3])
+    with kernel.tiles.permitted():
+        for rows in (1, 2, 7, 16):
+            assert torch.equal(kernel.blocks.product(x[:rows], packed, 1000, None, bias), tiles[:rows]), rows
+    from_three = cpu_kernel.CpuKernel(amx_rows=3)
+    with from_three.tiles.permitted():  # fewer rows: the vector product, bitwise
+        assert torch.equal(from_three.blocks.product(x[:2], packed, 1000, None, bias), vectors[:2])
+        assert torch.equal(from_three.blocks.product(x[:3], packed, 1000, None, bias), tiles[:3])
     lines = {}
     for setting in (0, 4):
         caplog.clear()
         with caplog.at_level(logging.INFO):
             OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
         lines[setting] = caplog.text
-    assert "in column blocks (on AMX tiles from 4 rows)," in lines[4]
+    assert "in column blocks (on AMX tiles from 4 rows in branched trees)," in lines[4]
     assert "in column blocks," in lines[0] and "AMX tiles" not in lines[0]
-    assert OneDNNEngine().amx_rows == 0  # the default keeps a verify's rows bitwise one-token steps'
+    assert OneDNNEngine()._amx_rows() == cpu_kernel.AUTO_AMX_ROWS == 6
 
 
 def chain_verified_and_stepped(target: TargetModel, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1219,27 +1230,65 @@ def chain_verified_and_stepped(target: TargetModel, context_length: int) -> tupl
 
 
 @needs_amx
-def test_a_bf16_chain_verified_on_amx_tiles_is_not_bitwise_one_token_steps(monkeypatch):
-    """Why engine.amx_rows defaults to 0: with the tiles from 4 rows, a chain of 7 drafted tokens verified in one
-    forward no longer gives bitwise the logits of 8 one-token steps (it does without them: the test below), while the
-    tile product of each row is still its own and close to the vector one. If a CPU's tiles summed as its vectors do,
-    this fails, and the default could change."""
+def test_a_bf16_chain_verify_keeps_the_vector_product_on_amx_cpus_as_the_tiles_are_not_bitwise(monkeypatch):
+    """Why only branched trees take the tiles: with them from 4 rows, a chain of 7 drafted tokens verified in one
+    forward still gives bitwise the logits of 8 one-token steps, because the target does not permit the tiles for a
+    chain; permitted, the tiles would not (while each row's tile product is still its own and close to the vector
+    one). If a CPU's tiles summed as its vectors do, the second check fails, and chains could take them too."""
     from specpipe.engine import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
     model = fresh_tiny().to(torch.bfloat16)
     OneDNNEngine(amx_rows=4).apply(model)
     assert "on AMX tiles from 4 rows" in getattr(model, REWRITE_ATTRIBUTE)
-    verify, steps = chain_verified_and_stepped(TargetModel(model, engine="fast"), context_length=40)
+    target = TargetModel(model, engine="fast")
+    verify, steps = chain_verified_and_stepped(target, context_length=40)
+    assert torch.equal(verify, steps)
+    with tiles_permitted(model, True):
+        verify, steps = chain_verified_and_stepped(target, context_length=40)
     assert not torch.equal(verify, steps)
     assert torch.allclose(verify.float(), steps.float(), atol=0.1)
+
+
+def test_the_target_permits_the_amx_tiles_for_branched_trees_only():
+    """TargetModel.forward_tree runs a branched tree's verify inside its model's tile permission, and a chain's, a
+    one-token step's and a prefill outside it, so chains stay bitwise one-token steps on AMX CPUs. The permission is
+    per thread and nests. A TileRows stands in for an AMX engine's, so this runs on every CPU."""
+    from specpipe.engine.cpu_kernel import TileRows
+
+    model = fresh_tiny()
+    tiles = TileRows(6)
+    setattr(model, TILES_ATTRIBUTE, tiles)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(tiles.rows()))
+    target = TargetModel(model)
+    cache = target.new_cache()
+    target.prefill([5, 6, 7, 8], cache)
+    tokens = torch.tensor([11, 12, 13, 14])
+    trees = {"empty": DraftTree.empty(), "chain": DraftTree.from_parents(tokens, torch.tensor([-1, 0, 1, 2])),
+             "branched": DraftTree.from_parents(tokens, torch.tensor([-1, 0, 0, 2])),
+             "two roots": DraftTree.from_parents(tokens[:2], torch.tensor([-1, -1]))}
+    for tree in trees.values():
+        target.forward_tree(9, tree, cache)
+        cache.crop(4)
+    assert seen == [0, 0, 0, 6, 6]
+    assert [tree.is_chain() for tree in trees.values()] == [True, True, False, False]
+    other_thread = []
+    with tiles.permitted():
+        with tiles.permitted():
+            pass
+        assert tiles.rows() == 6  # the inner exit restores the outer permission
+        worker = threading.Thread(target=lambda: other_thread.append(tiles.rows()))
+        worker.start()
+        worker.join()
+    assert other_thread == [0] and tiles.rows() == 0
 
 
 @needs_pairs
 def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_refuses(monkeypatch, caplog):
     """No AMX tiles on the CPU, Linux refusing the tile state, or a tile product that disagrees with the vector one:
     the column blocks keep their vector product and the kernel says why; a row count asked for in engine.amx_rows
-    warns with that reason (0, the default, does not); a bad value ("auto" among them) is refused by name."""
+    warns with that reason (0 and auto, the default, do not); a bad value is refused by name."""
     from types import SimpleNamespace
 
     from specpipe.engine import cpu_kernel
@@ -1264,16 +1313,18 @@ def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_ref
         monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda flags=flags: flags)
         kernel.amx, kernel.amx_reason = False, ""
         kernel._take_amx(module, 6)
-        assert not kernel.amx and kernel.blocks.product is vector_product and reason in kernel.amx_reason, flags
+        assert not kernel.amx and kernel.tiles is None and kernel.blocks.product is vector_product, flags
+        assert reason in kernel.amx_reason, flags
     monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
-    for setting, warned in ((0, False), (8, True)):
+    for setting, warned in ((0, False), ("auto", False), (8, True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
         assert ("engine.amx_rows=8, but the column blocks run without AMX tiles: this CPU has no AMX tiles"
                 in caplog.text) == warned, setting
-    for bad in ("auto", -1, 1.5, None, True):
-        with pytest.raises(ConfigError, match="engine.amx_rows must be a row count >= 0"):
+    assert OneDNNEngine()._amx_rows() == 0  # auto: no tiles on a CPU without them
+    for bad in ("always", -1, 1.5, None, True):
+        with pytest.raises(ConfigError, match="engine.amx_rows must be 'auto' or a row count >= 0"):
             OneDNNEngine(amx_rows=bad)
 
 

@@ -5,7 +5,8 @@ records its name on the model, so one instance is never run under two engines by
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import contextlib
+from typing import ContextManager, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -15,6 +16,9 @@ ENGINE_ATTRIBUTE = "specpipe_engine"
 # What an engine did to the model, in words: linear kernels, lean blocks, lean forward (part of the
 # cost-curve cache key: one engine name can run different code by config or by CPU).
 REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
+# Where an engine's products can run on AMX tiles for forwards that permit them: its
+# specpipe.engine.cpu_kernel.TileRows (absent elsewhere); see `tiles_permitted`.
+TILES_ATTRIBUTE = "specpipe_amx_tiles"
 
 
 @runtime_checkable
@@ -59,3 +63,10 @@ def spread_description(model: nn.Module) -> str | None:
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         return "the model is sharded for tensor parallel"
     return None
+
+
+def tiles_permitted(model: nn.Module, permitted: bool) -> ContextManager:
+    """Runs a forward of `model` with its products on AMX tiles where the engine put them there and `permitted`
+    (a forward whose rows need not be bitwise one-token steps'); a no-op otherwise."""
+    tiles = getattr(model, TILES_ATTRIBUTE, None) if permitted else None
+    return tiles.permitted() if tiles is not None else contextlib.nullcontext()

@@ -77,13 +77,14 @@ AUTO_BF16_BLOCK_KERNEL_ROWS = 64
 #        -> 25.7  28.9  32.2  23.2  26.9  33.1  37.3  40.6  44.3  64.9
 #   AMX's tiles take 16 rows per pass, so from 16 rows oneDNN wins; below, both stream the same weights and the
 #   kernel's one pass over them costs less than oneDNN's per-call set-up.
-AUTO_BF16_AMX_KERNEL_ROWS = 12
-# - the same with the blocks' own products on AMX tiles from 6 rows (engine.amx_rows; session 59, 15 rounds), oneDNN
-#   above 12 rows -> the blocks for every product:
+#   With the blocks' own products on AMX tiles from 6 rows (engine.amx_rows; session 59, 15 rounds), oneDNN above 12
+#   rows -> the blocks for every product:
 #     q        8    12    16    24    32    48
 #     bf16  34.2  34.1  51.3  64.2  66.2  66.9
 #        -> 31.5  34.9  36.4  57.7  62.2  79.3
-AUTO_BF16_AMX_TILE_KERNEL_ROWS = 32
+#   but only a branched tree's verify takes the tiles (cpu_kernel.TileRows): a chain's, by the vector product, would
+#   cost more than oneDNN's from 13 rows, so 12 stays with the tiles too.
+AUTO_BF16_AMX_KERNEL_ROWS = 12
 
 
 def onednn_available() -> bool:
@@ -161,7 +162,7 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
     this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
     kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
     AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs, 64 in column blocks), 12 bf16 rows in column blocks
-    where oneDNN's bf16 kernel is AMX (32 where the blocks themselves run on AMX tiles), and 0 for AMX's other cases,
+    where oneDNN's bf16 kernel is AMX (with or without the blocks' own tiles), and 0 for AMX's other cases,
     under oneDNN's other bf16 kernels and off x86, where the kernel was not measured against oneDNN (or does not
     exist)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -172,7 +173,7 @@ def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
         blocks = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16" and path.kernel_blocks
         if not blocks:
             return 0
-        return AUTO_BF16_AMX_TILE_KERNEL_ROWS if path.kernel_amx_rows else AUTO_BF16_AMX_KERNEL_ROWS
+        return AUTO_BF16_AMX_KERNEL_ROWS
     if "avx512" in path.kernel:
         pairs = path.dtype == torch.bfloat16 and kernel_isa == "avx512_bf16"
         if pairs:
@@ -203,7 +204,9 @@ class LinearPath:
     kernel_rows: int = 0
     kernel_build: str = ""  # that kernel's build (CpuKernel.build)
     kernel_blocks: bool = False  # bf16 weights repacked in column blocks for it (CpuKernel.blocks)
-    kernel_amx_rows: int = 0  # the blocks' products of this many rows and more on AMX tiles (CpuKernel.amx); 0 = none
+    # a branched tree's verify runs the blocks' products of this many rows and more on AMX tiles (CpuKernel.amx,
+    # cpu_kernel.TileRows); 0 = none
+    kernel_amx_rows: int = 0
 
     def describe(self) -> str:
         name, compute = DTYPE_NAMES.get(self.dtype, str(self.dtype)), DTYPE_NAMES.get(self.compute_dtype)
@@ -211,7 +214,8 @@ class LinearPath:
         if self.kernel_rows:
             how = "summed in fp32" if self.dtype != torch.float32 else "streamed once for all rows"
             if self.kernel_blocks:
-                tiles = f" (on AMX tiles from {self.kernel_amx_rows} rows)" if self.kernel_amx_rows else ""
+                tiles = (f" (on AMX tiles from {self.kernel_amx_rows} rows in branched trees)" if self.kernel_amx_rows
+                         else "")
                 how = f"in column blocks{tiles}, {how}"
             paths.append(f"{name} weights {how} (specpipe's CPU kernel {self.kernel_build}) for up to "
                          f"{self.kernel_rows} rows")

@@ -98,7 +98,8 @@ import hashlib
 import os
 import platform
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -1846,6 +1847,18 @@ def auto_block_lookahead_rows() -> int:
     return AUTO_AMX_BLOCK_LOOKAHEAD_ROWS if "amx_bf16" in cpu_flags() else DEFAULT_BLOCK_LOOKAHEAD_ROWS
 
 
+# engine.amx_rows=auto on CPUs with AMX tiles: a branched tree's verify runs its column blocks' products of this many
+# rows and more on the tiles (TileRows). On the 2-core AMX Xeon, SmolLM2-135M's bf16 linears alone: 1 / 2 / 4 / 8 / 12
+# rows 16.2 / 14.8 / 14.8 / 15.3 / 16.4 ms on the tiles against 11.6 / 10.9 / 13.1 / 16.8 / 23.7 by the vector
+# product; in the whole forward the tiles first paid at 6-8 rows (docs/BENCHMARKS.md runs 63, 65).
+AUTO_AMX_ROWS = 6
+
+
+def auto_amx_rows() -> int:
+    """engine.amx_rows=auto: AUTO_AMX_ROWS where the CPU has AMX tiles, else 0 (never, and nothing to warn about)."""
+    return AUTO_AMX_ROWS if "amx_bf16" in cpu_flags() else 0
+
+
 def kernel_isa() -> str:
     """Which build of the kernel this machine gets: where the CPU has AVX-512F and ATen's own kernels run
     AVX-512 (not held back by ATEN_CPU_CAPABILITY), 'avx512_bf16' if it also has AVX512_BF16 (pair products
@@ -1854,6 +1867,34 @@ def kernel_isa() -> str:
     if "avx512f" not in flags or not aten_capability().startswith("AVX512"):
         return "avx2"
     return "avx512_bf16" if {"avx512bw", "avx512_bf16"} <= flags else "avx512"
+
+
+class TileRows:
+    """From how many rows the column blocks' products run on AMX tiles: `min_rows` inside `permitted()`, never outside.
+
+    The tiles' fp32 sums are not bitwise the vector product's (docs/BENCHMARKS.md run 64), so a forward whose rows must
+    give bitwise a one-token step's bf16 logits keeps the vector product: a chain's verify, which is how a bf16
+    pipeline that drafts chains emits exactly `vanilla`'s tokens. A branched tree's verify cannot promise that anyway
+    (its attention's sums depend on where a row's ancestors sit in the block, run 57), so the target permits the tiles
+    there (specpipe.target.TargetModel.forward_tree). The permission is per thread: requests decoded in parallel
+    threads share one model."""
+
+    def __init__(self, min_rows: int) -> None:
+        self.min_rows = min_rows
+        self._local = threading.local()
+
+    def rows(self) -> int:
+        """`min_rows` where this thread's forward may take the tiles, else 0 (never)."""
+        return self.min_rows if getattr(self._local, "permitted", False) else 0
+
+    @contextlib.contextmanager
+    def permitted(self) -> Iterator[None]:
+        before = getattr(self._local, "permitted", False)
+        self._local.permitted = True
+        try:
+            yield
+        finally:
+            self._local.permitted = before
 
 
 class BlockProduct(NamedTuple):
@@ -1886,9 +1927,10 @@ class CpuKernel:
         self.quantized_product = None
         self.blocks: BlockProduct | None = None  # bf16 weights in column blocks: the AVX512_BF16 build only
         # with `amx_rows` > 0: whether the blocks' products of that many rows and more run on AMX tiles
-        # (amx_block_product), and if not, why
+        # (amx_block_product) inside `tiles.permitted()`, and if not, why
         self.amx = False
         self.amx_reason = ""
+        self.tiles: TileRows | None = None
         self.norm = None  # norm(x [..., n], weight [n], eps) -> [..., n], as LlamaRMSNorm computes it
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
@@ -1946,8 +1988,8 @@ class CpuKernel:
 
 
     def _take_amx(self, module, min_rows: int) -> None:
-        """The blocks' products of `min_rows` rows and more on AMX tiles where this CPU has them, Linux grants them
-        and they pass the check."""
+        """The blocks' products of `min_rows` rows and more on AMX tiles, inside `self.tiles.permitted()`, where this
+        CPU has them, Linux grants them and they pass the check."""
         if self.blocks is None:
             self.amx_reason = f"AMX tiles multiply the column blocks, which the kernel's {self.isa} build lacks"
         elif "amx_bf16" not in cpu_flags():
@@ -1963,7 +2005,16 @@ class CpuKernel:
             if mismatch:
                 self.amx_reason = f"its AMX product disagrees with the column blocks' here ({mismatch})"
             else:
-                self.blocks = self.blocks._replace(product=tiles_from(min_rows))
+                tiles, vector_product = TileRows(min_rows), self.blocks.product
+
+                def tiles_where_permitted(x, blocks, out_features, scale, bias):
+                    rows = tiles.rows()
+                    if rows == 0:
+                        return vector_product(x, blocks, out_features, scale, bias)
+                    return module.amx_block_product(x, blocks, out_features, scale, bias, rows)
+
+                self.blocks = self.blocks._replace(product=tiles_where_permitted)
+                self.tiles = tiles
                 self.amx = True
 
 

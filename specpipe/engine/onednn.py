@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, claim_model, spread_description
+from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
 from specpipe.engine.quantize import checked_quantization, dequantize_rows, quantize_rows
@@ -243,11 +243,12 @@ class OneDNNEngine:
     # with the lookahead on: from how many rows of a product on it asks (1-16); "auto" =
     # cpu_kernel.auto_block_lookahead_rows (1 on AMX CPUs, 5 elsewhere)
     block_lookahead_rows: int | str = "auto"
-    # with column blocks on CPUs with AMX: their products of this many rows and more run on AMX tiles (one TDPBF16PS
-    # does 16 rows x 16 pairs of k of a block), so up to 16 rows cost about what the weights' memory costs; fewer rows
-    # keep the vector product, faster there (6 measured best). 0 = never, the default: the tiles' sums are not
-    # bitwise the vector product's, so a verify of that many rows no longer gives bitwise a one-token step's bf16 logits
-    amx_rows: int = 0
+    # with column blocks on CPUs with AMX: a branched tree's verify runs its products of this many rows and more on
+    # AMX tiles (one TDPBF16PS does 16 rows x 16 pairs of k of a block), so up to 16 rows cost about what the weights'
+    # memory costs; fewer rows keep the vector product, faster there (6 measured best). Only branched trees: the
+    # tiles' sums are not bitwise the vector product's, and a chain's verify keeps giving bitwise a one-token step's
+    # bf16 logits (cpu_kernel.TileRows). "auto" = cpu_kernel.auto_amx_rows (6 on CPUs with AMX); 0 = never
+    amx_rows: int | str = "auto"
     # bf16 models on the kernel's AVX512_BF16 build: the attention rounds its softmax weights to bf16 (as transformers'
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
     # faster; false = fp32 weights, one value row per multiply-add
@@ -279,8 +280,8 @@ class OneDNNEngine:
         if rows != "auto" and not (type(rows) is int and 1 <= rows <= MAX_BLOCK_LOOKAHEAD_ROWS):
             raise ConfigError(f"engine.block_lookahead_rows must be 'auto' or an integer from 1 to "
                               f"{MAX_BLOCK_LOOKAHEAD_ROWS}, got {rows!r}")
-        if not (type(self.amx_rows) is int and self.amx_rows >= 0):
-            raise ConfigError(f"engine.amx_rows must be a row count >= 0 (0 = never), got {self.amx_rows!r}")
+        if self.amx_rows != "auto" and not (type(self.amx_rows) is int and self.amx_rows >= 0):
+            raise ConfigError(f"engine.amx_rows must be 'auto' or a row count >= 0 (0 = never), got {self.amx_rows!r}")
         if type(self.attention_pairs) is not bool:
             raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
@@ -315,6 +316,8 @@ class OneDNNEngine:
         claim_model(model, self.name)
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
+        if blocks is not None and kernel.tiles is not None:
+            setattr(model, TILES_ATTRIBUTE, kernel.tiles)
         lean = 0
         extension = kernel if kernel is not None else self._extension(path)
         gate, gate_why = self._kernel_part(self.kernel_gate, path, extension, "gate", "SiLU gate in torch",
@@ -371,16 +374,18 @@ class OneDNNEngine:
         from specpipe.engine.cpu_kernel import CpuKernel
 
         blocks = self._blocks_asked(path)
+        amx_rows = self._amx_rows()
         kernel = CpuKernel(weight_prefetch=self.weight_prefetch, block_lookahead_kb=self.block_lookahead_kb,
                            attention_pairs=self.attention_pairs, block_lookahead_rows=self._lookahead_rows(),
-                           amx_rows=self.amx_rows if blocks else 0)
+                           amx_rows=amx_rows if blocks else 0)
         if kernel.product is None:
             return replace(path, reason=f"{path.reason}; {kernel.reason}"), None
-        if blocks and self.amx_rows > 0 and not kernel.amx:
-            log.warning("engine=%s: engine.amx_rows=%d, but the column blocks run without AMX tiles: %s", self.name,
-                        self.amx_rows, kernel.amx_reason)
+        if blocks and amx_rows > 0 and not kernel.amx:
+            (log.info if self.amx_rows == "auto" else log.warning)(
+                "engine=%s: engine.amx_rows=%s, but the column blocks run without AMX tiles: %s", self.name,
+                self.amx_rows, kernel.amx_reason)
         path = replace(path, kernel_blocks=blocks and kernel.blocks is not None,
-                       kernel_amx_rows=self.amx_rows if kernel.amx else 0)
+                       kernel_amx_rows=amx_rows if kernel.amx else 0)
         if auto:
             rows = auto_kernel_rows(path, kernel.isa)
             if rows <= 0:  # on AMX CPUs the kernel outruns oneDNN only in column blocks, and they did not load
@@ -390,6 +395,11 @@ class OneDNNEngine:
         else:
             why = f"engine.{name}={rows}"
         return replace(path, kernel_rows=rows, kernel_build=kernel.build, reason=f"{path.reason}; {why}"), kernel
+
+    def _amx_rows(self) -> int:
+        from specpipe.engine.cpu_kernel import auto_amx_rows
+
+        return auto_amx_rows() if self.amx_rows == "auto" else self.amx_rows
 
     def _lookahead_rows(self) -> int:
         from specpipe.engine.cpu_kernel import auto_block_lookahead_rows
