@@ -200,7 +200,7 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
     for target in targets:
         caches.append(target.new_cache())
         target.prefill(context[:-1], caches[-1])
-    # branched: most trees of 6 rows or more that pipelines verify are, and on AMX CPUs those run on the tiles
+    # branched: most trees of 7 rows or more that pipelines verify are, and on AMX CPUs those run on the tiles
     trees = {q: random_branches(q, vocab, generator) for q in queries}
     samples = [{q: [] for q in queries} for _ in targets]
     for round_index in range(rounds + 1):

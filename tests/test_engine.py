@@ -1176,7 +1176,7 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     """engine.amx_rows: on an AMX CPU the blocks' products run on the tiles where a forward permits them (a branched
     tree's verify) and by the vector product elsewhere; over a SmolLM2-sized weight the tiles are within a bf16
     rounding of the vdpbf16ps product, each row's output is bitwise that row's alone, and the engine's log says which
-    product serves (its cost curves apart); auto takes the tiles from 6 rows on such a CPU."""
+    product serves (its cost curves apart); auto takes the tiles from 7 rows on such a CPU."""
     from specpipe.engine import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
@@ -1211,7 +1211,7 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
         lines[setting] = caplog.text
     assert "in column blocks (on AMX tiles from 4 rows in branched trees)," in lines[4]
     assert "in column blocks," in lines[0] and "AMX tiles" not in lines[0]
-    assert OneDNNEngine()._amx_rows() == cpu_kernel.AUTO_AMX_ROWS == 6
+    assert OneDNNEngine()._amx_rows() == cpu_kernel.AUTO_AMX_ROWS == 7
 
 
 def chain_verified_and_stepped(target: TargetModel, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1850,8 +1850,10 @@ def auto_block_lookahead_rows() -> int:
 # engine.amx_rows=auto on CPUs with AMX tiles: a branched tree's verify runs its column blocks' products of this many
 # rows and more on the tiles (TileRows). On the 2-core AMX Xeon, SmolLM2-135M's bf16 linears alone: 1 / 2 / 4 / 8 / 12
 # rows 16.2 / 14.8 / 14.8 / 15.3 / 16.4 ms on the tiles against 11.6 / 10.9 / 13.1 / 16.8 / 23.7 by the vector
-# product; in the whole forward the tiles first paid at 6-8 rows (docs/BENCHMARKS.md runs 63, 65).
-AUTO_AMX_ROWS = 6
+# product. Its whole forward over two-branch trees, tiles from that many rows against none (bench/engine_ab.py --tree
+# branched, interleaved): 6 rows 1.07x and 1.02x in two runs, 7 rows 0.97x, 8 rows 0.96x and 0.96x, 10 rows 0.91x,
+# 12 rows 0.80x (docs/BENCHMARKS.md run 65).
+AUTO_AMX_ROWS = 7
 
 
 def auto_amx_rows() -> int:

@@ -245,9 +245,9 @@ class OneDNNEngine:
     block_lookahead_rows: int | str = "auto"
     # with column blocks on CPUs with AMX: a branched tree's verify runs its products of this many rows and more on
     # AMX tiles (one TDPBF16PS does 16 rows x 16 pairs of k of a block), so up to 16 rows cost about what the weights'
-    # memory costs; fewer rows keep the vector product, faster there (6 measured best). Only branched trees: the
+    # memory costs; fewer rows keep the vector product, faster there (from 7: run 65). Only branched trees: the
     # tiles' sums are not bitwise the vector product's, and a chain's verify keeps giving bitwise a one-token step's
-    # bf16 logits (cpu_kernel.TileRows). "auto" = cpu_kernel.auto_amx_rows (6 on CPUs with AMX); 0 = never
+    # bf16 logits (cpu_kernel.TileRows). "auto" = cpu_kernel.auto_amx_rows (7 on CPUs with AMX); 0 = never
     amx_rows: int | str = "auto"
     # bf16 models on the kernel's AVX512_BF16 build: the attention rounds its softmax weights to bf16 (as transformers'
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from specpipe.cost import random_chain
+from specpipe.cost import random_branches
 
 BETWEEN_OPS = "(between ops: Python, dispatch)"
 KERNEL_PRODUCT = "specpipe::weight_product"  # specpipe's CPU kernel (specpipe.engine.cpu_kernel)
@@ -28,10 +28,11 @@ TOTAL = "(wall time, unprofiled)"
 
 def profile_forward(target, queries: int, kv_length: int = 256, repeats: int = 8, seed: int = 0) -> dict[str, float]:
     """op name -> milliseconds of self time per forward of `target.forward_tree` with q = `queries`
-    (a chain of q - 1 draft nodes) over a `kv_length` cache, plus BETWEEN_OPS and TOTAL rows."""
+    (q - 1 draft nodes in two branches, as the cost curves are measured) over a `kv_length` cache, plus BETWEEN_OPS
+    and TOTAL rows."""
     generator = torch.Generator().manual_seed(seed)
     context = torch.randint(0, target.vocab_size, (kv_length + 1,), generator=generator).tolist()
-    tree = random_chain(queries, target.vocab_size, generator)
+    tree = random_branches(queries, target.vocab_size, generator)
     cache = target.new_cache()
     target.prefill(context[:-1], cache)
 
