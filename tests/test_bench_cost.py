@@ -118,3 +118,28 @@ def test_bench_cost_refuses_bad_settings(tmp_path, override, message):
 def test_bench_cost_refuses_an_unknown_engine(tmp_path):
     with pytest.raises(ConfigError, match="unknown engine 'turbo'.*choose from"):
         read_settings(cost_config(tmp_path, "bench_cost.engines=[turbo]"))
+
+
+def test_the_stock_forward_verifies_a_branched_tree_as_the_target_does():
+    """The cost curves are measured over branched trees (specpipe.cost.random_branches): the stock transformers forward
+    that bench_cost times beside the engines gives, over a chain and over two branches, the logits TargetModel gives
+    on the same model under engine=hf (ancestor masks and depth positions alike)."""
+    import torch
+
+    from specpipe.cost import random_branches, random_chain
+    from specpipe.pipelines.builder import load_model
+    from specpipe.target import TargetModel
+    from specpipe.tasks.bench_cost import TransformersForward
+
+    cfg = compose_config(["model=tiny_random"])
+    model = load_model(cfg.model).model
+    stock, target = TransformersForward(model, "tiny"), TargetModel(model)
+    generator = torch.Generator().manual_seed(3)
+    context = torch.randint(0, stock.vocab_size, (20,), generator=generator).tolist()
+    for shape in (random_chain, random_branches):
+        tree = shape(7, stock.vocab_size, generator)
+        stock_cache, target_cache = stock.new_cache(), target.new_cache()
+        stock.prefill(context[:-1], stock_cache)
+        target.prefill(context[:-1], target_cache)
+        expected = target.forward_tree(context[-1], tree, target_cache).logits  # [7, vocab]
+        assert torch.equal(stock.forward_tree(context[-1], tree, stock_cache)[0].float(), expected), shape.__name__

@@ -55,7 +55,8 @@ class _TruncatingDynamicCache(DynamicCache):
 
 
 class TransformersForward:
-    """The stock forward, shaped like TargetModel for `measure_cost_curve` (chains only)."""
+    """The stock forward, shaped like TargetModel for `measure_cost_curve`: a tree's nodes see their ancestors through
+    a 4D mask, as TargetModel verifies them."""
 
     engine = STOCK
 
@@ -76,10 +77,14 @@ class TransformersForward:
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: DynamicCache) -> torch.Tensor:
-        if not torch.equal(tree.parents, torch.arange(-1, len(tree) - 1)):
-            raise ValueError("the stock forward measures chains only")
+        committed, q = cache.get_seq_length(), len(tree) + 1
         input_ids = torch.tensor([[root_token, *tree.tokens.tolist()]], device=self.device)  # [1, q]
-        return self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+        position_ids = torch.cat([torch.tensor([committed]), tree.depth + (committed + 1)])[None]  # [1, q]
+        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]: the cache and the root, then ancestors
+        mask[:, :committed + 1] = True
+        mask[1:, committed + 1:] = tree.mask
+        return self.model(input_ids=input_ids, position_ids=position_ids.to(self.device),
+                          attention_mask=mask[None, None].to(self.device), past_key_values=cache, use_cache=True).logits
 
 
 @dataclass(frozen=True)
