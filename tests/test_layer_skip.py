@@ -95,7 +95,8 @@ def test_a_measured_draft_cost_curve_runs_on_the_drafts_own_cache(three_layers, 
     """cost_curve=measured (and online, the target's curve then corrected as it decodes) also measures the
     drafter (its forwards are not free on a CPU), through the layer subset's own cache (layer 2 of the
     target is row 1 there), and stays lossless."""
-    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path))
+    # a fresh folder for the cost curves alone (the whole cache there would rebuild the engine's kernel, ~40 s)
+    monkeypatch.setattr("specpipe.cost.cache_root", lambda: tmp_path)
     # cached even when measured on a busy machine (test_cost_curve checks that a busy one is not)
     monkeypatch.setattr(OtherProcessesLoad, "competed", lambda self, threads=None: False)
     pipe = build_pipeline(layer_skip_config("pipeline.drafters.skip.layers=[0,2]", f"cost_curve={cost_curve}"))
