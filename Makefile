@@ -7,6 +7,9 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # torch is pinned to the CPU build on disk; an unpinned torch pulls GBs of CUDA packages.
 TORCH := torch==2.13.0
+# Test processes (pytest-xdist): 2 keep both of a 2-core machine's cores busy while one test compiles a
+# kernel, waits on a subprocess or runs Python between small ops (the suite: 25 min in one process, 10 in two).
+TEST_WORKERS ?= 2
 
 .PHONY: install model demo test bench clean-cache
 
@@ -29,7 +32,7 @@ demo: model
 	$(PYTHON) run.py
 
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 
 bench: model
 	$(PYTHON) run.py task=bench bench.prompts=bench/dev_prompts.jsonl

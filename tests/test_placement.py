@@ -21,6 +21,10 @@ from specpipe.errors import ConfigError, ModelNotAvailable
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.target import input_device
 
+# `--standalone`: a free port of its own, not torchrun's fixed 29500, which the two torchrun tests would both
+# take when the suite runs its tests in parallel processes (`make test`: pytest-xdist)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
 PIPELINES = ["vanilla", "lookahead_trie", "prompt_lookup"]
 NO_GPU = not torch.cuda.is_available()
 # the tiny model's modules, two layers: the second (and the output norm) offloaded to disk
@@ -163,8 +167,8 @@ def test_tensor_parallel_over_two_gloo_processes_decodes_what_one_process_does(t
     prompts_file = tmp_path / "request.json"
     prompts_file.write_text(json.dumps({"prompts": prompts, "max_new_tokens": max_new_tokens, "pipelines": pipelines}))
     out = tmp_path / "out.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               str(REPO / "tests" / "tensor_parallel_worker.py"), str(mixed_dir), str(prompts_file), str(out)]
+    command = [*TORCHRUN, str(REPO / "tests" / "tensor_parallel_worker.py"), str(mixed_dir), str(prompts_file),
+               str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -177,7 +181,7 @@ def test_tensor_parallel_over_two_gloo_processes_decodes_what_one_process_does(t
 
 
 def test_run_py_under_torchrun_prints_once(mixed_dir, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "run.py"),
+    command = [*TORCHRUN, str(REPO / "run.py"),
                "model=local", f"model.path={mixed_dir}", "model.tp_plan=auto", "pipeline=lookahead_trie",
                "cost_curve=flat", "max_new_tokens=8", "prompt=one two one two one two"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
