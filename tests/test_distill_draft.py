@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from specpipe.distill.corpus import Answer, BatchedGreedy, ShardFolder, chat_prompt_ids, merge_shards
-from specpipe.distill.draft_model import build_draft, load_draft, save_draft
+from specpipe.distill.draft_model import build_draft, grow_draft, load_draft, save_draft
 from specpipe.distill.prompts import ChatPrompt, prompt_id
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import compose_config, load_model
@@ -109,6 +109,48 @@ def test_save_load_round_trip(tiny_mixed, target, tmp_path):
             parameter.copy_(parameter.to(torch.bfloat16).float())
     assert torch.equal(logits(loaded, ids), logits(rounded, ids))
     torch.testing.assert_close(logits(loaded, ids), logits(draft, ids), rtol=0, atol=0.1)
+
+
+def test_a_grown_draft_starts_as_the_trained_one_and_its_new_layers_train(tiny_mixed, target, tmp_path):
+    """init_from: the trained draft's layers keep their weights, the new ones start adding nothing to the
+    residual stream (so the grown draft's logits are the trained draft's, bit for bit) and do train."""
+    ids = chat_prompt_ids(tiny_mixed.tokenizer, "Grow the draft, please.")
+    trained = build_draft(target, [1])
+    with torch.no_grad():  # weights unlike any target layer's, exact in bf16 (the file's dtype)
+        for parameter in trained.model.layers.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter)).copy_(parameter.to(torch.bfloat16).float())
+    path = tmp_path / "trained.safetensors"
+    save_draft(trained, path, metadata_for(tiny_mixed))
+
+    grown = grow_draft(target, tiny_mixed.tokenizer, path, [0, 1, 1])
+    assert len(grown.model.layers) == 3 and grown.target_layers == [0, 1, 1]
+    assert grown.grown_from == {"file": str(path), "target_layers": [1], "positions": [1]}
+    assert torch.equal(grown.model.layers[1].mlp.up_proj.weight, trained.model.layers[0].mlp.up_proj.weight)
+    for new in (0, 2):  # copies of target layers whose residual outputs are zero
+        layer = grown.model.layers[new]
+        assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        assert torch.equal(layer.self_attn.q_proj.weight, target.model.layers[[0, 1, 1][new]].self_attn.q_proj.weight)
+    assert torch.equal(logits(grown, ids), logits(trained, ids))
+    assert not torch.equal(logits(build_draft(target, [0, 1, 1]), ids), logits(trained, ids))
+
+    # The new layers learn: a few steps towards other logits move their zeroed outputs and change the logits.
+    optimizer = torch.optim.AdamW(grown.model.layers.parameters(), lr=1e-2)
+    goal = logits(target, ids).softmax(-1)
+    for _ in range(3):
+        grown.train()
+        out = grown(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        loss = -(goal * out.log_softmax(-1)).sum(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert grown.model.layers[0].mlp.down_proj.weight.any() and grown.model.layers[2].self_attn.o_proj.weight.any()
+    assert not torch.equal(logits(grown.eval(), ids), logits(trained, ids))
+
+    with pytest.raises(ConfigError, match=r"trained from target layers \[1\], which are not a subsequence of "
+                                          r"distill_draft.layers=\[0\]"):
+        grow_draft(target, tiny_mixed.tokenizer, path, [0])
+    with pytest.raises(ConfigError, match=r"no draft model at .*missing.safetensors"):
+        grow_draft(target, tiny_mixed.tokenizer, tmp_path / "missing.safetensors", [0, 1])
 
 
 def test_load_refuses_another_target_and_names_the_build_command(tiny_mixed, target, tmp_path):
@@ -236,13 +278,16 @@ def test_distill_task_trains_resumes_and_exports(tmp_path, capsys):
     write_corpus(corpus)
 
     def config(steps: int):
-        return compose_config(["task=distill_draft", "model=tiny_random", f"distill_draft.corpus={corpus}",
-                               f"distill_draft.checkpoint_dir={checkpoints}", f"distill_draft.out={out}",
-                               "distill_draft.layers=[1]", f"distill_draft.steps={steps}", "distill_draft.lr=0.01",
-                               "distill_draft.warmup=0", "distill_draft.batch=96", "distill_draft.checkpoint_every=2",
-                               "distill_draft.eval_every=0", "distill_draft.eval_fraction=0.3",
-                               "distill_draft.teacher_top_k=8", "distill_draft.eval_chains=10",
-                               "distill_draft.progress=false"])
+        return compose_config(overrides(steps))
+
+    def overrides(steps: int) -> list[str]:
+        return ["task=distill_draft", "model=tiny_random", f"distill_draft.corpus={corpus}",
+                f"distill_draft.checkpoint_dir={checkpoints}", f"distill_draft.out={out}",
+                "distill_draft.layers=[1]", f"distill_draft.steps={steps}", "distill_draft.lr=0.01",
+                "distill_draft.warmup=0", "distill_draft.batch=96", "distill_draft.checkpoint_every=2",
+                "distill_draft.eval_every=0", "distill_draft.eval_fraction=0.3",
+                "distill_draft.teacher_top_k=8", "distill_draft.eval_chains=10",
+                "distill_draft.progress=false"]
 
     with pytest.raises(ConfigError, match=r"no corpus at .*nothing.parquet: .* or set distill_draft.corpus"):
         run_distill_draft(compose_config(["task=distill_draft", "model=tiny_random", "distill_draft.layers=[1]",
@@ -282,6 +327,18 @@ def test_distill_task_trains_resumes_and_exports(tmp_path, capsys):
     capsys.readouterr()
     assert run_distill_draft(config(8))["step"] == 8  # a rerun after the end says so
     assert "nothing left to train: the checkpoint is at step 8 and distill_draft.steps=8" in capsys.readouterr().err
+
+    # Growing the exported draft by a layer: its own folder, the source recorded, the source never overwritten.
+    grown_out = tmp_path / "out" / "grown.safetensors"
+    grow = [*overrides(2), f"distill_draft.init_from={out}", "distill_draft.layers=[0,1]"]
+    with pytest.raises(ConfigError, match=r"distill_draft.out is distill_draft.init_from .*would overwrite"):
+        run_distill_draft(compose_config(grow))
+    grown = run_distill_draft(compose_config([*grow, f"distill_draft.out={grown_out}"]))
+    assert grown["step"] == 2 and Path(grown["report"]).parent.name.startswith("train-layers-0-1-from-")
+    sidecar = json.loads(grown_out.with_suffix(".json").read_text())
+    assert sidecar["target_layers"] == [0, 1] and sidecar["init_from"]["target_layers"] == [1]
+    assert sidecar["init_from"]["file"] == str(out) and len(load_draft(loaded.model, loaded.tokenizer,
+                                                                       grown_out).model.layers) == 2
 
 
 def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):

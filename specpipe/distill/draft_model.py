@@ -95,6 +95,41 @@ def build_draft(target: PreTrainedModel, layers: Sequence[int]) -> PreTrainedMod
     return draft.eval()
 
 
+def grow_draft(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path,
+               layers: Sequence[int]) -> PreTrainedModel:
+    """A deeper draft that starts out computing exactly what the trained draft at `path` computes.
+
+    `layers` names target layers as in `build_draft`; the trained draft's own `target_layers` must be a
+    subsequence of them (matched in order, each to the first free one). Those positions take the trained
+    weights; the others are copies of their target layers with their two residual outputs (attention
+    `o_proj`, MLP `down_proj`) zeroed, so each adds nothing to the residual stream until training moves
+    them. Training from here can only start from the trained draft's acceptance, not from scratch."""
+    trained = load_draft(target, tokenizer, path)
+    layers = [int(layer) for layer in layers]
+    source = [int(layer) for layer in trained.target_layers]
+    matched, start = [], 0
+    for layer in source:
+        position = next((i for i in range(start, len(layers)) if layers[i] == layer), None)
+        if position is None:
+            raise ConfigError(f"distill_draft.init_from={path} was trained from target layers {source}, which are "
+                              f"not a subsequence of distill_draft.layers={layers}: keep its layers, in order, and "
+                              f"add new ones between or around them (e.g. {sorted(set(source) | {layers[0]})})")
+        matched.append(position)
+        start = position + 1
+    draft = build_draft(target, layers)
+    with torch.no_grad():
+        for i, layer in enumerate(draft.model.layers):
+            if i in matched:
+                layer.load_state_dict(trained.model.layers[matched.index(i)].state_dict(), strict=True)
+            else:
+                for output in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    output.weight.zero_()
+                    if output.bias is not None:
+                        output.bias.zero_()
+    draft.grown_from = {"file": str(path), "target_layers": source, "positions": matched}
+    return draft
+
+
 def layer_state(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The draft's own tensors: its decoder layers, under `model.layers.I.*` keys."""
     return {f"{LAYER_PREFIX}{key}": value for key, value in draft.model.layers.state_dict().items()}

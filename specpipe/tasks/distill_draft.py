@@ -18,6 +18,10 @@ c. eval on the held-out prompts (a hash of prompt_id): top-1 agreement with the 
    own greedy continuation). A table on stderr and `report.json` beside the checkpoints.
 d. export: `save_draft` to `out` (bf16 layers + JSON sidecar with the command and the eval).
 
+`init_from=DRAFT.safetensors` grows a trained draft instead of starting from copies: its layers keep their
+weights and `layers` adds new ones around them, each starting with its residual outputs zeroed
+(`specpipe.distill.draft_model.grow_draft`), in a run folder of its own (`train-layers-...-from-<sha>`).
+
 The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar: all 14,889
 usable answers of the shipped 3.14M-token corpus (14,120 to train on, 2.79M answer positions; 4.82M trained,
 1.7 epochs, in 4400 steps). The teacher logits took about 3.4 h and the training 2.5 h (9165 s) on a 2-core
@@ -54,7 +58,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpipe.distill.corpus import chat_prompt_ids, check_corpus_tokenizer, read_corpus, read_corpus_metadata
 from specpipe.distill.prompts import prompt_id as text_id
-from specpipe.distill.draft_model import build_draft, save_draft
+from specpipe.distill.draft_model import build_draft, grow_draft, save_draft
 from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_output_file,
@@ -393,7 +397,9 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         raise ConfigError(f"task=distill_draft runs the target in fp32 (teacher logits, training); got "
                           f"model.dtype={cfg.model.dtype}: use model.dtype=fp32")
     layers = [int(layer) for layer in d.layers]
-    draft = build_draft(target, layers)  # checks the layers before any long stage
+    init_from = local_path(d.init_from) if d.get("init_from") else None
+    # checks the layers (and the draft grown from) before any long stage
+    draft = grow_draft(target, tokenizer, init_from, layers) if init_from else build_draft(target, layers)
     # The teacher runs through the pipeline's engine (2.0x transformers' own forward in fp32 on a 2-core
     # Zen 5 EPYC: 1110 against 541 tok/s; the same top-1 at every position, logits within 2e-4), after
     # the draft copied its layers: the engine rewrites the target's linears into its own modules. The
@@ -402,6 +408,10 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     build_engine(cfg).apply(target)
     out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
     check_output_file(out, "distill_draft.out", f"{loaded.name}_draft.safetensors")
+    if init_from and out.resolve() == init_from.resolve():
+        raise ConfigError(f"distill_draft.out is distill_draft.init_from ({out}): the exports would overwrite the "
+                          f"draft being grown (and a resumed run would no longer find it); write the grown draft "
+                          f"elsewhere, e.g. distill_draft.out={out.with_name(out.stem + '_grown.safetensors')}")
     if int(d.teacher_top_k) > int(target.config.vocab_size):
         raise ConfigError(f"distill_draft.teacher_top_k must be at most the vocabulary size "
                           f"{target.config.vocab_size}, got {d.teacher_top_k}")
@@ -418,9 +428,10 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     folder = repo_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
     check_folder(folder, "distill_draft.checkpoint_dir")
     pad_id = pad_id_of(tokenizer)
+    grown = f" (grown from {init_from}, trained from layers {draft.grown_from['target_layers']})" if init_from else ""
     _log(f"{len(train)} training / {len(held_out)} held-out answers "
          f"({sum(e.n_pred for e in train)} / {sum(e.n_pred for e in held_out)} answer positions); "
-         f"draft = target layers {layers}; checkpoints in {folder}")
+         f"draft = target layers {layers}{grown}; checkpoints in {folder}")
 
     lock = lock_folder(folder, "distill_draft")  # noqa: F841 (held until the run ends: two runs would write the same shards)
 
@@ -444,7 +455,9 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         return {"teacher": str(cache.folder), "answers": len(teacher)}
 
     # b. train (c. and d. along the way: every eval exports the draft)
-    run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}"
+    # A grown draft trains in a folder of its own: its checkpoints continue another draft's weights.
+    grown_tag = f"-from-{sha256_file(init_from)[:12]}" if init_from else ""
+    run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}{grown_tag}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(draft, train, teacher, d, run_folder, pad_id)
     if trainer.resume(_log):
@@ -467,6 +480,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         if export:
             sidecar = save_draft(draft, out, {
                 "base_model": loaded.name, "target_layers": layers, "tokenizer": fingerprint,
+                **({"init_from": {"file": str(d.init_from), "sha256": sha256_file(init_from),
+                                  "target_layers": draft.grown_from["target_layers"]}} if init_from else {}),
                 "command": task_command("distill_draft"),
                 "corpus": {"file": str(d.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
                            "held_out_answers": len(held_out), "eval_fraction": float(d.eval_fraction)},
