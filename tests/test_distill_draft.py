@@ -337,6 +337,10 @@ def test_distill_task_trains_resumes_and_exports(tmp_path, capsys):
     assert grown["step"] == 2 and Path(grown["report"]).parent.name.startswith("train-layers-0-1-from-")
     sidecar = json.loads(grown_out.with_suffix(".json").read_text())
     assert sidecar["target_layers"] == [0, 1] and sidecar["init_from"]["target_layers"] == [1]
+    from specpipe.stores.manifest import sha256_file
+
+    assert sidecar["init_from"]["sha256"] == sha256_file(out)
+    assert Path(grown["report"]).parent.name == f"train-layers-0-1-from-{sha256_file(out)[:12]}"
     assert sidecar["init_from"]["file"] == str(out) and len(load_draft(loaded.model, loaded.tokenizer,
                                                                        grown_out).model.layers) == 2
 

@@ -456,7 +456,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
 
     # b. train (c. and d. along the way: every eval exports the draft)
     # A grown draft trains in a folder of its own: its checkpoints continue another draft's weights.
-    grown_tag = f"-from-{sha256_file(init_from)[:12]}" if init_from else ""
+    init_sha256 = sha256_file(init_from) if init_from else None
+    grown_tag = f"-from-{init_sha256[:12]}" if init_sha256 else ""
     run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}{grown_tag}"
     run_folder.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(draft, train, teacher, d, run_folder, pad_id)
@@ -480,7 +481,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
         if export:
             sidecar = save_draft(draft, out, {
                 "base_model": loaded.name, "target_layers": layers, "tokenizer": fingerprint,
-                **({"init_from": {"file": str(d.init_from), "sha256": sha256_file(init_from),
+                **({"init_from": {"file": str(d.init_from), "sha256": init_sha256,
                                   "target_layers": draft.grown_from["target_layers"]}} if init_from else {}),
                 "command": task_command("distill_draft"),
                 "corpus": {"file": str(d.corpus), "sha256": sha256_file(corpus), "answers": len(examples),
