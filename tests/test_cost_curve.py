@@ -131,6 +131,17 @@ def test_cost_curve_online_teaches_the_tree_builders_curve_each_verify_forward(t
     assert online.alpha != online.base(1)  # the tiny model's forwards are not exactly the measured median
 
 
+def test_cost_curve_online_also_corrects_each_drafters_own_curve(tiny_mixed):
+    """Under cost_curve=online each drafter's cached curve is wrapped to be corrected by its levels' times (the tree
+    builder observes them: test_draft_model.py); `measured` keeps it fixed."""
+    online = tiny_mixed.pipeline("specinfer_mix", cost_curve="online", fresh=True)
+    drafter = online.decoder.drafters[0]
+    assert isinstance(drafter.cost_curve, OnlineCostCurve)
+    assert drafter.cost_curve.base == cached_cost_curve(drafter.runner) and drafter.cost_curve.observations == 0
+    measured = tiny_mixed.pipeline("specinfer_mix", cost_curve="measured", fresh=True)
+    assert measured.decoder.drafters[0].cost_curve == cached_cost_curve(measured.decoder.drafters[0].runner)
+
+
 def _observed_steps(pipe) -> list[tuple[int, float]]:
     """Records what the decoder teaches its online curve: (query rows, ms) per step."""
     online = pipe.decoder.forward_costs

@@ -6,12 +6,14 @@ grows, and the errors.
 """
 from __future__ import annotations
 
+import time
+
 
 import pytest
 import torch
 
 from conftest import eagle_head_dir, medusa_head_dir, random_prompts, run_steps, tiny_draft_dir
-from specpipe.cost import CostCurve
+from specpipe.cost import CostCurve, OnlineCostCurve
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.draft.draft_model import ROOT, DraftModelDrafter, load_drafter
@@ -205,6 +207,39 @@ def test_eagle2_expands_less_where_the_other_sources_already_fill_the_tree():
     retrieved = Proposal.chain([5, 6, 7, 8, 9, 10, 11, 12], [0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92], "ngram")
     assert expansions([]) == 3
     assert expansions([retrieved]) == 1
+
+
+def test_eagle2_prices_a_drafters_levels_by_what_they_take_under_an_online_curve():
+    """A drafter whose cached curve says 2 ms a level but whose levels take 6 ms, on a 10 ms + 0.5 ms/row verify:
+    priced by the cached curve it is expanded two levels past the root's children at every step (one 0.9-sure
+    child pays while a level costs under ~4 ms: 2.71 tokens for 11 ms + the level against 1.9 for 10.5 ms). With
+    the curve online (cost_curve=online) each level it drafts is observed, the price rises to what the levels
+    take, and the drafter is no longer grown past the root's children, which come with `start` (no level is
+    observed for them)."""
+    class SlowDrafter(ScriptedDrafter):
+        def step(self, state, tokens, parents, frontier):
+            if frontier != [ROOT]:
+                time.sleep(0.006)
+            return super().step(state, tokens, parents, frontier)
+
+    def levels_per_build(curve, builds):
+        drafter = SlowDrafter([{1: 0.9}, {2: 0.9}, {3: 0.9}])
+        drafter.cost_curve = curve
+        builder = Eagle2TreeBuilder(CostCurve((1, 64), (10.0, 41.5)), depth=3, top_k=1, children=1, min_score=0.0)
+        counts = []
+        for _ in range(builds):
+            drafter.expanded = []
+            builder.build(DecodeState(tokens=[0], prompt_length=1), [], [drafter])
+            counts.append(len(drafter.expanded) - 1)  # beyond the root's
+        return counts
+
+    cached = CostCurve((1, 64), (2.0, 2.0))
+    assert levels_per_build(cached, 5) == [2] * 5
+    online = OnlineCostCurve(cached)
+    counts = levels_per_build(online, 40)
+    assert counts[0] == 2 and counts[-1] == 0
+    assert online.observations == sum(counts)
+    assert online(1) > 3.97
 
 
 def test_eagle2_grows_only_the_frontier_nodes_that_pay_for_their_verify_rows():

@@ -123,7 +123,12 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         if cfg.get("cost_curve", "measured") != "flat":  # _cost_curve refused any other unknown choice
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
                 if getattr(drafter, "runner", None) is not None:
-                    drafter.cost_curve = cached_cost_curve(drafter.runner)
+                    curve = cached_cost_curve(drafter.runner)
+                    # Corrected by its levels' times where the target's curve is corrected by its steps: a cached
+                    # curve keeps the moment it was measured, and a level in the pipeline reads weights a target
+                    # forward evicted (the distilled draft's, cached in another session at 0.74 ms a row, took
+                    # 1.06 ms a one-row level here: docs/BENCHMARKS.md run 69).
+                    drafter.cost_curve = OnlineCostCurve(curve) if isinstance(cost_curve, OnlineCostCurve) else curve
     if drafters and hasattr(tree_builder, "attach"):  # a tree that reads the drafters' folders (static calibration)
         tree_builder.attach(drafters)
     if drafters and not getattr(tree_builder, "expands_drafters", False):

@@ -18,6 +18,15 @@ from specpipe.types import DecodeState, DraftTree, Proposal
 ROOT = -1
 
 
+def learn_level_cost(draft_cost: CostCurve | None, rows: int, started: float) -> None:
+    """Tells a drafter's online cost curve (an OnlineCostCurve; a fixed curve has no `observe`) that a level of
+    `rows` frontier nodes, begun at perf_counter() `started`, has just ended: the next levels are priced by what
+    levels take in this process, not by the cached curve alone."""
+    observe = getattr(draft_cost, "observe", None)
+    if observe is not None:
+        observe(rows, 1000.0 * (time.perf_counter() - started))
+
+
 class Eagle2TreeBuilder:
     """Grows each drafter's tree depth by depth, then keeps the best nodes of all sources.
 
@@ -25,7 +34,8 @@ class Eagle2TreeBuilder:
     draft probability (the product of the draft's probabilities along the path, which tracks the
     chance that the target accepts the path) are expanded into their `children` most likely
     children, in one draft forward. Only the frontier's best nodes whose expected children pay for
-    their draft rows (the drafter's measured `cost_curve`, where it has one) and verify rows are
+    their draft rows (the drafter's measured `cost_curve`, where it has one; under `cost_curve=online` corrected by
+    the levels' own times, see `learn_level_cost`) and verify rows are
     expanded; expansion stops after `depth` levels, once no frontier node is at least `min_score`
     likely, or once no frontier node pays. The other sources' proposals count in that decision:
     where the retrievers already fill the best cut, a deeper level pays less.
@@ -149,8 +159,11 @@ class Eagle2TreeBuilder:
                     break
                 frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
                 drafting_ms += step_ms
+            level_started = time.perf_counter()
             logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
+            if depth > 0:  # the root's log-probs came with `start`: a deeper level is a draft forward, priced above
+                learn_level_cost(draft_cost, len(frontier), level_started)
             best_children = top.values[:, 0].tolist()  # [m]
             child_rate = sum(map(math.exp, best_children)) / len(best_children)  # how sure the draft was at this level
             chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
@@ -196,8 +209,10 @@ class Eagle2TreeBuilder:
                     break
                 frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
                 drafting_ms += step_ms
+                level_started = time.perf_counter()
                 frontier_probs = target_probs(full_vocab(drafter.step(state, tokens, parents, frontier)),
                                               sampling)  # [m, vocab]
+                learn_level_cost(draft_cost, len(frontier), level_started)
             counts, expected = self._allot_children(frontier_probs, frontier_scores, expected, len(tokens), drafting_ms)
             if depth == 0 and not self._beats_plain_step(expected, sum(counts), drafting_ms):
                 counts = [0] * len(counts)
