@@ -592,6 +592,76 @@ def test_a_bf16_heads_layers_run_one_kernel_call_each_as_the_lean_loop_computes_
     assert off.layer_kernel is None and off.lean
 
 
+@pytest.mark.parametrize(("layers", "quantize", "vocab_top_k"), [(1, "null", 40), (2, "int8", 40), (1, "int8", 0)])
+def test_a_bf16_heads_whole_level_in_one_kernel_call_drafts_bitwise_as_op_by_op(tiny_mixed, tmp_path, layers, quantize,
+                                                                                 vocab_top_k):
+    """engine.draft_level: where the kernel multiplies weights in column blocks (AVX512_BF16), each draft level of a
+    bf16 EAGLE head (fc, its layers, its output layer's log-probs) runs in one kernel call. In eagle_mix on a bf16
+    tiny model every such level gives, bit for bit, the predicted features, log-probs and cache rows of the same level
+    op by op (the layers one call each), for a reduced and the full output layer, bf16 and int8 weights, one and two
+    layers; a prompt's feed of more rows than the kernel takes goes op by op; the decoded tokens and steps are
+    engine.draft_level=false's; a call that fails leaves the cache as it was."""
+    import copy
+
+    from test_draft_model import write_answer_corpus
+
+    long_prompt = torch.randint(300, 1300, (100,), generator=torch.Generator().manual_seed(71)).tolist()
+    prompts = [*random_prompts(2, seed=71), long_prompt]  # its feed is above the kernel's 64 rows (12 on AMX CPUs)
+    corpus = tmp_path / "answers.parquet"
+    write_answer_corpus(corpus, [sorted({t for p in prompts for t in tiny_mixed.greedy_hf(p, 12)})[:40] * 3])
+    overrides = ["model=tiny_random", "model.dtype=bf16", "pipeline=eagle_mix", "cost_curve=flat",
+                 f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random', layers=layers)}",
+                 f"pipeline.drafters.eagle.vocab_top_k={vocab_top_k}", f"pipeline.drafters.eagle.vocab_counts={corpus}",
+                 f"pipeline.drafters.eagle.weight_quantization={quantize}", "pipeline.tree.min_score=0"]
+    from specpipe.pipelines.builder import compose_config
+
+    pipe = build_pipeline(compose_config(overrides))
+    drafter = pipe.decoder.drafters[0]
+    if drafter.net.layer_kernel is None:
+        pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: the layers run op by op")
+    level = drafter._kernel_level()
+    assert level is not None and len(level.post_norms) == layers
+    kernel, kernel_calls = level.level_kernel, []
+    level.level_kernel = lambda *arguments: kernel_calls.append(arguments[0].shape[0]) or kernel(*arguments)
+    levels = {"kernel": 0, "op by op": 0}
+    run_level = drafter._level
+
+    def compared(features, tokens, positions, mask, cache, logprob_rows):
+        before = copy.deepcopy(cache)
+        predicted, logprobs = run_level(features, tokens, positions, mask, cache, logprob_rows)
+        if not level.serves(tokens.shape[0], logprob_rows, cache):
+            levels["op by op"] += 1
+            return predicted, logprobs
+        levels["kernel"] += 1
+        expected = drafter._forward(features, tokens, positions, mask, before)
+        assert torch.equal(predicted, expected)
+        assert torch.equal(logprobs, drafter._logprobs(expected[-logprob_rows:]))
+        assert logprobs.shape[-1] == (vocab_top_k or tiny_mixed.loaded.model.config.vocab_size)
+        for ours, theirs in zip(cache.layers, before.layers, strict=True):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        return predicted, logprobs
+
+    drafter._level = compared
+    def decoded(pipeline) -> list[tuple[list[int], list[int]]]:  # per prompt: its tokens, the tokens of each step
+        runs = [run_steps(pipeline, prompt, 12) for prompt in prompts]
+        return [(tokens, [len(step.tokens) for step in steps]) for tokens, steps in runs]
+
+    steps = decoded(pipe)
+    assert levels["kernel"] >= 5 and levels["op by op"] >= 1 and len(kernel_calls) == levels["kernel"]
+    off = build_pipeline(compose_config([*overrides, "engine.draft_level=false"]))
+    assert off.decoder.drafters[0]._kernel_level() is None
+    assert decoded(off) == steps
+    # a mask that does not fit the cache: the kernel's error, and the cache as it was
+    cache = PositionIndexedCache()
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    features = torch.randn(5, hidden).bfloat16()
+    with torch.inference_mode():
+        level(torch.arange(5), features, torch.arange(5), None, cache, 1)
+        with pytest.raises(RuntimeError, match=r"mask: bool \[q, length \+ q\]"):
+            level(torch.arange(2), features[:2], torch.tensor([5, 6]), torch.ones(2, 9, dtype=torch.bool), cache, 2)
+    assert cache.get_seq_length() == 5 and all(layer.length == 5 for layer in cache.layers)
+
+
 def tokens_embedding(model, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with torch.inference_mode():
         return model.reference.get_input_embeddings()(tokens).to(dtype)  # [q, hidden]

@@ -1810,6 +1810,62 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
   return hidden;
 #endif
 }
+
+// One level of an EAGLE head in one call: the rows' token embeddings beside their features through fc, the decoder
+// layers (block_decoder_layer each, in order), and the output layer's log-probs of the last `logprob_rows` rows.
+// Why: around the layer's own call a level still spent ~0.2 ms in ~30 small torch ops and the Python between them
+// (embedding, cat, fc, the rotary lookup, the cache's bookkeeping, the head, the log-softmax), ~0.75 ms a level in
+// all on the 2-core Zen 5 against ~0.45 of products and attention (docs/BENCHMARKS.md run 71). Every op here is
+// the one the op-by-op path runs (ATen's embedding, cat, index_select and log_softmax, blocks_times' sums, the same
+// for any number of rows), so the outputs are bitwise those of that path.
+// token_ids [q] int64, features [q, width] bf16, embedding [vocab, width] bf16; fc: column blocks of [width,
+// 2 width] with scale and bias [width] fp32 or None; cos_table, signed_sin_table [n, head_dim] bf16 (rotary_tables'
+// rows of positions 0 .. n - 1), positions [q] int64 < n. Per layer l: input_norms[l], post_norms[l], blocks,
+// scales and biases [4 l .. 4 l + 3], key_caches[l], value_caches[l] as block_decoder_layer takes them, every layer
+// writing rows length .. length + q - 1. head: column blocks of [head_features, width], scale and bias
+// [head_features] fp32 or None. -> {hidden [q, width] bf16, log-probs [logprob_rows, head_features] fp32}.
+std::vector<torch::Tensor> block_draft_level(
+    torch::Tensor token_ids, torch::Tensor features, torch::Tensor embedding, torch::Tensor fc_blocks,
+    c10::optional<torch::Tensor> fc_scale, c10::optional<torch::Tensor> fc_bias, torch::Tensor cos_table,
+    torch::Tensor signed_sin_table, torch::Tensor positions, std::vector<c10::optional<torch::Tensor>> input_norms,
+    std::vector<torch::Tensor> post_norms, double eps, std::vector<torch::Tensor> blocks,
+    std::vector<c10::optional<torch::Tensor>> scales, std::vector<c10::optional<torch::Tensor>> biases,
+    int64_t heads, int64_t kv_heads, int64_t intermediate, std::vector<torch::Tensor> key_caches,
+    std::vector<torch::Tensor> value_caches, int64_t length, c10::optional<torch::Tensor> mask, double scale,
+    torch::Tensor head_blocks, int64_t head_features, c10::optional<torch::Tensor> head_scale,
+    c10::optional<torch::Tensor> head_bias, int64_t logprob_rows) {
+  const size_t layers = post_norms.size();
+  TORCH_CHECK(layers >= 1 && input_norms.size() == layers && blocks.size() == 4 * layers &&
+              scales.size() == 4 * layers && biases.size() == 4 * layers && key_caches.size() == layers &&
+              value_caches.size() == layers, "one input norm, post norm, key cache and value cache per layer, and "
+              "four blocks, scales and biases per layer");
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == torch::kLong, "token_ids: int64 [q]");
+  const int64_t q = token_ids.size(0);
+  TORCH_CHECK(q >= 1 && features.dim() == 2 && features.size(0) == q && features.scalar_type() == torch::kBFloat16 &&
+              embedding.dim() == 2 && embedding.size(1) == features.size(1) &&
+              embedding.scalar_type() == torch::kBFloat16, "features: bf16 [q, width] beside embedding [vocab, width]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q && positions.scalar_type() == torch::kLong,
+              "positions: int64 [q]");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == signed_sin_table.sizes() &&
+              positions.max().item<int64_t>() < cos_table.size(0) && positions.min().item<int64_t>() >= 0,
+              "cos_table, signed_sin_table: [n, head_dim] with every position below n");
+  TORCH_CHECK(logprob_rows >= 1 && logprob_rows <= q, "logprob_rows: from 1 to q");
+  const int64_t width = features.size(1);
+  auto hidden = blocks_times(torch::cat({at::embedding(embedding, token_ids), features}, 1), fc_blocks, width,
+                             fc_scale, fc_bias, true);  // [q, width]
+  const auto cos = cos_table.index_select(0, positions), signed_sin = signed_sin_table.index_select(0, positions);
+  for (size_t l = 0; l < layers; ++l) {
+    std::vector<torch::Tensor> layer_blocks(blocks.begin() + 4 * l, blocks.begin() + 4 * l + 4);
+    std::vector<c10::optional<torch::Tensor>> layer_scales(scales.begin() + 4 * l, scales.begin() + 4 * l + 4);
+    std::vector<c10::optional<torch::Tensor>> layer_biases(biases.begin() + 4 * l, biases.begin() + 4 * l + 4);
+    hidden = block_decoder_layer(hidden, input_norms[l], post_norms[l], eps, layer_blocks, layer_scales,
+                                 layer_biases, heads, kv_heads, intermediate, cos, signed_sin, key_caches[l],
+                                 value_caches[l], length, mask, scale);
+  }
+  auto logits = blocks_times(hidden.narrow(0, q - logprob_rows, logprob_rows), head_blocks, head_features,
+                             head_scale, head_bias, true);  // [logprob_rows, head_features] bf16
+  return {hidden, at::log_softmax(logits.to(torch::kFloat), -1)};
+}
 """
 
 
@@ -1904,12 +1960,15 @@ class BlockProduct(NamedTuple):
     or `pack_int8(codes [out, in] int8)` -> the blocks (once per weight), `product(x [..., in] bf16, blocks, out,
     scale [out] fp32 or None, bias [out] fp32 or None)` -> [..., out] bf16 (int8 codes take their scale). Each
     row's output is the same whatever rows come with it. `decoder_layer`: a draft head's whole Llama decoder
-    layer over such weights in one call (the source's block_decoder_layer; specpipe.engine.lean_model.BlockLayers)."""
+    layer over such weights in one call (the source's block_decoder_layer; specpipe.engine.lean_model.BlockLayers).
+    `draft_level`: an EAGLE head's whole level (fc, its decoder layers, its output layer's log-probs) in one call (the
+    source's block_draft_level; specpipe.engine.lean_model.KernelDraftLevel)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
     pack_int8: Callable[[torch.Tensor], torch.Tensor]
     product: Callable[..., torch.Tensor]
     decoder_layer: Callable[..., torch.Tensor] | None = None
+    draft_level: Callable[..., list[torch.Tensor]] | None = None
 
 
 class CpuKernel:
@@ -1959,7 +2018,7 @@ class CpuKernel:
             self.product, self.quantized_product = module.weight_product, module.quantized_product
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
-                                           module.block_decoder_layer)
+                                           module.block_decoder_layer, module.block_draft_level)
             _self_check(self.product, self.quantized_product, self.blocks)
             if amx_rows > 0:
                 self._take_amx(module, amx_rows)
@@ -2075,7 +2134,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
         with _one_build_at_a_time(folder):
             return cpp_extension.load_inline(
                 name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
-                           "block_decoder_layer", "amx_block_product", "amx_request"],
+                           "block_decoder_layer", "block_draft_level", "amx_block_product", "amx_request"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                                                                       block_lookahead_rows), extra_ldflags=["-fopenmp"],
                 verbose=False)

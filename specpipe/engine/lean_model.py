@@ -278,6 +278,102 @@ class BlockLayers:
         return rows[None]
 
 
+class KernelDraftLevel:
+    """An EAGLE head's whole draft level in one call of the CPU kernel's block_draft_level (its AVX512_BF16 build):
+    the rows' token embeddings beside their features through `fc`, the decoder layers as BlockLayers runs them, and
+    the output layer's log-probs, without a torch op or a line of Python between them.
+
+    Why: with the layers one kernel call each (BlockLayers) a bf16 level of the embedded model's head still took
+    ~0.75 ms in the pipeline for ~0.45 ms of products and attention: the embedding, the cat, `fc`, the rotary
+    lookup, the cache's bookkeeping, the output layer and its log-softmax were ~30 small torch ops with the Python
+    around them, a few of them a step (docs/BENCHMARKS.md run 71). The call runs the same ops and products, so its
+    outputs are bitwise the op-by-op level's; `of` gives None where a part is not served (another head, an
+    embedding that renormalizes, a product the engine does not run over column blocks), and `serves` says which
+    calls it takes: those whose products every path runs over the column blocks (up to `max_rows` rows, the output
+    layer's up to `max_logprob_rows`)."""
+
+    def __init__(self, level_kernel, layers: BlockLayers, fc, head, embedding: Tensor, rotary: RotaryTables) -> None:
+        self.level_kernel = level_kernel
+        self.layers = layers
+        self.fc, self.head = fc, head  # PackedWeight, each one member over column blocks
+        self.embedding = embedding  # [vocab, hidden_size] bf16
+        self.rotary = rotary
+        self.max_rows = min(layers.max_rows, fc.kernel_rows)
+        self.max_logprob_rows = head.kernel_rows
+        (self.input_norms, self.post_norms, self.blocks, self.scales, self.biases) = [], [], [], [], []
+        for input_norm, post_norm, _, blocks, scales, biases, *_ in layers.arguments:
+            self.input_norms.append(input_norm)
+            self.post_norms.append(post_norm)
+            self.blocks.extend(blocks)
+            self.scales.extend(scales)
+            self.biases.extend(biases)
+        _, _, self.eps, _, _, _, self.heads, self.kv_heads, self.intermediate = layers.arguments[0]
+        self.scaling = layers.scalings[0]
+
+    @classmethod
+    def of(cls, level_kernel, layers: BlockLayers | None, fc: nn.Module, head: nn.Module, embedding: nn.Module,
+           rotary: RotaryTables | None) -> KernelDraftLevel | None:
+        """fc: the head's nn.Linear slot; head: the module whose product gives the logits the log-probs are over;
+        embedding: the token embedding; rotary: the head's RotaryTables."""
+        from specpipe.engine.onednn import OneDNNLinear
+
+        if level_kernel is None or layers is None or rotary is None:
+            return None
+        products = [getattr(module, "packed", None) for module in (fc, head)]
+        if not all(isinstance(module, OneDNNLinear) and len(packed.splits) == 1 and packed.blocks is not None
+                   and packed.kernel_rows >= 1 for module, packed in zip((fc, head), products)):
+            return None
+        if (type(embedding) is not nn.Embedding or embedding.max_norm is not None
+                or embedding.weight.dtype != torch.bfloat16 or embedding.weight.device.type != "cpu"):
+            return None  # max_norm renormalizes rows in place
+        shapes = {(arguments[2], *arguments[6:9]) for arguments in layers.arguments}  # eps, heads, kv_heads, intermediate
+        width = embedding.weight.shape[1]
+        if (len(shapes) != 1 or len(set(layers.scalings)) != 1
+                or (products[0].in_features, products[0].out_features) != (2 * width, width)):
+            return None
+        return cls(level_kernel, layers, products[0], products[1], embedding.weight, rotary)
+
+    def serves(self, rows: int, logprob_rows: int, cache) -> bool:
+        from specpipe.kv_cache import PositionIndexedCache
+
+        return (1 <= rows <= self.max_rows and 1 <= logprob_rows <= min(rows, self.max_logprob_rows)
+                and isinstance(cache, PositionIndexedCache))
+
+    def __call__(self, token_ids: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None, cache,
+                 logprob_rows: int) -> tuple[Tensor, Tensor] | None:
+        """token_ids [q] int64, features [q, hidden_size] bf16, positions [q] int64, mask [q, length + q] bool over the
+        cached rows then these (None: causal) -> (predicted features [q, hidden_size], log-probs [logprob_rows, vocab]
+        fp32 of the last rows), q rows appended to `cache`; None (nothing written) where the rotary tables no longer
+        serve."""
+        q = token_ids.shape[0]
+        tables = self.rotary.signed_tables(features, int(positions.max()) + 1)
+        if tables is None:
+            return None
+        started = cache.get_seq_length()
+        try:
+            keys, values, lengths = [], [], set()
+            like = features.new_empty(1, self.kv_heads, 0, tables[0].shape[-1])  # [1, kv_heads, 0, head_dim]
+            for layer_idx in self.layers.layer_ids:
+                key_buffer, value_buffer, length = cache.rows_to_write(layer_idx, like, q)
+                keys.append(key_buffer)
+                values.append(value_buffer)
+                lengths.add(length)
+            if len(lengths) != 1:
+                raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(lengths)})")
+            if mask is None and q > 1:
+                mask = torch.ones(q, length + q, dtype=torch.bool).tril(length)
+            hidden, logprobs = self.level_kernel(
+                token_ids, features, self.embedding, self.fc.blocks, self.fc.scale,
+                self.fc.kernel_bias, *tables, positions, self.input_norms, self.post_norms, self.eps, self.blocks,
+                self.scales, self.biases, self.heads, self.kv_heads, self.intermediate, keys, values, length, mask,
+                self.scaling, self.head.blocks, self.head.out_features, self.head.scale, self.head.kernel_bias,
+                logprob_rows)
+        except BaseException:
+            cache.crop(started)  # rows_to_write counted rows a failed call never wrote
+            raise
+        return hidden, logprobs
+
+
 class KernelAttention:
     """An attention function (transformers' signature, as tree_attention_forward's) over CpuKernel.attention:
     query [1, heads, q, head_dim], key/value [1, kv_heads, kv, head_dim], attention_mask [1, 1, q, kv] bool or
@@ -325,12 +421,13 @@ def rotary_lookup(model: nn.Module) -> RotaryTables | None:
 
 
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
-                    layer_kernel=None) -> int:
+                    layer_kernel=None, level_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
     (`attention_isa`: the build's CpuKernel.isa); `layer_kernel`: the kernel's block_decoder_layer
-    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers). Each also gets `rotary_lookup`
+    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
+    block_draft_level (BlockProduct.draft_level), for an EAGLE head's whole level (KernelDraftLevel). Each also gets `rotary_lookup`
     (RotaryTables, where they serve its rotary embedding)."""
     max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
@@ -339,6 +436,7 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
             module.layer_kernel = layer_kernel
+            module.level_kernel = level_kernel if layer_kernel is not None else None
             module.rotary_lookup = rotary_lookup(module)
             swapped += 1
         elif lean_model_applies(module):

@@ -233,6 +233,9 @@ class OneDNNEngine:
     # with the blocks, the norm and the attention kernel: a draft head's Llama decoder layers (an EAGLE head's)
     # run one kernel call each (lean_model.BlockLayers); false = op by op like the target's
     draft_layers: bool = True
+    # with draft_layers: an EAGLE head's whole draft level (fc, its layers, its output layer's log-probs) in one
+    # kernel call (lean_model.KernelDraftLevel); false = the layers' calls with torch ops and Python between them
+    draft_level: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
@@ -326,7 +329,7 @@ class OneDNNEngine:
             from specpipe.engine.blocks import swap_lean_blocks  # it builds on this module's PackedWeight
 
             lean = swap_lean_blocks(model, gate_kernel=gate)
-        lean_models, layer = 0, None
+        lean_models, layer, level = 0, None, None
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
@@ -336,12 +339,15 @@ class OneDNNEngine:
                                                          "attention in SDPA", "decoding attention in the kernel")
             layer = (blocks.decoder_layer if self.draft_layers and blocks is not None and norm is not None
                      and attention is not None else None)
+            level = blocks.draft_level if layer is not None and self.draft_level else None
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
                                           attention_isa=extension.isa if extension is not None else "avx2",
-                                          layer_kernel=layer)
+                                          layer_kernel=layer, level_kernel=level)
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
             getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
+        if layers and level is not None:
+            layers += ", its whole draft level one call where the head's other products serve"
         rewrite = (f"{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []

@@ -34,6 +34,7 @@ class RotaryTables:
         # False once a table's rows differed from the module's own (see _grown): the module serves from then on
         self.exact = True
         self.tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # (device, dtype, inv_freq's state) -> cos, sin [n, hd]
+        self.signed: tuple[Tensor, Tensor] | None = None  # signed_tables' (cos, signed_sin) [n, hd] of the current table
 
     @staticmethod
     def serves(rotary: nn.Module) -> bool:
@@ -43,16 +44,38 @@ class RotaryTables:
         """hidden [batch, q, ...] (only its dtype and device count); position_ids [batch, q]."""
         if not self.exact or hidden.device.type != "cpu" or position_ids.numel() == 0:
             return self.rotary(hidden, position_ids)
+        tables = self._tables(hidden, int(position_ids.max()) + 1)
+        if tables is None:
+            return self.rotary(hidden, position_ids)
+        cos, sin = tables
+        return cos[position_ids], sin[position_ids]
+
+    def signed_tables(self, hidden: Tensor, positions: int) -> tuple[Tensor, Tensor] | None:
+        """(cos, signed_sin) [n >= positions, head_dim] of positions 0 .. n - 1 for CPU rows of hidden's dtype, signed_sin
+        being sin with its first half negated (blocks.rotary_tables' form, what the CPU kernel's layers take); None
+        where the tables do not serve (the module's own rows differed from them)."""
+        if not self.exact or hidden.device.type != "cpu":
+            return None
+        tables = self._tables(hidden, positions)
+        if tables is None:
+            return None
+        cos, sin = tables
+        if self.signed is None or self.signed[0] is not cos:
+            half = sin.shape[-1] // 2
+            self.signed = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        return self.signed
+
+    def _tables(self, hidden: Tensor, needed: int) -> tuple[Tensor, Tensor] | None:
+        """(cos, sin) [n >= needed, head_dim] for hidden's dtype and device, grown where shorter; None once inexact."""
         inverse = self.rotary.inv_freq
         key = (hidden.device, hidden.dtype, inverse.data_ptr(), inverse._version)  # a changed inv_freq: new tables
         cos, sin = self.tables.get(key, (None, None))
-        needed = int(position_ids.max()) + 1
         if cos is None or cos.shape[0] < needed:
             cos, sin = self._grown(hidden, cos, sin, needed)
             self.tables = {key: (cos, sin)}  # one dtype and device at a time: older tables go
             if not self.exact:
-                return self.rotary(hidden, position_ids)
-        return cos[position_ids], sin[position_ids]
+                return None
+        return cos, sin
 
     def _grown(self, hidden: Tensor, cos: Tensor | None, sin: Tensor | None, needed: int) -> tuple[Tensor, Tensor]:
         have = 0 if cos is None else cos.shape[0]

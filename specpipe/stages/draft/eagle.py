@@ -34,7 +34,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
 from specpipe.engine.blocks import FusedQKVAttention
-from specpipe.engine.lean_model import BlockLayers, LeanLlamaModel, lean_decoder_layers, norm_function
+from specpipe.engine.lean_model import (BlockLayers, KernelDraftLevel, LeanLlamaModel, lean_decoder_layers,
+                                         norm_function)
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
@@ -69,13 +70,16 @@ class EagleNet(nn.Module):
     weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
     each (specpipe.engine.lean_model.BlockLayers)."""
 
-    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the five below
+    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the six below
     norm_kernel = None
     attention_kernel = None
     attention_max_rows = LeanLlamaModel.attention_max_rows
     # the kernel's whole decoder layer over column blocks (bf16 on AVX512_BF16 CPUs), run through BlockLayers
     layer_kernel = None
     rotary_lookup = None  # RotaryTables over rotary_emb (specpipe.engine.rotary)
+    # the kernel's whole draft level (fc, the layers, the output layer's log-probs), which EagleDrafter runs through
+    # specpipe.engine.lean_model.KernelDraftLevel where every part is served
+    level_kernel = None
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
         super().__init__()
@@ -240,10 +244,10 @@ class EagleDrafter:
             unfed = q - min(q, self.context_rows or q)  # the oldest pending rows, beyond `context_rows`
             features = torch.cat(session.pending_features)[unfed:].to(self.target.dtype)  # [q - unfed, hidden]
             tokens = torch.tensor(session.pending_tokens[unfed:], dtype=torch.long)  # [q - unfed]
-            predicted = self._forward(features, tokens, torch.arange(session.synced + unfed, session.synced + q),
-                                      causal_rows(committed_rows, q - unfed), session.cache)
+            predicted, logprobs = self._level(features, tokens, torch.arange(session.synced + unfed, session.synced + q),
+                                              causal_rows(committed_rows, q - unfed), session.cache, logprob_rows=1)
             session.root_feature = predicted[-1]
-            session.root_logprobs = self._logprobs(predicted[-1:])[0]
+            session.root_logprobs = logprobs[0]
             session.synced += q
             session.unfed += unfed
             session.pending_features, session.pending_tokens = [], []
@@ -274,12 +278,40 @@ class EagleDrafter:
         features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
                                 for node in nodes])  # [q, hidden]
         ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
-        predicted = self._forward(features, ids, positions, mask, session.cache)  # [q, hidden]
-        logprobs = self._logprobs(predicted)  # [q, vocab]
+        predicted, logprobs = self._level(features, ids, positions, mask, session.cache, len(nodes))  # [q, hidden], [q, vocab]
         for row, node in enumerate(nodes):
             session.features[node] = predicted[row]
             session.logprobs[node] = logprobs[row]
         return logprobs
+
+    @torch.inference_mode()
+    def _level(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor, cache: PositionIndexedCache,
+               logprob_rows: int) -> tuple[Tensor, Tensor]:
+        """One draft forward of q rows (features [q, hidden], tokens [q], positions [q], mask [q, kv] as `_forward`
+        takes them) -> (predicted features [q, hidden], log-probs [logprob_rows, vocab] of the last rows): in one
+        kernel call where the engine gave the head's level one (KernelDraftLevel), else op by op."""
+        level = self._kernel_level()
+        if level is not None and level.serves(tokens.shape[0], logprob_rows, cache) and features.dtype == torch.bfloat16:
+            done = level(tokens, features, positions, mask, cache, logprob_rows)
+            if done is not None:
+                return done
+        predicted = self._forward(features, tokens, positions, mask, cache)
+        return predicted, self._logprobs(predicted[-logprob_rows:])
+
+    def _kernel_level(self) -> KernelDraftLevel | None:
+        """The head's level in one kernel call where the engine serves it (made once per kernel the engine gave)."""
+        net = self.net
+        kernel = getattr(net, "level_kernel", None)
+        made = self.__dict__.get("_made_kernel_level")
+        if made is None or made[0] is not kernel:
+            level = None
+            if kernel is not None and type(net) is EagleNet and net.lean and self.target.device.type == "cpu":
+                reduced = self.draft_vocab is not None
+                level = KernelDraftLevel.of(kernel, net._block_layers(), net.fc, getattr(self.head, "linear", None) if reduced else self.head,
+                                            self.embed, net.rotary_lookup)
+            made = (kernel, level)
+            self.__dict__["_made_kernel_level"] = made
+        return made[1]
 
     @torch.inference_mode()
     def _forward(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor,
@@ -318,8 +350,8 @@ class EagleRunner:
     def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> None:
         q = len(prompt)
         features = torch.zeros(q, self.drafter.net.config.hidden_size, dtype=self.dtype)
-        self.drafter._forward(features, torch.tensor(prompt), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(),
-                              cache)
+        self.drafter._level(features, torch.tensor(prompt), torch.arange(q), torch.ones(q, q, dtype=torch.bool).tril(),
+                            cache, logprob_rows=1)
 
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> Tensor:
         committed = cache.get_seq_length()
@@ -330,7 +362,7 @@ class EagleRunner:
         tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
         positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
         features = torch.zeros(q, self.drafter.net.config.hidden_size, dtype=self.dtype)
-        return self.drafter._logprobs(self.drafter._forward(features, tokens, positions, mask, cache))
+        return self.drafter._level(features, tokens, positions, mask, cache, logprob_rows=q)[1]
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
