@@ -399,3 +399,62 @@ def test_a_reduced_vocabulary_draft_hands_out_log_probs_over_its_own_tokens(tiny
     torch.testing.assert_close(rows["reduced"], rows["full"][:, reduced.draft_vocab])
     assert rows["reduced chain"] == rows["full chain"] and rows["reduced chain"]
     assert set(rows["reduced chain"]) <= set(reduced.draft_vocab.tolist())
+
+
+@pytest.mark.parametrize(("draft", "vocab_top_k", "quantize"), [("tiny", 40, "auto"), ("self", 0, "null")])
+def test_a_bf16_draft_models_whole_level_runs_in_one_kernel_call(tiny_mixed, self_draft_dir, tmp_path, draft,
+                                                                  vocab_top_k, quantize):
+    """engine.draft_level with a bf16 draft model: where the kernel multiplies weights in column blocks (AVX512_BF16),
+    each level of the draft (its embeddings, its layers one block_decoder_layer each, its final norm, its output
+    layer's log-probs) runs in one kernel call. Its log-probs and cache rows are those of the level through the runner
+    to a bf16 step (the layers' SiLU may round one step apart), for a reduced and the full output layer, one and two
+    layers; a prompt's feed beyond the kernel's rows goes through the runner; the target gets no such kernel; the
+    greedy output is the bf16 `vanilla`'s token for token."""
+    import copy
+
+    from specpipe.engine.cpu_kernel import kernel_isa
+
+    long_prompt = torch.randint(300, 1300, (100,), generator=torch.Generator().manual_seed(72)).tolist()
+    prompts = [*random_prompts(2, seed=72), long_prompt]  # its feed is above the kernel's 64 rows (12 on AMX CPUs)
+    corpus = tmp_path / "answers.parquet"
+    write_answer_corpus(corpus, [sorted({t for p in prompts for t in tiny_mixed.greedy_hf(p, 12)})[:40] * 3])
+    path = tiny_draft_dir("bf16") if draft == "tiny" else self_draft_dir
+    common = ["model=tiny_random", "model.dtype=bf16", "cost_curve=flat"]
+    pipe = build_pipeline(compose_config([*common, "pipeline=specinfer_mix", "pipeline.tree.min_score=0",
+                                          f"pipeline.drafters.model.path={path}",
+                                          f"pipeline.drafters.model.vocab_top_k={vocab_top_k}",
+                                          f"pipeline.drafters.model.vocab_counts={corpus}",
+                                          f"pipeline.drafters.model.weight_quantization={quantize}"]))
+    drafter = pipe.decoder.drafters[0]
+    level = drafter._kernel_level()
+    if kernel_isa() != "avx512_bf16":
+        assert level is None
+        pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: the draft runs op by op")
+    assert level is not None and pipe.target.model.model.level_kernel is None
+    layers = len(drafter.runner.model.model.layers)
+    assert len(level.post_norms) == layers == (1 if draft == "tiny" else 2)
+    levels = {"kernel": 0, "runner": 0}
+    run_level = drafter._forward_logprobs
+
+    def compared(input_ids, positions, mask, cache, rows):
+        before = copy.deepcopy(cache)
+        served = level.serves(input_ids.shape[0], rows, cache)
+        logprobs = run_level(input_ids, positions, mask, cache, rows)
+        levels["kernel" if served else "runner"] += 1
+        if served:
+            reduced = drafter._reduced_head()
+            out = drafter.runner.forward_masked(input_ids, positions, mask, before,
+                                                logits_rows=drafter._logits_rows(reduced, None))
+            expected = drafter._logprobs(out, reduced, 0)[-rows:]
+            assert logprobs.shape == expected.shape and logprobs.shape[-1] == (vocab_top_k or 49152)
+            torch.testing.assert_close(logprobs, expected, atol=0.05, rtol=0)
+            for ours, theirs in zip(cache.layers, before.layers, strict=True):
+                torch.testing.assert_close(ours.keys.float(), theirs.keys.float(), atol=0.02, rtol=2 ** -7)
+                torch.testing.assert_close(ours.values.float(), theirs.values.float(), atol=0.02, rtol=2 ** -7)
+        return logprobs
+
+    drafter._forward_logprobs = compared
+    vanilla = build_pipeline(compose_config([*common, "pipeline=vanilla"]))
+    for prompt in prompts:
+        assert run_steps(pipe, prompt, 12)[0] == run_steps(vanilla, prompt, 12)[0]
+    assert levels["kernel"] >= 5 and levels["runner"] >= 1

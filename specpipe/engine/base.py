@@ -26,8 +26,9 @@ class Engine(Protocol):
     name: str
 
     # quantize: None, "int8" or "auto" for a drafter's weights (specpipe.engine.quantize); an engine that
-    # cannot leaves them in the model's dtype (with a warning for "int8")
-    def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module: ...
+    # cannot leaves them in the model's dtype (with a warning for "int8"). drafter: the model only drafts (the
+    # target verifies what it computes), so the engine may run it in ways that are not bitwise transformers'
+    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False) -> nn.Module: ...
 
 
 def claim_model(model: nn.Module, engine: str) -> bool:

@@ -1811,29 +1811,33 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
 #endif
 }
 
-// One level of an EAGLE head in one call: the rows' token embeddings beside their features through fc, the decoder
-// layers (block_decoder_layer each, in order), and the output layer's log-probs of the last `logprob_rows` rows.
-// Why: around the layer's own call a level still spent ~0.2 ms in ~30 small torch ops and the Python between them
-// (embedding, cat, fc, the rotary lookup, the cache's bookkeeping, the head, the log-softmax), ~0.75 ms a level in
-// all on the 2-core Zen 5 against ~0.45 of products and attention (docs/BENCHMARKS.md run 71). Every op here is
-// the one the op-by-op path runs (ATen's embedding, cat, index_select and log_softmax, blocks_times' sums, the same
-// for any number of rows), so the outputs are bitwise those of that path.
-// token_ids [q] int64, features [q, width] bf16, embedding [vocab, width] bf16; fc: column blocks of [width,
-// 2 width] with scale and bias [width] fp32 or None; cos_table, signed_sin_table [n, head_dim] bf16 (rotary_tables'
-// rows of positions 0 .. n - 1), positions [q] int64 < n. Per layer l: input_norms[l], post_norms[l], blocks,
-// scales and biases [4 l .. 4 l + 3], key_caches[l], value_caches[l] as block_decoder_layer takes them, every layer
-// writing rows length .. length + q - 1. head: column blocks of [head_features, width], scale and bias
-// [head_features] fp32 or None. -> {hidden [q, width] bf16, log-probs [logprob_rows, head_features] fp32}.
+// One level of a draft in one call: an EAGLE head's (the rows' token embeddings beside their features through fc) or
+// a draft model's (the embeddings alone), then the decoder layers (block_decoder_layer each, in order), the draft
+// model's final norm, and the output layer's log-probs of the last `logprob_rows` rows.
+// Why: around the layers' own calls a level still spent ~0.1-0.2 ms in small torch ops and the Python between them
+// (embedding, cat, fc, the rotary lookup, the cache's bookkeeping, the head, the log-softmax; docs/BENCHMARKS.md
+// run 71). Every op here is the one the op-by-op path runs (ATen's embedding, cat, index_select and log_softmax,
+// rms_norm, blocks_times' sums, the same for any number of rows), so an EAGLE level's outputs are bitwise those of
+// that path (BlockLayers' layer calls), and a draft model's those of BlockLayers over its layers.
+// token_ids [q] int64, embedding [vocab, width] bf16; an EAGLE head: features [q, width] bf16 and fc's column
+// blocks of [width, 2 width] with scale and bias [width] fp32 or None; a draft model: features and fc_blocks None.
+// cos_table, signed_sin_table [n, head_dim] bf16 (rotary_tables' rows of positions 0 .. n - 1), positions [q]
+// int64 < n. Per layer l: input_norms[l], post_norms[l], blocks, scales and biases [4 l .. 4 l + 3], key_caches[l],
+// value_caches[l] as block_decoder_layer takes them, every layer writing rows length .. length + q - 1.
+// final_norm [width] bf16 or None (eps as the layers'). head: column blocks of [head_features, width], scale and
+// bias [head_features] fp32 or None. -> {hidden [q, width] bf16 (after final_norm), log-probs [logprob_rows,
+// head_features] fp32}.
 std::vector<torch::Tensor> block_draft_level(
-    torch::Tensor token_ids, torch::Tensor features, torch::Tensor embedding, torch::Tensor fc_blocks,
-    c10::optional<torch::Tensor> fc_scale, c10::optional<torch::Tensor> fc_bias, torch::Tensor cos_table,
-    torch::Tensor signed_sin_table, torch::Tensor positions, std::vector<c10::optional<torch::Tensor>> input_norms,
+    torch::Tensor token_ids, c10::optional<torch::Tensor> features, torch::Tensor embedding,
+    c10::optional<torch::Tensor> fc_blocks, c10::optional<torch::Tensor> fc_scale,
+    c10::optional<torch::Tensor> fc_bias, torch::Tensor cos_table, torch::Tensor signed_sin_table,
+    torch::Tensor positions, std::vector<c10::optional<torch::Tensor>> input_norms,
     std::vector<torch::Tensor> post_norms, double eps, std::vector<torch::Tensor> blocks,
     std::vector<c10::optional<torch::Tensor>> scales, std::vector<c10::optional<torch::Tensor>> biases,
     int64_t heads, int64_t kv_heads, int64_t intermediate, std::vector<torch::Tensor> key_caches,
     std::vector<torch::Tensor> value_caches, int64_t length, c10::optional<torch::Tensor> mask, double scale,
-    torch::Tensor head_blocks, int64_t head_features, c10::optional<torch::Tensor> head_scale,
-    c10::optional<torch::Tensor> head_bias, int64_t logprob_rows) {
+    c10::optional<torch::Tensor> final_norm, torch::Tensor head_blocks, int64_t head_features,
+    c10::optional<torch::Tensor> head_scale, c10::optional<torch::Tensor> head_bias, int64_t logprob_rows) {
   const size_t layers = post_norms.size();
   TORCH_CHECK(layers >= 1 && input_norms.size() == layers && blocks.size() == 4 * layers &&
               scales.size() == 4 * layers && biases.size() == 4 * layers && key_caches.size() == layers &&
@@ -1841,18 +1845,22 @@ std::vector<torch::Tensor> block_draft_level(
               "four blocks, scales and biases per layer");
   TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == torch::kLong, "token_ids: int64 [q]");
   const int64_t q = token_ids.size(0);
-  TORCH_CHECK(q >= 1 && features.dim() == 2 && features.size(0) == q && features.scalar_type() == torch::kBFloat16 &&
-              embedding.dim() == 2 && embedding.size(1) == features.size(1) &&
-              embedding.scalar_type() == torch::kBFloat16, "features: bf16 [q, width] beside embedding [vocab, width]");
+  TORCH_CHECK(q >= 1 && embedding.dim() == 2 && embedding.scalar_type() == torch::kBFloat16,
+              "embedding: bf16 [vocab, width], q >= 1");
+  const int64_t width = embedding.size(1);
+  TORCH_CHECK(features.has_value() == fc_blocks.has_value(), "features and fc_blocks: both (an EAGLE head) or neither");
+  TORCH_CHECK(!features.has_value() || (features->dim() == 2 && features->size(0) == q &&
+                                        features->size(1) == width && features->scalar_type() == torch::kBFloat16),
+              "features: bf16 [q, width]");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q && positions.scalar_type() == torch::kLong,
               "positions: int64 [q]");
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == signed_sin_table.sizes() &&
               positions.max().item<int64_t>() < cos_table.size(0) && positions.min().item<int64_t>() >= 0,
               "cos_table, signed_sin_table: [n, head_dim] with every position below n");
   TORCH_CHECK(logprob_rows >= 1 && logprob_rows <= q, "logprob_rows: from 1 to q");
-  const int64_t width = features.size(1);
-  auto hidden = blocks_times(torch::cat({at::embedding(embedding, token_ids), features}, 1), fc_blocks, width,
-                             fc_scale, fc_bias, true);  // [q, width]
+  auto hidden = at::embedding(embedding, token_ids);  // [q, width]
+  if (fc_blocks.has_value())
+    hidden = blocks_times(torch::cat({hidden, *features}, 1), *fc_blocks, width, fc_scale, fc_bias, true);
   const auto cos = cos_table.index_select(0, positions), signed_sin = signed_sin_table.index_select(0, positions);
   for (size_t l = 0; l < layers; ++l) {
     std::vector<torch::Tensor> layer_blocks(blocks.begin() + 4 * l, blocks.begin() + 4 * l + 4);
@@ -1862,6 +1870,7 @@ std::vector<torch::Tensor> block_draft_level(
                                  layer_biases, heads, kv_heads, intermediate, cos, signed_sin, key_caches[l],
                                  value_caches[l], length, mask, scale);
   }
+  if (final_norm.has_value()) hidden = rms_norm(hidden, *final_norm, eps);
   auto logits = blocks_times(hidden.narrow(0, q - logprob_rows, logprob_rows), head_blocks, head_features,
                              head_scale, head_bias, true);  // [logprob_rows, head_features] bf16
   return {hidden, at::log_softmax(logits.to(torch::kFloat), -1)};

@@ -92,6 +92,9 @@ class LeanLlamaModel(LlamaModel):
     # `rotary_lookup` (set by swap_lean_model): RotaryTables over `rotary_emb`, the cos/sin of each position
     # looked up instead of computed per forward (bitwise the same); None = the module computes them
     rotary_lookup = None
+    # `level_kernel` (set by swap_lean_model): the kernel's block_draft_level, for a drafter that runs a draft model's
+    # whole level in one call (KernelDraftLevel); this forward never calls it
+    level_kernel = None
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -194,6 +197,40 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
     return hidden
 
 
+def block_layer_arguments(layers) -> tuple[list[tuple], list[int], list[float], int] | None:
+    """What the kernel's block_decoder_layer takes of each of `layers` (its weight arguments, in its order), their
+    attentions' layer_idx and score scales, and the most rows all their products run over column blocks; None where
+    a layer is not served (another block, another dtype, a product the engine runs elsewhere)."""
+    from specpipe.engine.blocks import FusedGatedMLP
+    from specpipe.engine.onednn import OneDNNLinear
+
+    arguments, layer_ids, scalings, max_rows = [], [], [], []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if type(attention) is not FusedQKVAttention or type(mlp) is not FusedGatedMLP:
+            return None
+        linears = [attention.o_proj, mlp.down_proj]
+        if not all(isinstance(linear, OneDNNLinear) and len(linear.packed.splits) == 1 for linear in linears):
+            return None
+        packed = [attention.qkv, linears[0].packed, mlp.gate_up, linears[1].packed]
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if (any(weight.blocks is None or weight.kernel_rows < 1 for weight in packed)
+                or type(norms[1]) is not LlamaRMSNorm or type(norms[0]) not in (nn.Identity, LlamaRMSNorm)
+                or any(norm.weight.dtype != torch.bfloat16 or norm.weight.dim() != 1
+                       for norm in norms if type(norm) is LlamaRMSNorm)
+                or (type(norms[0]) is LlamaRMSNorm and norms[0].variance_epsilon != norms[1].variance_epsilon)):
+            return None
+        input_norm = norms[0].weight if type(norms[0]) is LlamaRMSNorm else None
+        arguments.append((input_norm, norms[1].weight, norms[1].variance_epsilon,
+                          [weight.blocks for weight in packed], [weight.scale for weight in packed],
+                          [weight.kernel_bias for weight in packed], attention.query_heads, attention.kv_heads,
+                          mlp.intermediate_size))
+        layer_ids.append(attention.layer_idx)
+        scalings.append(attention.scaling)
+        max_rows.append(min(weight.kernel_rows for weight in packed))
+    return (arguments, layer_ids, scalings, min(max_rows)) if arguments else None
+
+
 class BlockLayers:
     """A draft head's Llama decoder layers, each run in one call of the CPU kernel's block_decoder_layer
     (its AVX512_BF16 build): the norms, the products over the weights' column blocks, the rotary embedding,
@@ -219,34 +256,8 @@ class BlockLayers:
     def of(cls, layer_kernel, layers) -> BlockLayers | None:
         if layer_kernel is None:
             return None
-        from specpipe.engine.blocks import FusedGatedMLP
-        from specpipe.engine.onednn import OneDNNLinear
-
-        arguments, layer_ids, scalings, max_rows = [], [], [], []
-        for layer in layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            if type(attention) is not FusedQKVAttention or type(mlp) is not FusedGatedMLP:
-                return None
-            linears = [attention.o_proj, mlp.down_proj]
-            if not all(isinstance(linear, OneDNNLinear) and len(linear.packed.splits) == 1 for linear in linears):
-                return None
-            packed = [attention.qkv, linears[0].packed, mlp.gate_up, linears[1].packed]
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if (any(weight.blocks is None or weight.kernel_rows < 1 for weight in packed)
-                    or type(norms[1]) is not LlamaRMSNorm or type(norms[0]) not in (nn.Identity, LlamaRMSNorm)
-                    or any(norm.weight.dtype != torch.bfloat16 or norm.weight.dim() != 1
-                           for norm in norms if type(norm) is LlamaRMSNorm)
-                    or (type(norms[0]) is LlamaRMSNorm and norms[0].variance_epsilon != norms[1].variance_epsilon)):
-                return None
-            input_norm = norms[0].weight if type(norms[0]) is LlamaRMSNorm else None
-            arguments.append((input_norm, norms[1].weight, norms[1].variance_epsilon,
-                              [weight.blocks for weight in packed], [weight.scale for weight in packed],
-                              [weight.kernel_bias for weight in packed], attention.query_heads, attention.kv_heads,
-                              mlp.intermediate_size))
-            layer_ids.append(attention.layer_idx)
-            scalings.append(attention.scaling)
-            max_rows.append(min(weight.kernel_rows for weight in packed))
-        return cls(layer_kernel, arguments, layer_ids, scalings, min(max_rows)) if arguments else None
+        found = block_layer_arguments(layers)
+        return cls(layer_kernel, *found) if found is not None else None
 
     def serves(self, hidden: Tensor, mask: Tensor | None, cache) -> bool:
         """hidden [batch, q, hidden_size]; mask as `__call__` takes it; cache: what the layers append to."""
@@ -279,81 +290,89 @@ class BlockLayers:
 
 
 class KernelDraftLevel:
-    """An EAGLE head's whole draft level in one call of the CPU kernel's block_draft_level (its AVX512_BF16 build):
-    the rows' token embeddings beside their features through `fc`, the decoder layers as BlockLayers runs them, and
-    the output layer's log-probs, without a torch op or a line of Python between them.
+    """A draft's whole level in one call of the CPU kernel's block_draft_level (its AVX512_BF16 build): an EAGLE
+    head's (the rows' token embeddings beside their features through `fc`) or a draft model's (the embeddings alone,
+    and its final norm after the layers), the decoder layers as BlockLayers runs them, and the output layer's
+    log-probs, without a torch op or a line of Python between them.
 
-    Why: with the layers one kernel call each (BlockLayers) a bf16 level of the embedded model's head still took
-    ~0.75 ms in the pipeline for ~0.45 ms of products and attention: the embedding, the cat, `fc`, the rotary
-    lookup, the cache's bookkeeping, the output layer and its log-softmax were ~30 small torch ops with the Python
-    around them, a few of them a step (docs/BENCHMARKS.md run 71). The call runs the same ops and products, so its
-    outputs are bitwise the op-by-op level's; `of` gives None where a part is not served (another head, an
-    embedding that renormalizes, a product the engine does not run over column blocks), and `serves` says which
-    calls it takes: those whose products every path runs over the column blocks (up to `max_rows` rows, the output
-    layer's up to `max_logprob_rows`)."""
+    Why: with the layers one kernel call each a bf16 level of the embedded model's EAGLE head still took ~0.65 ms in
+    the pipeline for ~0.45 ms of products and attention: the embedding, the cat, `fc`, the rotary lookup, the
+    cache's bookkeeping, the output layer and its log-softmax were small torch ops with the Python around them
+    (docs/BENCHMARKS.md run 71). The call runs the same ops and products: an EAGLE level's outputs are bitwise those
+    of its level op by op (its layers through BlockLayers). `of` gives None where a part is not served (a layer
+    BlockLayers does not take, an embedding that renormalizes, a product the engine does not run over column blocks,
+    no rotary tables); `serves` says which calls it takes: those whose products every path runs over the column
+    blocks (up to `max_rows` rows, the output layer's up to `max_logprob_rows`), over a plain PositionIndexedCache."""
 
-    def __init__(self, level_kernel, layers: BlockLayers, fc, head, embedding: Tensor, rotary: RotaryTables) -> None:
+    def __init__(self, level_kernel, layers: tuple, fc, head, embedding: Tensor, rotary: RotaryTables,
+                 final_norm: Tensor | None) -> None:
+        arguments, self.layer_ids, scalings, max_rows = layers  # block_layer_arguments'
         self.level_kernel = level_kernel
-        self.layers = layers
-        self.fc, self.head = fc, head  # PackedWeight, each one member over column blocks
+        self.fc, self.head = fc, head  # PackedWeight (fc: None for a draft model), each one member over column blocks
         self.embedding = embedding  # [vocab, hidden_size] bf16
         self.rotary = rotary
-        self.max_rows = min(layers.max_rows, fc.kernel_rows)
+        self.final_norm = final_norm  # [hidden_size] bf16 or None
+        self.max_rows = min(max_rows, fc.kernel_rows) if fc is not None else max_rows
         self.max_logprob_rows = head.kernel_rows
-        (self.input_norms, self.post_norms, self.blocks, self.scales, self.biases) = [], [], [], [], []
-        for input_norm, post_norm, _, blocks, scales, biases, *_ in layers.arguments:
+        self.input_norms, self.post_norms, self.blocks, self.scales, self.biases = [], [], [], [], []
+        for input_norm, post_norm, _, blocks, scales, biases, *_ in arguments:
             self.input_norms.append(input_norm)
             self.post_norms.append(post_norm)
             self.blocks.extend(blocks)
             self.scales.extend(scales)
             self.biases.extend(biases)
-        _, _, self.eps, _, _, _, self.heads, self.kv_heads, self.intermediate = layers.arguments[0]
-        self.scaling = layers.scalings[0]
+        _, _, self.eps, _, _, _, self.heads, self.kv_heads, self.intermediate = arguments[0]
+        self.scaling = scalings[0]
 
     @classmethod
-    def of(cls, level_kernel, layers: BlockLayers | None, fc: nn.Module, head: nn.Module, embedding: nn.Module,
-           rotary: RotaryTables | None) -> KernelDraftLevel | None:
-        """fc: the head's nn.Linear slot; head: the module whose product gives the logits the log-probs are over;
-        embedding: the token embedding; rotary: the head's RotaryTables."""
-        from specpipe.engine.onednn import OneDNNLinear
-
-        if level_kernel is None or layers is None or rotary is None:
-            return None
-        products = [getattr(module, "packed", None) for module in (fc, head)]
-        if not all(isinstance(module, OneDNNLinear) and len(packed.splits) == 1 and packed.blocks is not None
-                   and packed.kernel_rows >= 1 for module, packed in zip((fc, head), products)):
+    def of(cls, level_kernel, layers, fc: nn.Module | None, head: nn.Module | None, embedding: nn.Module,
+           rotary: RotaryTables | None, final_norm: nn.Module | None = None) -> KernelDraftLevel | None:
+        """layers: the draft's decoder layers; fc: an EAGLE head's nn.Linear slot (None: a draft model's level reads
+        the embeddings alone); head: the module whose product gives the logits the log-probs are over; embedding:
+        the token embedding; rotary: the draft's RotaryTables; final_norm: a draft model's norm after its layers."""
+        found = block_layer_arguments(layers) if level_kernel is not None and rotary is not None else None
+        products = [_block_product(fc) if fc is not None else None, _block_product(head)]
+        if found is None or products[1] is None or (fc is not None and products[0] is None):
             return None
         if (type(embedding) is not nn.Embedding or embedding.max_norm is not None
                 or embedding.weight.dtype != torch.bfloat16 or embedding.weight.device.type != "cpu"):
             return None  # max_norm renormalizes rows in place
-        shapes = {(arguments[2], *arguments[6:9]) for arguments in layers.arguments}  # eps, heads, kv_heads, intermediate
+        arguments, _, scalings, _ = found
         width = embedding.weight.shape[1]
-        if (len(shapes) != 1 or len(set(layers.scalings)) != 1
-                or (products[0].in_features, products[0].out_features) != (2 * width, width)):
+        eps = {layer_arguments[2] for layer_arguments in arguments}
+        if (len({(layer_arguments[2], *layer_arguments[6:9]) for layer_arguments in arguments}) != 1
+                or len(set(scalings)) != 1
+                or (fc is not None and (products[0].in_features, products[0].out_features) != (2 * width, width))
+                or products[1].in_features != width):
             return None
-        return cls(level_kernel, layers, products[0], products[1], embedding.weight, rotary)
+        if final_norm is not None and (type(final_norm) is not LlamaRMSNorm or final_norm.variance_epsilon not in eps
+                                       or final_norm.weight.dtype != torch.bfloat16 or final_norm.weight.dim() != 1):
+            return None
+        return cls(level_kernel, found, products[0], products[1], embedding.weight, rotary,
+                   final_norm.weight if final_norm is not None else None)
 
     def serves(self, rows: int, logprob_rows: int, cache) -> bool:
         from specpipe.kv_cache import PositionIndexedCache
 
         return (1 <= rows <= self.max_rows and 1 <= logprob_rows <= min(rows, self.max_logprob_rows)
-                and isinstance(cache, PositionIndexedCache))
+                and type(cache) is PositionIndexedCache)  # a subclass (LayerSubsetCache) lays its rows out otherwise
 
-    def __call__(self, token_ids: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None, cache,
+    def __call__(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, mask: Tensor | None, cache,
                  logprob_rows: int) -> tuple[Tensor, Tensor] | None:
-        """token_ids [q] int64, features [q, hidden_size] bf16, positions [q] int64, mask [q, length + q] bool over the
-        cached rows then these (None: causal) -> (predicted features [q, hidden_size], log-probs [logprob_rows, vocab]
+        """token_ids [q] int64, features [q, hidden_size] bf16 (an EAGLE head's; None for a draft model), positions [q]
+        int64, mask [q, length + q] bool over the cached rows then these (None: causal) -> (hidden [q, hidden_size]:
+        an EAGLE head's predicted features, a draft model's normed last hidden states; log-probs [logprob_rows, vocab]
         fp32 of the last rows), q rows appended to `cache`; None (nothing written) where the rotary tables no longer
         serve."""
         q = token_ids.shape[0]
-        tables = self.rotary.signed_tables(features, int(positions.max()) + 1)
+        tables = self.rotary.signed_tables(self.embedding, int(positions.max()) + 1)
         if tables is None:
             return None
         started = cache.get_seq_length()
         try:
             keys, values, lengths = [], [], set()
-            like = features.new_empty(1, self.kv_heads, 0, tables[0].shape[-1])  # [1, kv_heads, 0, head_dim]
-            for layer_idx in self.layers.layer_ids:
+            like = self.embedding.new_empty(1, self.kv_heads, 0, tables[0].shape[-1])  # [1, kv_heads, 0, head_dim]
+            for layer_idx in self.layer_ids:
                 key_buffer, value_buffer, length = cache.rows_to_write(layer_idx, like, q)
                 keys.append(key_buffer)
                 values.append(value_buffer)
@@ -362,16 +381,28 @@ class KernelDraftLevel:
                 raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(lengths)})")
             if mask is None and q > 1:
                 mask = torch.ones(q, length + q, dtype=torch.bool).tril(length)
+            fc = (self.fc.blocks, self.fc.scale, self.fc.kernel_bias) if self.fc is not None else (None, None, None)
             hidden, logprobs = self.level_kernel(
-                token_ids, features, self.embedding, self.fc.blocks, self.fc.scale,
-                self.fc.kernel_bias, *tables, positions, self.input_norms, self.post_norms, self.eps, self.blocks,
-                self.scales, self.biases, self.heads, self.kv_heads, self.intermediate, keys, values, length, mask,
-                self.scaling, self.head.blocks, self.head.out_features, self.head.scale, self.head.kernel_bias,
+                token_ids, features, self.embedding, *fc, *tables,
+                positions, self.input_norms, self.post_norms, self.eps, self.blocks, self.scales, self.biases,
+                self.heads, self.kv_heads, self.intermediate, keys, values, length, mask, self.scaling,
+                self.final_norm, self.head.blocks, self.head.out_features, self.head.scale, self.head.kernel_bias,
                 logprob_rows)
         except BaseException:
             cache.crop(started)  # rows_to_write counted rows a failed call never wrote
             raise
         return hidden, logprobs
+
+
+def _block_product(module: nn.Module | None):
+    """The PackedWeight of a lone OneDNNLinear whose products the engine runs over column blocks, else None."""
+    from specpipe.engine.onednn import OneDNNLinear
+
+    packed = getattr(module, "packed", None)
+    if (isinstance(module, OneDNNLinear) and len(packed.splits) == 1 and packed.blocks is not None
+            and packed.kernel_rows >= 1):
+        return packed
+    return None
 
 
 class KernelAttention:
@@ -421,13 +452,14 @@ def rotary_lookup(model: nn.Module) -> RotaryTables | None:
 
 
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
-                    layer_kernel=None, level_kernel=None) -> int:
+                    layer_kernel=None, level_kernel=None, draft_model: bool = False) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
     (`attention_isa`: the build's CpuKernel.isa); `layer_kernel`: the kernel's block_decoder_layer
     (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
-    block_draft_level (BlockProduct.draft_level), for an EAGLE head's whole level (KernelDraftLevel). Each also gets `rotary_lookup`
+    block_draft_level (BlockProduct.draft_level), for a draft's whole level (KernelDraftLevel): an EAGLE head's, and
+    with `draft_model` (the model only drafts) a LlamaModel's. Each also gets `rotary_lookup`
     (RotaryTables, where they serve its rotary embedding)."""
     max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
@@ -444,6 +476,8 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
             module.rotary_lookup = rotary_lookup(module)
+            # offered to the drafter that runs a draft model's levels itself (DraftModelDrafter); never a target's
+            module.level_kernel = level_kernel if layer_kernel is not None and draft_model else None
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

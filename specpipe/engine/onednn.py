@@ -290,10 +290,12 @@ class OneDNNEngine:
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
-    def apply(self, model: nn.Module, quantize: str | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False) -> nn.Module:
         """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
-        says why and the weights stay in the model's dtype. "auto": the same without the warning."""
+        says why and the weights stay in the model's dtype. "auto": the same without the warning. `drafter`: a
+        draft model, whose drafter may run its whole level in one kernel call (lean_model.KernelDraftLevel; its
+        layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not)."""
         checked_quantization(quantize, f"engine={self.name}")
         path = self._linear_path(model)
         if isinstance(path, str):
@@ -342,12 +344,14 @@ class OneDNNEngine:
             level = blocks.draft_level if layer is not None and self.draft_level else None
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
                                           attention_isa=extension.isa if extension is not None else "avx2",
-                                          layer_kernel=layer, level_kernel=level)
+                                          layer_kernel=layer, level_kernel=level, draft_model=drafter)
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
             getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
         if layers and level is not None:
             layers += ", its whole draft level one call where the head's other products serve"
+        elif drafter and lean_models and level is not None:
+            layers = "; a draft model's whole level one kernel call where its products serve"
         rewrite = (f"{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []

@@ -122,8 +122,9 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         tree_builder = _complete_stage(make_tree, "pipeline.tree", cost_curve=cost_curve)
         if cfg.get("cost_curve", "measured") != "flat":  # _cost_curve refused any other unknown choice
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
-                if getattr(drafter, "runner", None) is not None:
-                    curve = cached_cost_curve(drafter.runner)
+                runner = getattr(drafter, "cost_runner", None) or getattr(drafter, "runner", None)
+                if runner is not None:  # a drafter whose levels run outside its runner has a runner for its cost
+                    curve = cached_cost_curve(runner)
                     # Corrected by its levels' times where the target's curve is corrected by its steps: a cached
                     # curve keeps the moment it was measured, and a level in the pipeline reads weights a target
                     # forward evicted (the distilled draft's, cached in another session at 0.74 ms a row, took
@@ -163,7 +164,7 @@ def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded
     quantize = getattr(stage, "weight_quantization", None)  # a drafter's own weights in int8 (engine.quantize)
     draft_model = getattr(getattr(stage, "runner", None), "model", None)
     if draft_model is not None:
-        engine.apply(draft_model, quantize=quantize)
+        engine.apply(draft_model, quantize=quantize, drafter=True)
     # Weights a stage runs outside its runner (an EAGLE head's reduced output layer, Medusa's heads):
     # unpacked, a few-row fp32 product of an 8192-row output layer costs ~6x the packed one.
     for module in getattr(stage, "engine_modules", ()):

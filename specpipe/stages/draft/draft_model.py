@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
+from specpipe.engine.lean_model import KernelDraftLevel, LeanLlamaModel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
@@ -33,7 +34,7 @@ from specpipe.stages.base import draft_token_ids, to_full_vocab
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
 from specpipe.stages.draft.head_checkpoint import folder_layout, wrong_layout
 from specpipe.target import ForwardOutput, TargetModel
-from specpipe.types import DecodeState, Proposal, VerifyResult
+from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
 ROOT = -1  # the frontier id of the root: the last committed token
@@ -233,6 +234,7 @@ class DraftModelDrafter:
         if new_cache is not None:  # a draft with its own cache layout (layer_skip); measuring its cost uses it too
             self.runner.new_cache = new_cache
         self.new_cache = self.runner.new_cache
+        self.cost_runner = DraftLevelRunner(self)  # what the pipeline builder measures the cost curve on
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:
@@ -293,10 +295,8 @@ class DraftModelDrafter:
             q = int(new.shape[0])
             # only the root's row is read: a prompt's rows through the output layer would cost a third of
             # the draft's prefill
-            reduced = self._reduced_head()
-            out = self.runner.forward_masked(new, torch.arange(shared, shared + q), causal_rows(shared, q),
-                                             session.cache, logits_rows=self._logits_rows(reduced, [q - 1]))
-            session.root_logprobs = self._logprobs(out, reduced, q - 1)[-1]
+            session.root_logprobs = self._forward_logprobs(new, torch.arange(shared, shared + q), causal_rows(shared, q),
+                                                           session.cache, rows=1)[-1]
         session.synced = len(tokens)
         session.slots, session.logprobs = {}, {}
         return session.root_logprobs
@@ -326,12 +326,45 @@ class DraftModelDrafter:
             session.slots[node] = cached + row
         mask, positions = tree_rows(order, parents, session.slots, session.synced, cached)  # [q, kv], [q]
         input_ids = torch.tensor([tokens[node] for node in order], dtype=torch.long)  # [q]
-        reduced = self._reduced_head()
-        out = self.runner.forward_masked(input_ids, positions, mask, session.cache,
-                                         logits_rows=self._logits_rows(reduced, None))
-        logprobs = self._logprobs(out, reduced, 0)  # [q, vocab] or [q, k]
+        logprobs = self._forward_logprobs(input_ids, positions, mask, session.cache, rows=len(order))  # [q, vocab or k]
         for row, node in enumerate(order):
             session.logprobs[node] = logprobs[row]
+
+    def _forward_logprobs(self, input_ids: Tensor, positions: Tensor, mask: Tensor, cache: PositionIndexedCache,
+                          rows: int) -> Tensor:
+        """One draft forward of q rows (input_ids, positions [q], mask [q, cache + q] bool) -> the log-probs [rows,
+        vocab] (or [rows, k] over `draft_vocab`) after its last `rows` rows: in one kernel call where the engine gave
+        the draft's level one (KernelDraftLevel), else through the runner."""
+        q = int(input_ids.shape[0])
+        level = self._kernel_level()
+        if level is not None and level.serves(q, rows, cache):
+            with torch.inference_mode():
+                done = level(input_ids, None, positions, mask, cache, rows)
+            if done is not None:
+                return done[1]
+        reduced = self._reduced_head()
+        out = self.runner.forward_masked(input_ids, positions, mask, cache,
+                                         logits_rows=self._logits_rows(reduced, None if rows == q else
+                                                                       list(range(q - rows, q))))
+        return self._logprobs(out, reduced, q - rows)
+
+    def _kernel_level(self) -> KernelDraftLevel | None:
+        """The draft's whole level in one kernel call where the engine serves it: a bf16 Llama draft on the CPU whose
+        layers and output layer run over column blocks (made once per kernel and output layer)."""
+        draft = self.runner.model
+        model = getattr(draft, "model", None)
+        kernel = getattr(model, "level_kernel", None)
+        reduced = self._reduced_head()
+        head = getattr(reduced, "linear", None) if reduced is not None else draft.get_output_embeddings()
+        made = self.__dict__.get("_made_kernel_level")
+        if made is None or made[0] is not kernel or made[1] is not head:
+            level = None
+            if kernel is not None and type(model) is LeanLlamaModel and self.runner.device.type == "cpu":
+                level = KernelDraftLevel.of(kernel, model.layers[: model.config.num_hidden_layers], None, head,
+                                            model.embed_tokens, model.rotary_lookup, final_norm=model.norm)
+            made = (kernel, head, level)
+            self.__dict__["_made_kernel_level"] = made
+        return made[2]
 
     def _reduced_head(self) -> nn.Module | None:
         """The draft's reduced output layer where it hands out log-probs over `draft_vocab`, else None
@@ -354,6 +387,41 @@ class DraftModelDrafter:
         if reduced is not None:
             return head_logprobs(reduced, out.hidden[first_row:], reduced=True)
         return torch.log_softmax(out.logits, dim=-1)
+
+
+class DraftLevelRunner:
+    """A draft forward as the cost-curve measurement sees a model (`new_cache`, `prefill`, `forward_tree`), run the
+    way the drafter runs its levels (`_forward_logprobs`: in one kernel call where the engine serves it, its log-probs
+    over the draft vocabulary): the curve prices what a level costs the tree builder. Through the runner a bf16 level
+    of the distilled draft took ~1.9 ms where the kernel's call takes ~0.85 (docs/BENCHMARKS.md run 71)."""
+
+    def __init__(self, drafter: DraftModelDrafter) -> None:
+        self.drafter = drafter
+        runner = drafter.runner
+        self.name, self.model = runner.name, runner.model
+        self.attn_implementation, self.vocab_size = runner.attn_implementation, runner.vocab_size
+        self.dtype, self.device = runner.dtype, runner.device
+
+    @property
+    def engine(self) -> str:  # the engine rewrites the draft after the drafter is made
+        return getattr(self.model, "specpipe_engine", "hf")
+
+    def new_cache(self) -> PositionIndexedCache:
+        return self.drafter.new_cache()
+
+    def prefill(self, prompt: list[int], cache: PositionIndexedCache) -> None:
+        q = len(prompt)
+        self.drafter._forward_logprobs(torch.tensor(prompt), torch.arange(q), causal_rows(0, q), cache, rows=1)
+
+    def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> Tensor:
+        committed = cache.get_seq_length()
+        q = 1 + len(tree)
+        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
+        mask[:, :committed + 1] = True
+        mask[1:, committed + 1:] = tree.mask
+        tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
+        positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
+        return self.drafter._forward_logprobs(tokens, positions, mask, cache, rows=q)
 
 
 def _shape_name(draft: PreTrainedModel) -> str:

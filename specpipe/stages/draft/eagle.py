@@ -307,8 +307,9 @@ class EagleDrafter:
             level = None
             if kernel is not None and type(net) is EagleNet and net.lean and self.target.device.type == "cpu":
                 reduced = self.draft_vocab is not None
-                level = KernelDraftLevel.of(kernel, net._block_layers(), net.fc, getattr(self.head, "linear", None) if reduced else self.head,
-                                            self.embed, net.rotary_lookup)
+                level = KernelDraftLevel.of(kernel, net.layers, net.fc,
+                                            getattr(self.head, "linear", None) if reduced else self.head, self.embed,
+                                            net.rotary_lookup)
             made = (kernel, level)
             self.__dict__["_made_kernel_level"] = made
         return made[1]
