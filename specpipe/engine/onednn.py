@@ -233,8 +233,9 @@ class OneDNNEngine:
     # with the blocks, the norm and the attention kernel: a draft head's Llama decoder layers (an EAGLE head's)
     # run one kernel call each (lean_model.BlockLayers); false = op by op like the target's
     draft_layers: bool = True
-    # with draft_layers: an EAGLE head's whole draft level (fc, its layers, its output layer's log-probs) in one
-    # kernel call (lean_model.KernelDraftLevel); false = the layers' calls with torch ops and Python between them
+    # with draft_layers: a draft's whole level in one kernel call (lean_model.KernelDraftLevel): an EAGLE head's (fc,
+    # its layers, its output layer's log-probs), and a draft model's where the model is applied as a drafter; false =
+    # the layers' calls (an EAGLE head's) or the lean forward (a draft model's) with torch ops and Python between them
     draft_level: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them

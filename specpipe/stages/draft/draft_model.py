@@ -414,14 +414,20 @@ class DraftLevelRunner:
         self.drafter._forward_logprobs(torch.tensor(prompt), torch.arange(q), causal_rows(0, q), cache, rows=1)
 
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> Tensor:
-        committed = cache.get_seq_length()
-        q = 1 + len(tree)
-        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
-        mask[:, :committed + 1] = True
-        mask[1:, committed + 1:] = tree.mask
-        tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
-        positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
-        return self.drafter._forward_logprobs(tokens, positions, mask, cache, rows=q)
+        tokens, positions, mask = root_and_tree_rows(root_token, tree, cache.get_seq_length())
+        return self.drafter._forward_logprobs(tokens, positions, mask, cache, rows=int(tokens.shape[0]))
+
+
+def root_and_tree_rows(root_token: int, tree: DraftTree, committed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A draft forward over the root then every node of `tree` after `committed` cache rows (a cost curve's sample):
+    tokens [q], positions [q] and mask [q, committed + q] bool, q = 1 + len(tree)."""
+    q = 1 + len(tree)
+    mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
+    mask[:, :committed + 1] = True
+    mask[1:, committed + 1:] = tree.mask
+    tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
+    positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
+    return tokens, positions, mask
 
 
 def _shape_name(draft: PreTrainedModel) -> str:

@@ -42,7 +42,7 @@ from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import REPO_ROOT
 from specpipe.stages.base import draft_token_ids
 from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
-                                               tree_rows, unfed_ancestors_first)
+                                               root_and_tree_rows, tree_rows, unfed_ancestors_first)
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
@@ -355,13 +355,8 @@ class EagleRunner:
                             cache, logprob_rows=1)
 
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache) -> Tensor:
-        committed = cache.get_seq_length()
-        q = 1 + len(tree)
-        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
-        mask[:, :committed + 1] = True
-        mask[1:, committed + 1:] = tree.mask
-        tokens = torch.cat([torch.tensor([root_token]), tree.tokens])  # [q]
-        positions = torch.cat([torch.tensor([committed]), tree.depth + committed + 1])  # [q]
+        tokens, positions, mask = root_and_tree_rows(root_token, tree, cache.get_seq_length())
+        q = int(tokens.shape[0])
         features = torch.zeros(q, self.drafter.net.config.hidden_size, dtype=self.dtype)
         return self.drafter._level(features, tokens, positions, mask, cache, logprob_rows=q)[1]
 
