@@ -304,9 +304,9 @@ class KernelDraftLevel:
     no rotary tables); `serves` says which calls it takes: those whose products every path runs over the column
     blocks (up to `max_rows` rows, the output layer's up to `max_logprob_rows`), over a plain PositionIndexedCache."""
 
-    def __init__(self, level_kernel, layers: tuple, fc, head, embedding: Tensor, rotary: RotaryTables,
+    def __init__(self, level_kernel, layer_arguments: tuple, fc, head, embedding: Tensor, rotary: RotaryTables,
                  final_norm: Tensor | None) -> None:
-        arguments, self.layer_ids, scalings, max_rows = layers  # block_layer_arguments'
+        arguments, self.layer_ids, scalings, max_rows = layer_arguments  # block_layer_arguments' of the layers
         self.level_kernel = level_kernel
         self.fc, self.head = fc, head  # PackedWeight (fc: None for a draft model), each one member over column blocks
         self.embedding = embedding  # [vocab, hidden_size] bf16
