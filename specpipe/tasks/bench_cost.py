@@ -35,6 +35,7 @@ from specpipe.models import parse_dtype
 from specpipe.tasks.bench import output_dir
 from specpipe.tasks.bench_report import machine_info, machine_line, write_atomically, write_text
 from specpipe.pipelines.builder import CONFIG_DIR, compose_config, load_model
+from specpipe.stages.draft.draft_model import root_and_tree_rows
 from specpipe.tasks.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel
 from specpipe.types import DraftTree
@@ -77,13 +78,8 @@ class TransformersForward:
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: DynamicCache) -> torch.Tensor:
-        committed, q = cache.get_seq_length(), len(tree) + 1
-        input_ids = torch.tensor([[root_token, *tree.tokens.tolist()]], device=self.device)  # [1, q]
-        position_ids = torch.cat([torch.tensor([committed]), tree.depth + (committed + 1)])[None]  # [1, q]
-        mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]: the cache and the root, then ancestors
-        mask[:, :committed + 1] = True
-        mask[1:, committed + 1:] = tree.mask
-        return self.model(input_ids=input_ids, position_ids=position_ids.to(self.device),
+        tokens, positions, mask = root_and_tree_rows(root_token, tree, cache.get_seq_length())  # [q], [q], [q, kv]
+        return self.model(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
                           attention_mask=mask[None, None].to(self.device), past_key_values=cache, use_cache=True).logits
 
 
