@@ -9,8 +9,14 @@ suffix-array rows and tokens it reads.
 
 It is plain C (no Python or torch headers) built once per machine with the system's C compiler into
 the specpipe cache (a fraction of a second) and called through ctypes. Where it cannot be built (no
-compiler) the datastore keeps the numpy lookup: `NativeSuffixLookup.build()` returns None and a
-reason. Sharded stores keep the numpy lookup, which merges the shards.
+compiler, a cache folder other users could write: `specpipe.native_cache`) the datastore keeps the
+numpy lookup: `NativeSuffixLookup.build()` returns None and a reason. The library's SHA-256 is recorded
+when it is built and checked before every load; one that does not match (or has no record) is built
+again, never loaded. Sharded stores keep the numpy lookup, which merges the shards.
+
+Every suffix-array entry the C code reads is checked against the tokens' bounds: a damaged store that
+got past the load's validation makes the lookup raise a StoreError naming the store, never read outside
+its arrays.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from specpipe import native_cache
+from specpipe.errors import StoreError
 
 # The semantics are merged_lookup's (see its docstring and _distinct_continuations'): the longest suffix
 # of the context (min_span..max_span tokens, tokens that cannot be packed cut the context) found in the
@@ -42,16 +51,26 @@ typedef struct {
     const uint64_t *prefix_keys;  /* [m] the first tokens_per_key tokens packed, token + 1 per field */
     int32_t key_bits;
     int32_t tokens_per_key;
+    int corrupt;                  /* set when a suffix-array entry points outside the tokens */
 } Store;
 
-static int64_t suffix_at(const Store *s, int64_t row) {
-    return s->suffix_array_64 ? ((const int64_t *)s->suffix_array)[row] : ((const int32_t *)s->suffix_array)[row];
+/* The start of the suffix at `row` (< n_suffixes: every caller's row comes from a range inside the
+   array). A damaged store's entry outside [0, n_tokens) marks the store corrupt and reads as 0, so no
+   read leaves the arrays; the lookup then reports the damage instead of an answer. */
+static int64_t suffix_at(Store *s, int64_t row) {
+    if (row < 0 || row >= s->n_suffixes) { s->corrupt = 1; return 0; }
+    int64_t start = s->suffix_array_64 ? ((const int64_t *)s->suffix_array)[row]
+                                       : ((const int32_t *)s->suffix_array)[row];
+    if (start < 0 || start >= s->n_tokens) { s->corrupt = 1; return 0; }
+    return start;
 }
 
 /* The tokens at start.. against pattern[0..width): <0, 0, >0. A document's end (-1) sorts below every
-   token, and the store ends with one, so a read never passes the array's end (patterns hold no -1). */
-static int compare_at(const Store *s, int64_t start, const int32_t *pattern, int width) {
+   token, and a whole store ends with one, so a read stops at the array's end (patterns hold no -1); the
+   bound is checked anyway, a damaged store being marked corrupt rather than read past its end. */
+static int compare_at(Store *s, int64_t start, const int32_t *pattern, int width) {
     for (int j = 0; j < width; j++) {
+        if (start + j < 0 || start + j >= s->n_tokens) { s->corrupt = 1; return -1; }
         int32_t token = s->tokens[start + j];
         if (token != pattern[j]) return token < pattern[j] ? -1 : 1;
     }
@@ -69,7 +88,7 @@ static int64_t key_bound(const Store *s, int64_t lo, int64_t hi, uint64_t key, i
 }
 
 /* first row in [lo, hi) whose suffix, from offset on, compares >= (upper: >) the pattern */
-static int64_t suffix_bound(const Store *s, int64_t lo, int64_t hi, const int32_t *pattern, int width,
+static int64_t suffix_bound(Store *s, int64_t lo, int64_t hi, const int32_t *pattern, int width,
                             int offset, int upper) {
     while (lo < hi) {
         int64_t mid = lo + (hi - lo) / 2;
@@ -80,7 +99,7 @@ static int64_t suffix_bound(const Store *s, int64_t lo, int64_t hi, const int32_
 }
 
 /* The range [lo, hi) of the suffixes that start with pattern[0..width) (width >= 1, packable tokens). */
-static void find_range(const Store *s, const int32_t *pattern, int width, int64_t *lo, int64_t *hi) {
+static void find_range(Store *s, const int32_t *pattern, int width, int64_t *lo, int64_t *hi) {
     int head = width < s->tokens_per_key ? width : s->tokens_per_key;
     uint64_t key = 0;
     for (int j = 0; j < head; j++) key = (key << s->key_bits) | (uint64_t)(pattern[j] + 1);
@@ -110,15 +129,18 @@ static int by_row(const void *a, const void *b) {
 }
 
 /* header[4] = match length, occurrences, sampled, candidates c; for i < c: lengths[i], and
-   continuations / counts [i * max_length + d] for d < lengths[i]. Returns 0, or -1 when out of memory. */
+   continuations / counts [i * max_length + d] for d < lengths[i]. Returns 0; -1 when out of memory;
+   -2 when the store is damaged (a suffix-array entry outside the tokens, arrays that cannot be a store):
+   then nothing is answered. */
 int64_t rest_lookup(const int32_t *tokens, int64_t n_tokens, const void *suffix_array, int32_t suffix_array_64,
                     int64_t n_suffixes, const uint64_t *prefix_keys, int32_t key_bits,
                     const int32_t *context, int32_t context_length, int32_t max_span, int32_t min_span,
                     int32_t max_length, int32_t max_candidates, int32_t max_occurrences,
                     int64_t *header, int32_t *continuations, int32_t *counts, int32_t *lengths) {
+    if (n_tokens < 1 || n_suffixes < 0 || n_suffixes > n_tokens || key_bits < 1 || key_bits > 64) return -2;
     Store store = {tokens, n_tokens, suffix_array, suffix_array_64, n_suffixes, prefix_keys, key_bits,
-                   64 / key_bits};
-    const Store *s = &store;
+                   64 / key_bits, 0};
+    Store *s = &store;
     int64_t token_limit = (((int64_t)1) << key_bits) - 1;
     header[0] = header[1] = header[2] = header[3] = 0;
     /* the window: the last max_span tokens, cut after the last token that cannot be packed */
@@ -136,6 +158,7 @@ int64_t rest_lookup(const int32_t *tokens, int64_t n_tokens, const void *suffix_
         int span = low + (high - low) / 2;
         int64_t span_lo, span_hi;
         find_range(s, context + context_length - span, span, &span_lo, &span_hi);
+        if (s->corrupt) return -2;
         if (span_lo < span_hi) { best = span; lo = span_lo; hi = span_hi; low = span + 1; }
         else high = span - 1;
     }
@@ -163,6 +186,10 @@ int64_t rest_lookup(const int32_t *tokens, int64_t n_tokens, const void *suffix_
             if (token == -1) inside = 0;
             row[d] = token;
         }
+    }
+    if (s->corrupt) {
+        free(rows); free(first_difference); free(prefix); free(ranked);
+        return -2;
     }
     /* first_difference[k]: the first depth where row k differs from row k - 1 (width: equal rows);
        prefix[k, d]: how many rows share row k's first d + 1 tokens (0 past its end) */
@@ -223,7 +250,7 @@ class NativeSuffixLookup:
     """The compiled `rest_lookup`, bound to one suffix array's arrays (kept alive by the datastore)."""
 
     def __init__(self, library: ctypes.CDLL, tokens: np.ndarray, suffix_array: np.ndarray,
-                 prefix_keys: np.ndarray, key_bits: int) -> None:
+                 prefix_keys: np.ndarray, key_bits: int, where: str | Path | None = None) -> None:
         self._function = library.rest_lookup
         self._function.restype = ctypes.c_int64
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
@@ -233,32 +260,29 @@ class NativeSuffixLookup:
         self._store_arguments = (tokens.ctypes.data, len(tokens), suffix_array.ctypes.data,
                                  int(suffix_array.dtype == np.int64), len(suffix_array), prefix_keys.ctypes.data,
                                  key_bits)
+        self.where = f"at {where}" if where is not None else "in memory"  # the store's folder, for messages
 
     @staticmethod
     def build(build_dir: Path) -> tuple[ctypes.CDLL | None, str]:
-        """(the library, '') built once into `build_dir`, or (None, why not)."""
-        path = build_dir / library_name()
-        if not path.exists():
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if compiler is None:
-                return None, "no C compiler (cc or gcc) to build the datastore's native lookup"
-            try:
-                build_dir.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=build_dir) as staging:
-                    source = Path(staging) / "suffix_lookup.c"
-                    source.write_text(_SOURCE)
-                    built = Path(staging) / path.name
-                    result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(source)],
-                                            capture_output=True, text=True)
-                    if result.returncode != 0:
-                        return None, f"the datastore's native lookup did not compile: {result.stderr.strip()[:300]}"
-                    os.replace(built, path)  # atomic: processes building at once each install a whole library
-            except OSError as error:  # a read-only cache, a compiler that cannot run
-                return None, f"the datastore's native lookup could not be built in {build_dir}: {error}"
+        """(the library, '') built once into `build_dir` (a folder of this user's alone), or (None, why
+        not). Loaded only where its SHA-256 is the one recorded when it was built; else built again."""
         try:
-            return ctypes.CDLL(str(path)), ""
-        except OSError as error:
-            return None, f"the datastore's native lookup did not load: {error}"
+            native_cache.private_folder(build_dir)
+        except native_cache.UnsafeFolder as error:
+            return None, f"the datastore's native lookup is not built or loaded: {error}"
+        path = build_dir / library_name()
+        try:
+            with native_cache.exclusive(build_dir, "the datastore's native lookup"):
+                if not native_cache.verified(path):
+                    native_cache.discard(path)  # nothing unchecked stays at the path that is loaded
+                    failure = _compile(build_dir, path)
+                    if failure:
+                        return None, failure
+                    if not native_cache.verified(path):
+                        return None, f"the datastore's native lookup at {path} changed while it was built"
+                return ctypes.CDLL(str(path)), ""
+        except OSError as error:  # a read-only cache, a compiler that cannot run, a library that does not load
+            return None, f"the datastore's native lookup could not be built or loaded in {build_dir}: {error}"
 
     def lookup(self, context: list[int], max_span: int, min_span: int, max_length: int, max_candidates: int,
                max_occurrences: int) -> tuple[int, int, int, list[list[int]], list[list[int]]]:
@@ -271,11 +295,32 @@ class NativeSuffixLookup:
         continuations = (ctypes.c_int32 * (max_candidates * max_length))()
         counts = (ctypes.c_int32 * (max_candidates * max_length))()
         lengths = (ctypes.c_int32 * max_candidates)()
-        if self._function(*self._store_arguments, tokens, len(window), max_span, min_span, max_length,
-                          max_candidates, max_occurrences, header, continuations, counts, lengths) != 0:
+        status = self._function(*self._store_arguments, tokens, len(window), max_span, min_span, max_length,
+                                max_candidates, max_occurrences, header, continuations, counts, lengths)
+        if status == -2:
+            raise StoreError(f"the token datastore {self.where} is damaged: its suffix array points outside its "
+                             f"tokens (or its arrays cannot be a store's); rebuild the store")
+        if status != 0:
             raise MemoryError(f"the datastore's native lookup could not allocate its {max_occurrences} x "
                               f"{max_length} continuation rows")
         length, occurrences, sampled, chosen = header
         rows = [(i * max_length, i * max_length + lengths[i]) for i in range(chosen)]
         return (length, occurrences, sampled, [continuations[start:end] for start, end in rows],
                 [counts[start:end] for start, end in rows])
+
+
+def _compile(build_dir: Path, path: Path) -> str:
+    """Compiles the lookup to `path` and records its checksum; '' or why it could not."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler (cc or gcc) to build the datastore's native lookup"
+    with tempfile.TemporaryDirectory(dir=build_dir) as staging:
+        source = Path(staging) / "suffix_lookup.c"
+        source.write_text(_SOURCE)
+        built = Path(staging) / path.name
+        result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(source)], capture_output=True, text=True)
+        if result.returncode != 0:
+            return f"the datastore's native lookup did not compile: {result.stderr.strip()[:300]}"
+        os.replace(built, path)
+    native_cache.record_checksum(path)
+    return ""
