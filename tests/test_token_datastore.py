@@ -4,8 +4,11 @@ formats, the proposer's trie, and `task=build_store` end to end."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_steps
+from test_native_cache import marker_library, needs_cc
 import specpipe.stores.token_datastore as token_datastore
 from specpipe.errors import ConfigError, StoreError
 from specpipe.pipelines.builder import build_pipeline, compose_config
@@ -962,3 +966,117 @@ def test_without_a_working_compiler_the_datastore_keeps_the_numpy_lookup(tmp_pat
         store = TokenDatastore.from_documents(documents)
         assert store.native is None and reason in store.native_reason
         assert store.lookup([1, 2]) == reference
+
+
+# ---- the native lookup's library and a damaged store ----------------------------------------------
+
+
+@needs_cc
+def test_a_library_planted_where_the_native_lookup_is_built_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A shared library put at the lookup's path in the cache (its constructor would run on load) is not
+    loaded: without the checksum recorded when specpipe built it, the lookup is built again."""
+    from specpipe.native_cache import checksum_path, private_folder, sha256_of
+    from specpipe.stores.suffix_lookup import library_name
+
+    monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path / "cache")
+    marker = tmp_path / "planted-ran"
+    planted = marker_library(private_folder(tmp_path / "cache" / "native") / library_name(), marker)
+    planted_digest = sha256_of(planted)
+    documents = [[1, 2, 3, 1, 2, 4], [2, 3, 1, 2]]
+    store = TokenDatastore.from_documents(documents)
+    assert not marker.exists()  # its constructor never ran
+    assert store.native is not None, store.native_reason
+    assert sha256_of(planted) != planted_digest and checksum_path(planted).read_text().strip() == sha256_of(planted)
+    reference = TokenDatastore.from_documents(documents, native=False)
+    assert store.lookup([1, 2]) == reference.lookup([1, 2]) and store.lookup([1, 2]).continuations
+    again = TokenDatastore.from_documents(documents)  # the recorded library loads as it is
+    assert again.native is not None and sha256_of(planted) == checksum_path(planted).read_text().strip()
+
+
+def test_the_native_lookup_is_not_built_in_a_folder_others_can_write(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path / "cache")
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    documents = [[1, 2, 3, 1, 2, 4], [2, 3, 1, 2]]
+    store = TokenDatastore.from_documents(documents)
+    assert store.native is None
+    assert f"{folder} is writable by group/others" in store.native_reason and "chmod 700" in store.native_reason
+    assert store.lookup([1, 2]) == TokenDatastore.from_documents(documents, native=False).lookup([1, 2])
+    assert not list(folder.iterdir())  # nothing was built there
+    folder.chmod(0o700)
+    owner = folder.stat().st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    store = TokenDatastore.from_documents(documents)
+    assert store.native is None and f"{folder} belongs to uid {owner}, not to you" in store.native_reason
+
+
+def garble_middle(path: Path) -> None:
+    """Overwrites bytes in the middle of `path`'s data with 0xFF.. patterns, keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 + 64
+    data[middle:middle + 16] = b"\x7f\xff\xff\x7f" * 4
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["suffix_array.npy", "tokens.npy"])
+@pytest.mark.parametrize("native", [True, False])
+def test_a_store_garbled_without_changing_its_size_is_refused_naming_the_file(tmp_path, name, native):
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3, 1, 2, 4, 5, 6, 7, 8] * 20))
+    builder, _ = build(tmp_path, [corpus])
+    size = (builder.out / name).stat().st_size
+    garble_middle(builder.out / name)
+    assert (builder.out / name).stat().st_size == size
+    with pytest.raises(StoreError, match=rf"{builder.out}.*{name}.*rebuild the store"):
+        TokenDatastore.load(builder.out, TOKENIZER, native=native)
+
+
+def test_a_store_whose_last_token_is_not_a_separator_is_refused(tmp_path):
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3, 1, 2, 4] * 20))
+    builder, _ = build(tmp_path, [corpus])
+    tokens = np.load(builder.out / "tokens.npy")
+    tokens[-1] = 3
+    np.save(builder.out / "tokens.npy", tokens)
+    with pytest.raises(StoreError, match="tokens.npy is damaged: it does not end with the -1"):
+        TokenDatastore.load(builder.out)
+
+
+@pytest.mark.parametrize("name", ["suffix_array.npy", "tokens.npy"])
+def test_a_garbled_shard_is_refused_naming_the_file(sharded_store, name):
+    garble_middle(sharded_store / "shard-00001" / name)
+    with pytest.raises(StoreError, match=rf"shard-00001.*{name}.*rebuild the store"):
+        TokenDatastore.load(sharded_store, TOKENIZER)
+
+
+@needs_cc
+def test_the_native_lookup_reports_an_out_of_range_offset_instead_of_crashing(tmp_path):
+    """The C lookup called on a suffix array with an offset far outside the tokens (validation bypassed):
+    an error naming the store, never a signal. In a subprocess, so a crash fails this test alone."""
+    script = f"""
+from pathlib import Path
+from specpipe.errors import StoreError
+from specpipe.stores.suffix_lookup import NativeSuffixLookup
+from specpipe.stores.token_datastore import TokenDatastore
+
+# ids of 17 bits: 3 tokens a packed key, so longer contexts are narrowed by reading the tokens at each offset
+a, b, c, d = 60001, 60002, 60003, 60004
+store = TokenDatastore.from_documents([[a, b, c, a, b, d] * 50, [b, c, a, b]], native=False)
+library, reason = NativeSuffixLookup.build(Path({str(tmp_path / "native")!r}))
+assert library is not None, reason
+for value in (1 << 30, -5, len(store.tokens), len(store.tokens) - 1 + (1 << 20)):
+    suffix_array = store.suffix_array.copy()
+    suffix_array[:] = value
+    lookup = NativeSuffixLookup(library, store.tokens, suffix_array, store.prefix_keys, store.key_bits,
+                                where="/stores/broken")
+    try:
+        for context in ([a, b, c, a, b], [b, c], [d, a, b, c, a, b, d, a], [c, a, b, d, a, b, c, a]):
+            lookup.lookup(context, 16, 1, 8, 8, 256)
+    except StoreError as error:
+        assert "/stores/broken" in str(error), error
+        print("refused", value)
+    else:
+        print("not detected", value)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split("\n").count("not detected") == 0 and result.stdout.count("refused") == 4, result.stdout

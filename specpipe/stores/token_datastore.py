@@ -153,13 +153,9 @@ class TokenDatastore:
         suffix_array = _load_array(path, SUFFIX_ARRAY_FILE, (np.int32, np.int64))
         prefix_keys = _load_array(path, PREFIX_KEYS_FILE, (np.uint64,))
         key_bits = manifest.stats.get("key_bits")
-        if not isinstance(key_bits, int) or not 1 <= key_bits <= 64:
+        if not isinstance(key_bits, int) or isinstance(key_bits, bool) or not 1 <= key_bits <= 64:
             raise StoreError(f"{KIND} at {path}: the manifest's key_bits={key_bits!r} is invalid; rebuild the store")
-        if len(suffix_array) != len(prefix_keys) or len(suffix_array) != manifest.stats.get("token_count") \
-                or len(tokens) == 0 or tokens[-1] != SEPARATOR:
-            raise StoreError(f"{KIND} at {path}: its arrays disagree with each other or with the manifest "
-                             f"(tokens {len(tokens)}, suffixes {len(suffix_array)}, keys {len(prefix_keys)}, "
-                             f"manifest token_count {manifest.stats.get('token_count')}); rebuild the store")
+        validate_arrays(path, manifest, tokens, suffix_array, prefix_keys, key_bits)
         return cls(tokens, suffix_array, prefix_keys, key_bits, path, native=native)
 
     def __len__(self) -> int:
@@ -452,7 +448,7 @@ def _native_lookup(store: "TokenDatastore") -> tuple[NativeSuffixLookup | None, 
     library, reason = NativeSuffixLookup.build(cache_root() / "native")
     if library is None:
         return None, reason
-    return NativeSuffixLookup(library, *arrays, store.key_bits), ""
+    return NativeSuffixLookup(library, *arrays, store.key_bits, where=store.path), ""
 
 
 def _distinct_continuations(followers: np.ndarray, max_candidates: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -484,6 +480,56 @@ def _distinct_continuations(followers: np.ndarray, max_candidates: int) -> tuple
     lengths = valid[best].sum(axis=1).tolist()
     rows, counts = followers[best].tolist(), prefix_counts[best].tolist()
     return ([row[:n] for row, n in zip(rows, lengths)], [count[:n] for count, n in zip(counts, lengths)])
+
+
+def validate_arrays(path: Path, manifest: StoreManifest, tokens: np.ndarray, suffix_array: np.ndarray,
+                    prefix_keys: np.ndarray, key_bits: int) -> None:
+    """Refuses (StoreError naming the file) arrays that cannot be the store the manifest describes: what a
+    file damaged without changing its size looks like, which sizes alone do not catch and the lookups
+    cannot survive (an offset outside the tokens crashed the C lookup; a token id past the vocabulary
+    was drafted and crashed the target). A few vectorised passes: ~1 ms per million tokens, against a
+    full checksum's read of every byte (`verify_checksums`).
+
+    Checked: the lengths against each other and the manifest's token and document counts; every token id
+    in [-1, vocab_size) (the fingerprint's vocabulary; else what the key fields can pack); one -1 per
+    document, the last token among them (the C lookup relies on it); every suffix-array offset in
+    [0, tokens); the packed keys in order (the range searches rely on it)."""
+    stats = manifest.stats
+    token_count, documents = stats.get("token_count"), stats.get("documents")
+
+    def damaged(name: str, what: str) -> StoreError:
+        return StoreError(f"{KIND} at {path}: {name} is damaged: {what}; rebuild the store")
+
+    if not isinstance(token_count, int) or len(suffix_array) != token_count or len(prefix_keys) != token_count:
+        raise StoreError(f"{KIND} at {path}: its arrays disagree with each other or with the manifest "
+                         f"({SUFFIX_ARRAY_FILE} {len(suffix_array)} suffixes, {PREFIX_KEYS_FILE} {len(prefix_keys)} "
+                         f"keys, manifest token_count {token_count!r}); rebuild the store")
+    expected_tokens = token_count + documents if isinstance(documents, int) else None
+    if len(tokens) == 0 or (expected_tokens is not None and len(tokens) != expected_tokens):
+        raise damaged(TOKENS_FILE, f"it holds {len(tokens)} entries, the manifest's {token_count} tokens and "
+                                   f"{documents!r} document ends make {expected_tokens}")
+    if tokens[-1] != SEPARATOR:
+        raise damaged(TOKENS_FILE, f"it does not end with the {SEPARATOR} that closes every document "
+                                   f"(found {int(tokens[-1])})")
+    vocab_size = manifest.fingerprint.get("vocab_size") if isinstance(manifest.fingerprint, dict) else None
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        vocab_size = (1 << min(key_bits, 32)) - 1  # a field holds token + 1; all ones is never a key's
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < SEPARATOR or high >= vocab_size:
+        raise damaged(TOKENS_FILE, f"it holds token ids from {low} to {high}, outside [{SEPARATOR}, {vocab_size}) "
+                                   f"(the tokenizer's vocabulary and the document end {SEPARATOR})")
+    separators = len(tokens) - token_count
+    if int(np.count_nonzero(tokens == SEPARATOR)) != separators:
+        raise damaged(TOKENS_FILE, f"it holds {int(np.count_nonzero(tokens == SEPARATOR))} document ends "
+                                   f"({SEPARATOR}), its {len(tokens)} entries less the manifest's {token_count} "
+                                   f"tokens make {separators}")
+    if token_count:
+        first, last = int(suffix_array.min()), int(suffix_array.max())
+        if first < 0 or last >= len(tokens):
+            raise damaged(SUFFIX_ARRAY_FILE, f"it holds suffix offsets from {first} to {last}, outside the "
+                                             f"{len(tokens)} tokens [0, {len(tokens)})")
+        if token_count > 1 and bool((prefix_keys[1:] < prefix_keys[:-1]).any()):
+            raise damaged(PREFIX_KEYS_FILE, "its packed keys are out of order")
 
 
 def _load_array(directory: Path, name: str, dtypes: tuple) -> np.ndarray:
