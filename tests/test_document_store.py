@@ -632,3 +632,17 @@ def test_ensure_default_store_builds_once(tmp_path):
     again = ensure_default_store(embedder=embedder, path=path)
     assert len(again) == len(store) and (path / "manifest.json").read_text() == manifest
     assert embedder.calls == calls  # loaded, not re-embedded
+
+
+@pytest.mark.parametrize("name", ["../../../somewhere", "a/b", "..", ".hidden", ""])
+def test_a_document_store_name_that_is_not_a_plain_name_is_refused(tmp_path, name):
+    with pytest.raises(ConfigError, match="store.name.*plain name"):
+        DocumentStoreBuilder([str(tmp_path)], name=name, embedder=HashingEmbedder(), progress=False)
+
+
+def test_a_document_store_out_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    with pytest.raises(ConfigError, match=rf"store.out={target} is a file"):
+        DocumentStoreBuilder([str(tmp_path)], out=str(target), embedder=HashingEmbedder(), progress=False)
+    assert target.read_text() == "keep me"

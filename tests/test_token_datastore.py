@@ -1080,3 +1080,47 @@ for value in (1 << 30, -5, len(store.tokens), len(store.tokens) - 1 + (1 << 20))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split("\n").count("not detected") == 0 and result.stdout.count("refused") == 4, result.stdout
+
+
+# ---- where a store is written ----------------------------------------------------------------------
+
+
+BAD_STORE_NAMES = ["../../../somewhere", "a/b", "..", ".", ".hidden", "", "/abs", "a\\b"]
+
+
+@pytest.mark.parametrize("name", BAD_STORE_NAMES)
+def test_a_store_name_that_is_not_a_plain_name_is_refused(tmp_path, monkeypatch, name):
+    """store.name picks a folder inside <cache>/stores: a path there would write (or read) outside it."""
+    monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path / "cache")
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3]))
+    with pytest.raises(ConfigError, match="store.name.*plain name"):
+        TokenDatastoreBuilder(TOKENIZER, [str(corpus)], name=name, progress=False)
+    with pytest.raises(ConfigError, match="plain name"):
+        token_datastore.default_store_path(name)
+    assert not (tmp_path / "cache").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+    assert token_datastore.default_store_path("chat_distill-47b7fe8633c2") == tmp_path / "cache" / "stores" / \
+        "chat_distill-47b7fe8633c2"
+
+
+def test_a_store_out_that_is_a_file_is_refused_before_any_work(tmp_path):
+    corpus = write_text(tmp_path / "a.txt", words([1, 2, 3]))
+    target = write_text(tmp_path / "notes.txt", "keep me")
+    with pytest.raises(ConfigError, match=rf"store.out={target} is a file.*folder"):
+        TokenDatastoreBuilder(TOKENIZER, [str(corpus)], out=str(target), progress=False)
+    assert target.read_text() == "keep me"
+
+
+def test_the_build_store_task_refuses_a_bad_name_or_out_before_loading_the_model(tmp_path, monkeypatch):
+    import specpipe.tasks.build_store as build_store
+
+    def no_model(cfg):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(build_store, "load_model", no_model)
+    target = write_text(tmp_path / "notes.txt", "keep me")
+    overrides = ["model=tiny_random", "task=build_store", store_override("tokens_from_files"),
+                 f"store.sources=[{tmp_path}]"]
+    with pytest.raises(ConfigError, match="store.name.*plain name"):
+        run_build_store(compose_config([*overrides, "store.name=../../../somewhere"]))
+    with pytest.raises(ConfigError, match="is a file"):
+        run_build_store(compose_config([*overrides, f"store.out={target}"]))

@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 from specpipe.errors import ConfigError, InvalidRequest, StoreError
 from specpipe.stores.chunking import Chunk, Chunker, CollectionFormat, Document, read_collection
 from specpipe.stores.embedder import SentenceEmbedder, TextEmbedder
-from specpipe.stores.manifest import (StoreManifest, check_fingerprint, read_manifest, verify_files,
-                                      write_store)
+from specpipe.stores.manifest import (StoreManifest, check_fingerprint, check_output_folder, check_store_name,
+                                      read_manifest, verify_files, write_store)
 
 KIND = "document_store"
 FORMAT_VERSION = 1
@@ -376,7 +376,7 @@ class DocumentStoreBuilder:
         from specpipe.models import cache_root
 
         self.sources = [str(source) for source in sources]
-        self.out = Path(out).expanduser() if out else cache_root() / "stores" / name
+        self.out = check_output_folder(out) if out else cache_root() / "stores" / check_store_name(name)
         self.index_settings = IndexSettings(index, nlist, nprobe, hnsw_m, ef_construction, ef_search, pq_m, pq_bits,
                                             index_device)
         self.chunk_size, self.overlap, self.unit = int(chunk_size), int(overlap), unit

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specpipe.errors import StoreError
+from specpipe.errors import ConfigError, StoreError
 
 MANIFEST = "manifest.json"
 
@@ -55,6 +55,30 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     digest = hashlib.sha256("\n".join(f"{token}\t{index}" for token, index in vocab).encode()).hexdigest()
     return {"tokenizer": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
             "vocab_size": len(tokenizer), "vocab_sha256": digest[:32]}
+
+
+def check_store_name(name, option: str = "store.name") -> str:
+    """`name` where it is a plain folder name for `<cache>/stores/NAME`; a ConfigError otherwise (a path,
+    `..`, empty, a leading dot): such a name would put the store (or read one) outside the cache, or in
+    a hidden folder that builds use for their staging."""
+    if isinstance(name, int) and not isinstance(name, bool):  # `store.name=2024` arrives from Hydra as an int
+        name = str(name)
+    if not isinstance(name, str) or not name or name.startswith(".") or "\0" in name \
+            or any(separator in name for separator in ("/", "\\", os.sep, os.altsep) if separator):
+        raise ConfigError(f"{option}={name!r} must be a plain name (letters, digits, '-', '_', '.', not starting "
+                          f"with a dot, no path separators): it names a folder in the cache's stores/. To write "
+                          f"a store elsewhere, set store.out=FOLDER")
+    return name
+
+
+def check_output_folder(out, option: str = "store.out") -> Path:
+    """`out` as a path, refused (ConfigError) where something other than a folder is there already: a
+    build would run for minutes or hours and then fail to put the store in its place."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option}={path} is a file, not a folder: a store is a folder. Choose another "
+                          f"store.out (a new or existing store's folder)")
+    return path
 
 
 def write_store(directory: Path, kind: str, format_version: int, fingerprint: dict,

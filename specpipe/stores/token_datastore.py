@@ -49,8 +49,9 @@ from tqdm.auto import tqdm
 
 from specpipe.errors import ConfigError, StoreError
 from specpipe.models import cache_root
-from specpipe.stores.manifest import (MANIFEST, StoreManifest, check_fingerprint, read_manifest,
-                                      tokenizer_fingerprint, verify_files, write_store)
+from specpipe.stores.manifest import (MANIFEST, StoreManifest, check_fingerprint, check_output_folder,
+                                      check_store_name, read_manifest, tokenizer_fingerprint, verify_files,
+                                      write_store)
 from specpipe.stores.suffix_lookup import NativeSuffixLookup
 
 KIND = "token_datastore"
@@ -69,8 +70,9 @@ GATHER_NARROW_LIMIT = 256
 
 
 def default_store_path(name: str) -> Path:
-    """Where a named store lives unless a path is given: `<cache>/stores/NAME`."""
-    return cache_root() / "stores" / name
+    """Where a named store lives unless a path is given: `<cache>/stores/NAME` (a plain name: ConfigError
+    for a path, which would lead outside the cache)."""
+    return cache_root() / "stores" / check_store_name(name, "store")
 
 
 def _content_fingerprint(tokenizer) -> dict:
@@ -782,7 +784,7 @@ class TokenDatastoreBuilder:
             raise ConfigError(f"store.batch_size must be >= 1, got {batch_size}")
         _check_shard_tokens(shard_tokens)
         self.tokenizer = tokenizer
-        self.out = Path(out).expanduser() if out else default_store_path(name)
+        self.out = check_output_folder(out) if out else default_store_path(check_store_name(name))
         self.text_field = text_field
         self.ids_field = ids_field
         self.batch_size = batch_size

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.stores.manifest import check_output_folder, check_store_name
 
 
 def store_options() -> list[str]:
@@ -22,6 +23,11 @@ def store_options() -> list[str]:
 def run_build_store(cfg: DictConfig):
     if cfg.get("store") is None:
         raise ConfigError(f"task=build_store needs a store: add store=NAME, one of {store_options()}")
+    # where the store goes, checked before the model loads and the corpus is read
+    if cfg.store.get("out"):
+        check_output_folder(cfg.store.out)
+    elif "name" in cfg.store:
+        check_store_name(cfg.store.name)
     try:
         factory = instantiate(cfg.store)
     except Exception as error:
