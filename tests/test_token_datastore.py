@@ -1124,3 +1124,31 @@ def test_the_build_store_task_refuses_a_bad_name_or_out_before_loading_the_model
         run_build_store(compose_config([*overrides, "store.name=../../../somewhere"]))
     with pytest.raises(ConfigError, match="is a file"):
         run_build_store(compose_config([*overrides, f"store.out={target}"]))
+
+
+def test_a_build_removes_the_staging_folders_of_killed_builds_and_keeps_live_ones(tmp_path):
+    """A build killed midway leaves `.<name>.building-<pid>-<hex>` (the whole staged store) beside the store;
+    the next build of that store removes those whose process is gone, and leaves a running build's alone."""
+    corpus = write_text(tmp_path / "corpus" / "a.txt", words([1, 2, 3, 1, 2, 4]))
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        killed = tmp_path / f".store.building-{finished.pid}-0123abcd"
+        (killed / "tokens.npy").parent.mkdir()
+        (killed / "tokens.npy").write_bytes(b"\0" * 1000)
+        live = tmp_path / f".store.building-{running.pid}-89abcdef"
+        live.mkdir()
+        mine = tmp_path / f".store.building-{os.getpid()}-fedcba98"
+        mine.mkdir()
+        other_store = tmp_path / f".other.building-{finished.pid}-0123abcd"
+        other_store.mkdir()
+        resumable = tmp_path / ".store.building-sharded"  # an interrupted sharded build's, kept to resume
+        resumable.mkdir()
+        build(tmp_path, [corpus])
+        assert not killed.exists()
+        assert live.is_dir() and mine.is_dir() and other_store.is_dir() and resumable.is_dir()
+        assert TokenDatastore.load(tmp_path / "store").count([1, 2]) == 2
+    finally:
+        running.kill()
+        running.wait()

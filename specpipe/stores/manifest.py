@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -90,10 +91,12 @@ def write_store(directory: Path, kind: str, format_version: int, fingerprint: di
     The previous store at `directory` stays in place until the new one is complete; on any
     failure (or an interrupt) the staging folder is removed and the old store is untouched.
     A caller that gives its own `staging` folder keeps it on failure: a rerun can resume from
-    what it holds (the finished shards of a sharded token datastore).
+    what it holds (the finished shards of a sharded token datastore). A build that was killed cannot
+    remove its staging folder: the next build of the same store does (`remove_abandoned_staging`).
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(directory)
     keep_on_failure = staging is not None
     if staging is None:
         staging = directory.parent / f".{directory.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -114,6 +117,38 @@ def write_store(directory: Path, kind: str, format_version: int, fingerprint: di
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def remove_abandoned_staging(directory: Path) -> list[Path]:
+    """Removes the staging folders (`.<name>.building-<pid>-<hex>`) that builds of the store at `directory`
+    left when they were killed (a failure removes its own): a whole staged store each, tens of MB or more.
+    Those of processes that still run are other builds at work and stay. Returns what was removed."""
+    pattern = re.compile(rf"^\.{re.escape(directory.name)}\.building-(\d+)-[0-9a-f]{{8}}$")
+    removed = []
+    try:
+        entries = list(directory.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        found = pattern.match(entry.name)
+        if found is None or not entry.is_dir() or entry.is_symlink() or _process_runs(int(found.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: it may be building)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
 
 
 def _file_entries(folder: Path) -> dict[str, dict]:
