@@ -164,3 +164,21 @@ def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact, corpus):
     with np.load(pinned_vocab_path(REPO / artifact), allow_pickle=False) as data:
         counts, source = data["counts"], str(data["source"])
     assert counts.shape == (49152,) and counts.sum() == tokens and sha256 in source
+
+
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_a_garbled_pinned_ranking_is_refused_naming_the_file_and_the_rebuild(tiny_mixed, tmp_path, where):
+    """Bytes of draft_vocab.npz overwritten in place (the size unchanged): a ConfigError naming the file and
+    how to write it again, not a traceback from inside numpy or zipfile."""
+    fingerprint = tokenizer_fingerprint(tiny_mixed.tokenizer)["vocab_sha256"]
+    vocab = tiny_mixed.loaded.model.config.vocab_size
+    path = tmp_path / "head" / "draft_vocab.npz"
+    path.parent.mkdir()
+    rng = np.random.default_rng(0)
+    write_ranking(path, TokenRanking(rng.integers(0, 1000, vocab), "a test ranking", fingerprint))
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if where == "middle" else len(data) - 30
+    data[at:at + 16] = bytes(range(200, 216))
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=rf"{path}.*(task=train_heads|git checkout)"):
+        read_ranking(path, tiny_mixed.tokenizer, vocab, "eagle")

@@ -1152,3 +1152,29 @@ def test_a_build_removes_the_staging_folders_of_killed_builds_and_keeps_live_one
     finally:
         running.kill()
         running.wait()
+
+
+@pytest.mark.parametrize("damage", ["no bytes", "no sha256", "files as a list", "bytes as text", "fingerprint as a list",
+                                    "stats as a list", "a name outside the store"])
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_it(built_store, damage):
+    path = built_store / MANIFEST
+    manifest = json.loads(path.read_text())
+    files = manifest["files"]
+    if damage == "no bytes":
+        del files["tokens.npy"]["bytes"]
+    elif damage == "no sha256":
+        del files["suffix_array.npy"]["sha256"]
+    elif damage == "files as a list":
+        manifest["files"] = sorted(files)
+    elif damage == "bytes as text":
+        files["tokens.npy"]["bytes"] = "480"
+    elif damage == "fingerprint as a list":
+        manifest["fingerprint"] = []
+    elif damage == "stats as a list":
+        manifest["stats"] = []
+    else:
+        files["../../outside.npy"] = files["tokens.npy"]
+    path.write_text(json.dumps(manifest))
+    for verify_checksums in (False, True):
+        with pytest.raises(StoreError, match=rf"{path}.*rebuild the store"):
+            TokenDatastore.load(built_store, TOKENIZER, verify_checksums=verify_checksums)

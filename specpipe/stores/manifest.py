@@ -208,6 +208,9 @@ def read_manifest(directory: Path, kind: str, format_version: int | Collection[i
         manifest = StoreManifest(**data)
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as error:
         raise StoreError(f"{path} is corrupt ({type(error).__name__}: {error}); rebuild the store") from None
+    problem = _shape_problem(manifest)
+    if problem:
+        raise StoreError(f"{path} is corrupt: {problem}; rebuild the store")
     if manifest.kind != kind:
         raise StoreError(f"{directory} holds a {manifest.kind}, not a {kind}")
     readable = sorted({format_version} if isinstance(format_version, int) else set(format_version))
@@ -215,6 +218,28 @@ def read_manifest(directory: Path, kind: str, format_version: int | Collection[i
         raise StoreError(f"{directory} was written in {kind} format {manifest.format_version}; this specpipe "
                          f"reads format {' or '.join(map(str, readable))}. Rebuild the store")
     return manifest
+
+
+def _shape_problem(manifest: StoreManifest) -> str:
+    """What makes a parsed manifest unusable ('' for nothing): fields of the wrong type, a file entry
+    without its size or checksum, a file name that leads out of the store's folder."""
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(manifest.kind, str) or not integer(manifest.format_version):
+        return f"kind {manifest.kind!r} and format_version {manifest.format_version!r} must be a name and an integer"
+    for field_name, wanted in (("fingerprint", dict), ("stats", dict), ("sources", list), ("files", dict)):
+        value = getattr(manifest, field_name)
+        if not isinstance(value, wanted):
+            return f"its {field_name!r} is a {type(value).__name__}, not a {wanted.__name__}"
+    for name, entry in manifest.files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            return f"it lists the file {name!r}, which is not a path inside the store"
+        if not (isinstance(entry, dict) and integer(entry.get("bytes")) and entry["bytes"] >= 0
+                and isinstance(entry.get("sha256"), str)):
+            return f"its entry for {name} is {entry!r}, not {{'sha256': hex, 'bytes': size}}"
+    return ""
 
 
 def verify_files(directory: Path, manifest: StoreManifest, checksums: bool = True) -> None:

@@ -75,9 +75,12 @@ def read_ranking(path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_siz
     try:
         with np.load(path, allow_pickle=False) as data:
             ranking = TokenRanking(data["counts"].astype(np.int64), str(data["source"]), str(data["vocab_sha256"]))
-    except (OSError, ValueError, KeyError) as error:
-        raise ConfigError(f"{name}: the pinned draft vocabulary {path} cannot be read ({error}); delete it to count "
-                          f"the shipped corpus instead, or set vocab_counts=FILE") from None
+    except Exception as error:  # a damaged zip: BadZipFile, zlib.error, EOFError, ValueError, KeyError, OSError...
+        raise ConfigError(f"{name}: the pinned draft vocabulary {path} cannot be read ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0] if str(error).strip() else 'damaged'}). Restore it "
+                          f"(a shipped one: `git checkout -- {path}`) or write it again with the task that wrote it "
+                          f"beside its weights (task=train_heads, task=distill_draft or task=search_layers); or "
+                          f"delete it to count the shipped corpus instead, or set vocab_counts=FILE") from None
     if ranking.vocab_sha256 != tokenizer_fingerprint(tokenizer)["vocab_sha256"]:
         raise ConfigError(f"{name}: the pinned draft vocabulary {path} was counted with another tokenizer "
                           f"({ranking.vocab_sha256}): it belongs to a head or draft of another model")
