@@ -406,6 +406,72 @@ def test_bad_checkpoints_are_refused_with_what_is_wrong(tiny_mixed, tmp_path):
         load(medusa)
 
 
+def head_copy(source, folder):
+    import shutil
+
+    shutil.copytree(source, folder)
+    return folder
+
+
+def load_head(kind: str, tiny_mixed, folder):
+    from specpipe.stages.draft.medusa import load_medusa
+
+    target = TargetModel(tiny_mixed.loaded.model, name="tiny_mixed")
+    if kind == "eagle":
+        return load_eagle(target, tiny_mixed.tokenizer, path=str(folder), vocab_top_k=0)
+    if kind == "eagle3":
+        return load_eagle3(target, tiny_mixed.tokenizer, path=str(folder))
+    return load_medusa(target, tiny_mixed.tokenizer, path=str(folder), vocab_top_k=0)
+
+
+def written_head(kind: str, tiny_mixed):
+    from conftest import medusa_head_dir
+
+    config = tiny_mixed.loaded.model.config
+    if kind == "eagle":
+        return eagle_head_dir(config, "random")
+    if kind == "eagle3":
+        return eagle3_head_dir(tiny_mixed.loaded.model, "random")
+    return medusa_head_dir(config, "random")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_a_head_garbled_in_place_is_refused_by_the_checksum_its_writer_recorded(tiny_mixed, tmp_path, kind):
+    """Weights overwritten without changing the file's size load as a head that drafts nothing; the SHA-256
+    the writer records in config.json (`specpipe.weights_sha256`) tells, and the load refuses them."""
+    from specpipe.stores.manifest import sha256_file
+
+    folder = head_copy(written_head(kind, tiny_mixed), tmp_path / "head")
+    weights = folder / "model.safetensors"
+    recorded = json.loads((folder / "config.json").read_text())["specpipe"]["weights_sha256"]
+    assert recorded == {"model.safetensors": sha256_file(weights)}
+    load_head(kind, tiny_mixed, folder)  # as written: loads
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(64)  # zeros: finite values, only the checksum can tell
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=rf"{weights} does not match the SHA-256 .*config.json.*damaged or replaced"):
+        load_head(kind, tiny_mixed, folder)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+def test_a_head_with_non_finite_weights_is_refused_naming_the_tensor(tiny_mixed, tmp_path, kind):
+    """A released head carries no checksum of its weights; a value that is not finite is refused anyway."""
+    from safetensors.torch import load_file
+
+    folder = head_copy(written_head(kind, tiny_mixed), tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("specpipe")  # as a third-party head: no checksum, no tokenizer record
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    load_head(kind, tiny_mixed, folder)  # without a checksum: loads
+    key = sorted(name for name, tensor in tensors.items() if tensor.is_floating_point())[0]
+    tensors[key].view(-1)[3] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"{folder / 'model.safetensors'}.*tensor {key} holds 1 NaN or infinite"):
+        load_head(kind, tiny_mixed, folder)
+
+
 class Exploit:
     ran = False
 

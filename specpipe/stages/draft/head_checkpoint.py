@@ -1,4 +1,9 @@
-"""Reading a draft head's checkpoint directory (EAGLE, Medusa) without ever unpickling code."""
+"""Reading a draft head's checkpoint directory (EAGLE, Medusa) without ever unpickling code.
+
+What can be checked at load is: every floating-point tensor finite, and where specpipe wrote the head
+(`write_head_folder`), the weights' SHA-256 its config.json records (`specpipe.weights_sha256`). Weights
+overwritten in place, the file's size unchanged, otherwise load as a head that drafts nothing. Released
+heads of other projects record no checksum: for them the finiteness check is what is left."""
 from __future__ import annotations
 
 import json
@@ -17,6 +22,9 @@ from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, w
 WEIGHT_FILES = ("model.safetensors", "medusa_lm_head.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
                 "model.pt", "pytorch_model.pt")
 
+
+# Where config.json records the SHA-256 of the weight file specpipe wrote: {file name: hex}.
+CHECKSUM_KEY = "weights_sha256"
 
 # The layouts a draft folder can hold, in messages, and where each pipeline keeps its drafter: a hint must
 # work as typed (`drafter=eagle` alone does not compose beside another pipeline's drafter).
@@ -96,6 +104,7 @@ def read_checkpoint(folder: Path, name: str, what: str, layout: str | None = Non
     weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
     if weights is None:
         raise ConfigError(f"{name}: {folder} holds no weights (looked for {', '.join(WEIGHT_FILES)})")
+    _check_recorded_checksum(config, weights, name)
     try:
         if weights.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -107,10 +116,36 @@ def read_checkpoint(folder: Path, name: str, what: str, layout: str | None = Non
         raise ConfigError(f"{name}: cannot read the weights {weights}: {str(error).splitlines()[0]}") from None
     if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
         raise ConfigError(f"{name}: {weights} is not a flat dictionary of tensors")
+    _check_finite(tensors, weights, name)
     found = head_layout(set(tensors), config)
     if layout is not None and found is not None and found != layout:
         raise wrong_layout(name, folder, found, layout)
     return config, tensors
+
+
+def _check_recorded_checksum(config: dict, weights: Path, name: str) -> None:
+    """Refuses weights whose SHA-256 is not the one config.json recorded for that file (where it records one)."""
+    recorded = config.get("specpipe")
+    recorded = recorded.get(CHECKSUM_KEY) if isinstance(recorded, dict) else None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get(weights.name), str):
+        return  # a released head, or one written before checksums were recorded
+    from specpipe.stores.manifest import sha256_file
+
+    actual = sha256_file(weights)
+    if actual != recorded[weights.name]:
+        raise ConfigError(f"{name}: {weights} does not match the SHA-256 its config.json recorded when the head was "
+                          f"written ({recorded[weights.name][:16]}..., the file's is {actual[:16]}...): it was damaged "
+                          f"or replaced. Restore it (a shipped head: `git checkout -- {weights}`) or train the head again")
+
+
+def _check_finite(tensors: dict[str, Tensor], weights: Path, name: str) -> None:
+    """Refuses weights with a NaN or an infinity: a head with one drafts nothing useful, silently."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise ConfigError(f"{name}: {weights} is damaged: its tensor {key} holds {bad} NaN or infinite "
+                                  f"value(s). Restore the file or train the head again")
 
 
 def with_article(noun: str) -> str:
@@ -144,7 +179,8 @@ def check_tokenizer(config: dict, tokenizer, folder: Path, name: str) -> None:
 def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor], ranking: TokenRanking | None = None) -> None:
     """config.json + model.safetensors (+ the `ranking` of draft tokens, `draft_vocab.npz`) into `folder`,
     replacing what was there as a whole: the files are written to a staging folder first, so a reader
-    never sees new weights with an old config."""
+    never sees new weights with an old config. config.json records the weights' SHA-256
+    (`specpipe.weights_sha256`), which every load compares."""
     import os
     import shutil
 
@@ -156,6 +192,7 @@ def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor], ra
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     save_file({key: value.contiguous() for key, value in tensors.items()}, str(staging / "model.safetensors"))
+    config = with_weights_checksum(config, staging / "model.safetensors")
     (staging / "config.json").write_text(json.dumps(config, indent=1, default=str))
     if ranking is not None:
         write_ranking(pinned_vocab_path(staging), ranking)
@@ -164,6 +201,16 @@ def write_head_folder(folder: Path, config: dict, tensors: dict[str, Tensor], ra
         folder.rename(previous)
     staging.rename(folder)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def with_weights_checksum(config: dict, weights: Path) -> dict:
+    """`config` with the SHA-256 of the weight file `weights` recorded under specpipe.weights_sha256."""
+    from specpipe.stores.manifest import sha256_file
+
+    extra = config.get("specpipe")
+    extra = dict(extra) if isinstance(extra, dict) else {}
+    extra[CHECKSUM_KEY] = {weights.name: sha256_file(weights)}
+    return {**config, "specpipe": extra}
 
 
 def load_fitting(module: torch.nn.Module, state: dict[str, Tensor], name: str, what: str) -> None:
