@@ -267,3 +267,104 @@ def test_parallel_requests_each_decode_as_they_would_alone(tiny_mixed, pipeline,
 def test_malformed_messages_get_the_usual_message_in_a_rag_pipeline(rag_tiny):
     with pytest.raises(InvalidRequest, match="message 0 must be a dict with 'role' and 'content'"):
         rag_tiny.generate(["not a message"], max_new_tokens=2, documents=DOCUMENTS)
+
+
+# ---- documents given with a request ---------------------------------------------------------------
+
+
+class CountingEmbedder:
+    """Words hashed into buckets (instant, deterministic), counting the texts it is asked to embed."""
+
+    def __init__(self, name: str = "counting-test", dim: int = 64):
+        self.dim = dim
+        self.fingerprint = {"embedder": name, "dim": dim}
+        self.embedded: list[str] = []
+
+    def encode(self, texts, progress=False):
+        import zlib
+
+        import numpy as np
+
+        texts = list(texts)
+        self.embedded.extend(texts)
+        out = np.full((len(texts), self.dim), 0.01, dtype=np.float32)  # [n, dim]
+        for row, text in enumerate(texts):
+            for word in text.lower().split():
+                out[row, zlib.crc32(word.strip('.,?!()"').encode()) % self.dim] += 1.0
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    def count_tokens(self, texts):
+        return [len(text.split()) for text in texts]
+
+
+def counting_rag(**options):
+    from specpipe.stages.augment.rag_prompt import RagPrompt
+
+    embedder = CountingEmbedder()
+    rag = RagPrompt(store=DocumentStore.from_texts(["a placeholder store"], embedder=embedder), **options)
+    embedder.embedded.clear()
+    return rag, embedder
+
+
+def summary(chunks):
+    return [(chunk.chunk_id, chunk.text, chunk.score) for chunk in chunks]
+
+
+def test_documents_must_be_strings_and_k_a_positive_integer():
+    rag, _ = counting_rag(draft_k=4)
+    question = "What does yield do?"
+    expected = summary(rag.retrieve(question, DOCUMENTS))
+    for given, named in (({"a": 1}, "dict"), ({"doc": "text"}, "dict"), (b"bytes", "bytes"), (42, "int"),
+                         ("one string", "str"), (3.5, "float")):
+        with pytest.raises(InvalidRequest, match=rf"documents must be .*got a {named}"):
+            rag.retrieve(question, given)
+    with pytest.raises(InvalidRequest, match=r"documents\[1\] is a int, not a string"):
+        rag.retrieve(question, [DOCUMENTS[0], 3])
+    with pytest.raises(InvalidRequest, match=r"documents\[0\] is a bytes"):
+        rag.retrieve(question, (text.encode() for text in DOCUMENTS))
+    # any other iterable of strings is read once, as the list it holds
+    assert summary(rag.retrieve(question, (text for text in DOCUMENTS))) == expected
+    assert summary(rag.retrieve(question, iter(DOCUMENTS))) == expected
+    assert summary(rag.retrieve(question, tuple(DOCUMENTS))) == expected
+    for k in ("3", 0, -1, True, 2.0):
+        with pytest.raises(InvalidRequest, match=r"k must be a positive integer"):
+            rag.retrieve(question, DOCUMENTS, k=k)
+    assert len(rag.retrieve(question, DOCUMENTS, k=2)) == 2
+
+
+def test_a_repeated_document_set_is_embedded_once():
+    rag, embedder = counting_rag(draft_k=4)
+    question = "Which method of a context manager runs after the with block?"
+    first = summary(rag.retrieve(question, DOCUMENTS))
+    embedded = len(embedder.embedded)
+    assert embedded > len(DOCUMENTS)  # every chunk of every document and the question
+    second = summary(rag.retrieve(question, list(DOCUMENTS)))
+    assert second == first and len(embedder.embedded) == embedded  # nothing embedded again
+    extra = "Sets hold unique hashable elements and support union and intersection."
+    third = rag.retrieve("How do sets work?", [*DOCUMENTS, extra])
+    assert sorted(embedder.embedded[embedded:]) == ["How do sets work?", extra]  # only what is new
+    assert third[0].text == extra
+
+
+def test_the_embedding_cache_is_bounded_and_keyed_by_the_embedder():
+    import numpy as np
+
+    from specpipe.stores.embedder import EmbeddingCache
+
+    cache = EmbeddingCache(max_chunks=3)
+    one, other = CountingEmbedder("one"), CountingEmbedder("other")
+    texts = ["alpha beta", "gamma delta", "epsilon zeta"]
+    vectors = cache.encode(one, texts)
+    assert np.array_equal(vectors, one.encode(texts)) and len(cache) == 3
+    one.embedded.clear()
+    assert np.array_equal(cache.encode(one, ["gamma delta", "alpha beta", "gamma delta"]), one.encode(
+        ["gamma delta", "alpha beta", "gamma delta"])[[0, 1, 0]]) and one.embedded == ["gamma delta", "alpha beta", "gamma delta"]
+    one.embedded.clear()
+    cache.encode(one, ["eta theta"])  # a fourth text: the least recently used one ("epsilon zeta") goes
+    assert len(cache) == 3 and one.embedded == ["eta theta"]
+    cache.encode(one, ["alpha beta", "epsilon zeta"])
+    assert one.embedded == ["eta theta", "epsilon zeta"]
+    cache.encode(other, ["alpha beta"])  # another embedder's vectors are its own
+    assert other.embedded == ["alpha beta"]
+    with pytest.raises(ValueError, match="max_chunks"):
+        EmbeddingCache(max_chunks=-1)

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
@@ -163,3 +164,86 @@ class SentenceEmbedder:
         mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, t, 1]
         pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)  # [b, dim]
         return torch.nn.functional.normalize(pooled, p=2, dim=1).float().cpu().numpy()
+
+
+DEFAULT_CACHE_CHUNKS = 50_000  # ~77 MB of MiniLM's 384-d float32 vectors
+
+
+class EmbeddingCache:
+    """The embeddings of recently embedded texts, at most `max_chunks` of them (least recently used go
+    first; 0 keeps none), keyed by the embedder's identity (its fingerprint) and each text's SHA-256.
+
+    Why: documents given with each request (`documents=`) are chunked and embedded at every call; an
+    application that sends the same 10,000 documents with every question paid for embedding all of them
+    each time (36 s on a laptop CPU). Vectors are the embedder's own, so results do not change. Safe to
+    share between threads; embedding runs outside the lock."""
+
+    def __init__(self, max_chunks: int = DEFAULT_CACHE_CHUNKS) -> None:
+        if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 0:
+            raise ValueError(f"the embedding cache's max_chunks must be a number of chunks >= 0, got {max_chunks!r}")
+        self.max_chunks = max_chunks
+        self._vectors: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._vectors)
+
+    def encode(self, embedder: TextEmbedder, texts: list[str], progress: bool = False) -> np.ndarray:
+        """embedder.encode(texts): [len(texts), dim] float32, embedding only the texts not cached."""
+        texts = list(texts)
+        identity = _identity(embedder)
+        if identity is None or self.max_chunks == 0:
+            return embedder.encode(texts, progress=progress)
+        keys = [(identity, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()) for text in texts]
+        found: dict[tuple[str, str], np.ndarray] = {}
+        with self._lock:
+            for key in keys:
+                vector = self._vectors.get(key)
+                if vector is not None:
+                    self._vectors.move_to_end(key)
+                    found[key] = vector
+        missing: dict[tuple[str, str], str] = {}
+        for key, text in zip(keys, texts):
+            if key not in found and key not in missing:
+                missing[key] = text
+        if missing:
+            fresh = np.asarray(embedder.encode(list(missing.values()), progress=progress), dtype=np.float32)
+            with self._lock:
+                for key, vector in zip(missing, fresh):
+                    vector = vector.copy()
+                    vector.setflags(write=False)
+                    found[key] = vector
+                    self._vectors[key] = vector
+                    self._vectors.move_to_end(key)
+                while len(self._vectors) > self.max_chunks:
+                    self._vectors.popitem(last=False)
+        dim = int(getattr(embedder, "dim", 0)) or (len(next(iter(found.values()))) if found else 0)
+        out = np.empty((len(texts), dim), dtype=np.float32)  # [n, dim]
+        for row, key in enumerate(keys):
+            out[row] = found[key]
+        return out
+
+
+def _identity(embedder: TextEmbedder) -> str | None:
+    """What tells this embedder's vectors from another's: its fingerprint, hashed (None: not cached)."""
+    fingerprint = getattr(embedder, "fingerprint", None)
+    if not isinstance(fingerprint, dict) or not fingerprint:
+        return None
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class CachedEmbedder:
+    """`embedder` whose `encode` goes through `cache`; its dimension, fingerprint and token counts are the
+    embedder's own (a store built with it is the store the embedder would build)."""
+
+    def __init__(self, embedder: TextEmbedder, cache: EmbeddingCache) -> None:
+        self.inner = embedder
+        self.cache = cache
+        self.dim = embedder.dim
+        self.fingerprint = embedder.fingerprint
+
+    def encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        return self.cache.encode(self.inner, texts, progress=progress)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return self.inner.count_tokens(texts)
