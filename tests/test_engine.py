@@ -1406,6 +1406,98 @@ def test_a_lock_left_by_a_killed_kernel_build_is_removed(monkeypatch, tmp_path, 
     assert capsys.readouterr().err == ""
 
 
+def test_the_kernels_build_is_per_torch_installation(monkeypatch):
+    """Two virtualenvs with the same torch version sharing one cache each get a build of their own: torch's
+    builder compares the include paths, so one shared build was rebuilt at every switch."""
+    from specpipe.engine import cpu_kernel
+
+    here = cpu_kernel.build_name("avx2")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu_kernel.build_name("avx2") != here
+    monkeypatch.undo()
+    assert cpu_kernel.build_name("avx2") == here
+
+
+def tiny_extension(path, name: str) -> None:
+    """A real Python extension module `name` at `path` (its function answer() returns 42), compiled in a
+    fraction of a second: what the kernel's build leaves, without the minute the kernel takes."""
+    import subprocess
+
+    source = path.with_name(f"{name}.c")
+    source.write_text("#include <Python.h>\n"
+                      "static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }\n"
+                      "static PyMethodDef methods[] = {{\"answer\", answer, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};\n"
+                      f"static struct PyModuleDef module = {{PyModuleDef_HEAD_INIT, \"{name}\", NULL, -1, methods}};\n"
+                      f"PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&module); }}\n")
+    subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o",
+                    str(path), str(source)], check=True)
+    source.unlink()
+
+
+@needs_compiler
+def test_a_kernel_library_planted_in_the_cache_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A library at the kernel's path without the checksum specpipe recorded when it built it is never loaded
+    (its constructor would run in the process): it is removed and the kernel built again. A recorded build
+    is imported by specpipe itself, without asking torch's builder, and a changed one is built again."""
+    from torch.utils import cpp_extension
+
+    from specpipe import native_cache
+    from specpipe.engine import cpu_kernel
+    from test_native_cache import marker_library
+
+    name = cpu_kernel.build_name("avx2")
+    folder = native_cache.private_folder(tmp_path / name)
+    library = folder / f"{name}.so"
+    marker = tmp_path / "planted-ran"
+    marker_library(library, marker)
+    (folder / "main.o").write_bytes(b"planted object")  # ninja would link a newer object as it is
+    builds = []
+
+    def load_inline(**kwargs):  # torch's builder, without the compiler: leaves a real module where it would
+        builds.append((library.exists(), (folder / "main.o").exists()))
+        assert kwargs["name"] == name and kwargs["build_directory"] == str(folder)
+        tiny_extension(library, name)
+        return SimpleNamespace(__file__=str(library), built=True)
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert cpu_kernel._build(tmp_path, "avx2").built
+    assert builds == [(False, False)] and not marker.exists()  # removed before the build, never loaded
+    assert native_cache.verified(library)
+    module = cpu_kernel._build(tmp_path, "avx2")  # recorded: imported from the file, no build
+    assert len(builds) == 1 and module.__name__ == name and module.answer() == 42
+    with open(library, "ab") as handle:  # changed after it was recorded
+        handle.write(b"\0")
+    assert cpu_kernel._build(tmp_path, "avx2").built and len(builds) == 2
+    native_cache.checksum_path(library).unlink()  # no record
+    assert cpu_kernel._build(tmp_path, "avx2").built and len(builds) == 3
+    assert not marker.exists()
+
+
+def test_the_kernel_is_not_built_in_a_folder_others_can_write(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    from specpipe.engine import cpu_kernel
+
+    def load_inline(**kwargs):
+        raise AssertionError("built in a folder others can write")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
+    folder = tmp_path / cpu_kernel.build_name("avx2")
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o777)
+    kernel = cpu_kernel.CpuKernel(build_dir=tmp_path)
+    assert kernel.product is None
+    assert f"{folder} is writable by group/others (mode 0777)" in kernel.reason
+    assert f"chmod 700 {folder}" in kernel.reason
+    folder.chmod(0o700)
+    owner = folder.stat().st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    kernel = cpu_kernel.CpuKernel(build_dir=tmp_path)
+    assert kernel.product is None and f"{folder} belongs to uid {owner}, not to you" in kernel.reason
+
+
 def test_bf16_fallback_decodes_as_transformers_bf16_does(monkeypatch):
     """Greedy tokens of the fallback path against the stock bf16 model, recomputed from scratch each
     step: they may part only at a near-tie of the stock logits (bf16 keeps 8 bits of mantissa)."""

@@ -27,9 +27,11 @@ min of 6 interleaved rounds, ms), passes of 4 then one pass over tiles:
 | passes | 13.9 | 14.5 | 16.0 | 18.7 | 27.1 | 38.0 | 46.8 |
 | tiles | 13.6 | 15.1 | 15.9 | 18.5 | 23.5 | 29.9 | 40.5 |
 
-The kernel is C++ with AVX2/FMA intrinsics, built once per machine with torch's extension builder
-(g++ and ninja) into the specpipe cache; where it cannot be built or run (no compiler, another ISA)
-`CpuKernel.reason` says why and engine=fast keeps the paths above. Sums run in another
+The kernel is C++ with AVX2/FMA intrinsics, built once per machine and torch installation with torch's
+extension builder (g++ and ninja) into the specpipe cache, in a folder of this user's alone, its SHA-256
+recorded beside it and checked before every load (`specpipe.native_cache`); where it cannot be built or run
+(no compiler, another ISA, a cache folder other users could write) `CpuKernel.reason` says why and
+engine=fast keeps the paths above. Sums run in another
 order than oneDNN's or ATen's, so outputs differ from theirs by float rounding, like any other GEMM.
 
 Where ATen runs AVX-512 the product is built with 16-lane vectors (`kernel_isa`), and there it serves
@@ -97,6 +99,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -105,6 +108,7 @@ from typing import NamedTuple
 
 import torch
 
+from specpipe import native_cache
 from specpipe.engine.cpu import _first_line, aten_capability, cpu_flags
 
 
@@ -2031,6 +2035,10 @@ class CpuKernel:
             _self_check(self.product, self.quantized_product, self.blocks)
             if amx_rows > 0:
                 self._take_amx(module, amx_rows)
+        except native_cache.UnsafeFolder as error:  # said whole: the folder and the fix
+            self.product = self.quantized_product = self.blocks = None
+            self.reason = f"specpipe's CPU kernel is not built or loaded: {error}"
+            return
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
             self.product = self.quantized_product = self.blocks = None
             self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
@@ -2117,11 +2125,15 @@ def _checked_switch(name: str, value: bool) -> bool:
 
 def build_name(isa: str | None = None, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
                attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS) -> str:
-    """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags' and torch's
-    version in 12 hex digits."""
+    """The extension's name: its ISA (kernel_isa() by default), then the source's, its flags', torch's version
+    and torch's installation folder in 12 hex digits. The folder: the build compiles against that torch's
+    headers and links its libraries, and torch's builder rebuilt a build shared by two virtualenvs (same
+    version, other include paths) at every switch between them."""
     isa = isa or kernel_isa()
     flags = " ".join(build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows))
-    return f"specpipe_kernel_{isa}_" + hashlib.sha1((_SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
+    installation = os.path.dirname(os.path.abspath(torch.__file__))
+    return f"specpipe_kernel_{isa}_" + hashlib.sha1(
+        (_SOURCE + flags + torch.__version__ + installation).encode()).hexdigest()[:12]
 
 
 def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block_lookahead_kb: int = 32,
@@ -2131,41 +2143,76 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
     from specpipe.models import cache_root
 
     name = build_name(isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows)
-    folder = (build_dir or cache_root() / "kernels") / name
-    folder.mkdir(parents=True, exist_ok=True)
-    # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
-    # (.venv/bin/python run without activating the environment), for the build only
-    path = os.environ.get("PATH", "")
-    bin_folder = str(Path(sys.executable).parent)
-    if bin_folder not in path.split(os.pathsep):
-        os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
-    try:
-        with _one_build_at_a_time(folder):
-            return cpp_extension.load_inline(
+    # a folder of this user's alone (UnsafeFolder otherwise): a library others could put there would run here
+    folder = native_cache.private_folder((build_dir or cache_root() / "kernels") / name)
+    library = folder / f"{name}{_library_suffix()}"
+    with _one_build_at_a_time(folder):
+        if native_cache.verified(library):  # the file specpipe built, byte for byte: imported as it is
+            return _import_library(name, library)
+        # Anything else there is not loaded, nor linked: ninja takes outputs newer than their inputs as
+        # up to date, so every output is removed and torch's builder builds from the source.
+        _remove_build_outputs(folder)
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)  # a build of this process: built again too
+        # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
+        # (.venv/bin/python run without activating the environment), for the build only
+        path = os.environ.get("PATH", "")
+        bin_folder = str(Path(sys.executable).parent)
+        if bin_folder not in path.split(os.pathsep):
+            os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
+        try:
+            module = cpp_extension.load_inline(
                 name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
                            "block_decoder_layer", "block_draft_level", "amx_block_product", "amx_request"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                                                                       block_lookahead_rows), extra_ldflags=["-fopenmp"],
                 verbose=False)
-    finally:
-        os.environ["PATH"] = path
+        finally:
+            os.environ["PATH"] = path
+        if library.is_file():
+            native_cache.record_checksum(library)  # what the next run checks before it imports this file
+        return module
+
+
+def _library_suffix() -> str:
+    """The file suffix of the extension torch's builder links ('.so' on Linux)."""
+    from torch.utils import cpp_extension
+
+    return getattr(cpp_extension, "LIB_EXT", ".so")
+
+
+def _import_library(name: str, library: Path):
+    """The extension module `name` from the verified file `library`, imported as torch's builder imports
+    the module it built (importlib's extension loader), without asking the builder whether to rebuild."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the CPU kernel from {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _remove_build_outputs(folder: Path) -> None:
+    """Everything in a kernel build folder but the flock held around this build: the library, its record,
+    objects, ninja's files, torch's lock of a killed build."""
+    for entry in folder.iterdir():
+        if entry.name == ".build.lock":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def _one_build_at_a_time(folder: Path):
-    """Holds an flock on `folder/.build.lock` around torch's build or load of the kernel.
+    """Holds an flock on `folder/.build.lock` around the check, build or load of the kernel.
 
     torch marks a build in progress with a plain `lock` file. A build killed midway leaves it behind, and
     every later run then waits on it forever without a word. The flock goes away with its process, so a
     `lock` found while holding it is such a leftover: it is removed."""
-    import fcntl
-
-    with open(folder / ".build.lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            print(f"specpipe: waiting for another process's build of the CPU kernel in {folder}", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+    with native_cache.exclusive(folder, "the CPU kernel"):
         leftover = folder / "lock"
         if leftover.exists():
             print(f"specpipe: removing {leftover}, left by a kernel build that was killed", file=sys.stderr)
