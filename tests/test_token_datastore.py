@@ -1178,3 +1178,11 @@ def test_a_manifest_of_the_wrong_shape_is_refused_naming_it(built_store, damage)
     for verify_checksums in (False, True):
         with pytest.raises(StoreError, match=rf"{path}.*rebuild the store"):
             TokenDatastore.load(built_store, TOKENIZER, verify_checksums=verify_checksums)
+
+
+def test_a_cache_where_no_folder_can_be_made_keeps_the_numpy_lookup(tmp_path, monkeypatch):
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path / "cache")
+    store = TokenDatastore.from_documents([[1, 2, 3, 1, 2, 4]])
+    assert store.native is None and "could not be built" in store.native_reason
+    assert store.lookup([1, 2]).continuations

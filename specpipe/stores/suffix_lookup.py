@@ -270,6 +270,8 @@ class NativeSuffixLookup:
             native_cache.private_folder(build_dir)
         except native_cache.UnsafeFolder as error:
             return None, f"the datastore's native lookup is not built or loaded: {error}"
+        except OSError as error:  # a read-only cache, a file where a folder should be
+            return None, f"the datastore's native lookup could not be built in {build_dir}: {error}"
         path = build_dir / library_name()
         try:
             with native_cache.exclusive(build_dir, "the datastore's native lookup"):
