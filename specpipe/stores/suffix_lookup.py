@@ -130,14 +130,14 @@ static int by_row(const void *a, const void *b) {
 
 /* header[4] = match length, occurrences, sampled, candidates c; for i < c: lengths[i], and
    continuations / counts [i * max_length + d] for d < lengths[i]. Returns 0; -1 when out of memory;
-   -2 when the store is damaged (a suffix-array entry outside the tokens, arrays that cannot be a store):
-   then nothing is answered. */
+   -2 when the store is damaged (a suffix-array entry outside the tokens, arrays that cannot be a store,
+   key fields wider than an int32 token needs): then nothing is answered. */
 int64_t rest_lookup(const int32_t *tokens, int64_t n_tokens, const void *suffix_array, int32_t suffix_array_64,
                     int64_t n_suffixes, const uint64_t *prefix_keys, int32_t key_bits,
                     const int32_t *context, int32_t context_length, int32_t max_span, int32_t min_span,
                     int32_t max_length, int32_t max_candidates, int32_t max_occurrences,
                     int64_t *header, int32_t *continuations, int32_t *counts, int32_t *lengths) {
-    if (n_tokens < 1 || n_suffixes < 0 || n_suffixes > n_tokens || key_bits < 1 || key_bits > 64) return -2;
+    if (n_tokens < 1 || n_suffixes < 0 || n_suffixes > n_tokens || key_bits < 1 || key_bits > 32) return -2;
     Store store = {tokens, n_tokens, suffix_array, suffix_array_64, n_suffixes, prefix_keys, key_bits,
                    64 / key_bits, 0};
     Store *s = &store;
