@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -43,8 +44,11 @@ class CostCurve:
     def __post_init__(self) -> None:
         if len(self.queries) != len(self.milliseconds) or not self.queries:
             raise ValueError("a cost curve needs one time per query count")
-        if list(self.queries) != sorted(set(self.queries)):
-            raise ValueError(f"cost curve query counts must be increasing, got {self.queries}")
+        if list(self.queries) != sorted(set(self.queries)) or self.queries[0] < 1:
+            raise ValueError(f"cost curve query counts must be increasing from 1 or more, got {self.queries}")
+        # a zero or negative time divides by zero where trees are priced; NaN or inf prices every tree out
+        if not all(math.isfinite(ms) and ms > 0 for ms in self.milliseconds):
+            raise ValueError(f"cost curve times must be finite and > 0 ms, got {self.milliseconds}")
 
     @staticmethod
     def flat() -> "CostCurve":

@@ -245,13 +245,45 @@ def _load_pretrained_dir(folder: Path, dtype: torch.dtype, placement: Placement 
                          name: str = "model") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     hf_logging.disable_progress_bar()  # a per-tensor bar for a sub-second load is noise
     options = placement.load_options(dtype, name, folder) if placement is not None else {}
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = _load_tokenizer(folder, name)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, **options)
     except ImportError as error:  # a quantization or placement library this machine lacks
         raise ModelNotAvailable(f"cannot load {name} as configured (model.quantization / device options): "
-                                f"{str(error).strip().splitlines()[0]}") from None
+                                f"{_first_line(error)}") from None
+    except OSError as error:  # transformers' "no file named model.safetensors ..."
+        raise ModelNotAvailable(f"model {name!r}: {folder} has no weights transformers can find "
+                                f"(model.safetensors, pytorch_model.bin or their sharded index): "
+                                f"{_first_line(error)}") from None
+    except Exception as error:
+        if type(error).__name__ != "SafetensorError":
+            raise
+        raise ModelNotAvailable(f"model {name!r}: the weights in {folder} cannot be read, the file is truncated or "
+                                f"damaged ({_first_line(error)}); copy the model directory again") from None
     return model.eval(), tokenizer
+
+
+# What a model directory's tokenizer is read from: a fast tokenizer's JSON, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def _load_tokenizer(folder: Path, name: str) -> PreTrainedTokenizerBase:
+    """The directory's tokenizer; a directory without one is refused by name (transformers then asks for
+    sentencepiece or tiktoken, as though a library were missing)."""
+    if not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise ModelNotAvailable(f"model {name!r}: {folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                f"copy the whole Hugging Face model directory, tokenizer files included")
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ModelNotAvailable(f"model {name!r}: the tokenizer in {folder} cannot be loaded: "
+                                f"{_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @dataclass

@@ -8,7 +8,8 @@ row 0 of the verify logits is the target's prediction after the committed text.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -176,6 +177,14 @@ class VerifyResult:
     aux_hidden: Tensor | None = None  # [n + 1, k * hidden] TargetModel.capture_layers' states, same rows
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Decoding settings; temperature 0 is greedy."""
@@ -187,13 +196,33 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         # Refused up front: a negative temperature would silently decode greedily, a negative top_k fail
-        # mid-answer in torch.topk, a top_p outside (0, 1] keep nothing or everything without a word.
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
-            raise InvalidRequest(f"sampling.top_k must be an integer >= 0 (0 = no top-k cut), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest(f"sampling.top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p}")
+        # mid-answer in torch.topk, a top_p outside (0, 1] keep nothing or everything without a word, a seed
+        # that is not an integer fail in torch.Generator after the prompt was prefilled.
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"sampling.temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_integer(self.top_k) or self.top_k < 0:
+            raise InvalidRequest(f"sampling.top_k must be an integer >= 0 (0 = no top-k cut), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"sampling.top_p must be a number in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
+        if self.seed is not None and (not _is_integer(self.seed) or not -(1 << 63) <= self.seed < (1 << 64)):
+            raise InvalidRequest(f"sampling.seed must be an integer (or null for a fresh seed), got {self.seed!r}")
+
+    @staticmethod
+    def of(value: "SamplingConfig | Mapping | None", default: "SamplingConfig") -> "SamplingConfig":
+        """A request's sampling settings: a SamplingConfig as it is, a mapping of its fields (what JSON and
+        config files give), or None for `default`."""
+        if value is None:
+            return default
+        if isinstance(value, SamplingConfig):
+            return value
+        if isinstance(value, Mapping):
+            known = {f.name for f in fields(SamplingConfig)}
+            unknown = sorted(str(key) for key in value if key not in known)
+            if unknown:
+                raise InvalidRequest(f"sampling has no setting {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            return SamplingConfig(**value)
+        raise InvalidRequest(f"sampling must be a SamplingConfig or a mapping of its settings "
+                             f"(temperature, top_k, top_p, seed), got {type(value).__name__}")
 
     @property
     def greedy(self) -> bool:

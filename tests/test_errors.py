@@ -379,7 +379,13 @@ def test_token_id_prompts_skip_the_template(tiny_mixed):
 
 
 @pytest.mark.parametrize("content", [b"{\"queries\": [1, 2], \"millis", b"\xff\xfe not json", b"{\"queries\": [1]}",
-                                     b"{\"queries\": [4, 2], \"milliseconds\": [1.0, 2.0]}"])
+                                     b"{\"queries\": [4, 2], \"milliseconds\": [1.0, 2.0]}",
+                                     # zeros divided by zero mid-answer; NaN and inf priced every tree out silently
+                                     b"{\"queries\": [1, 2], \"milliseconds\": [0.0, 0.0]}",
+                                     b"{\"queries\": [1, 2], \"milliseconds\": [-3.0, 2.0]}",
+                                     b"{\"queries\": [1, 2], \"milliseconds\": [NaN, 2.0]}",
+                                     b"{\"queries\": [1, 2], \"milliseconds\": [1.0, Infinity]}",
+                                     b"{\"queries\": [0, 2], \"milliseconds\": [1.0, 2.0]}"])
 def test_an_unreadable_cost_curve_cache_is_measured_again_with_a_warning(tiny, tmp_path, content, caplog,
                                                                          monkeypatch):
     import logging

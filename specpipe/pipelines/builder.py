@@ -72,8 +72,11 @@ def build_engine(cfg: DictConfig) -> Engine:
 def build_target(cfg: DictConfig, loaded: LoadedModel) -> tuple[TargetModel, Engine]:
     """The target runner a pipeline of `cfg` verifies with: `cfg.threads`, the model rewritten by
     `cfg.engine`, `cfg.attention` (together the key its measured cost curve is cached under)."""
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))  # before the engine: its GEMM splits follow the threads
+    threads = cfg.get("threads")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be a positive integer (or null for torch's default), got {threads!r}")
+        torch.set_num_threads(threads)  # before the engine: its GEMM splits follow the threads
     engine = build_engine(cfg)
     engine.apply(loaded.model)
     target = TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")),

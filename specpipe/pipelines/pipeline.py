@@ -9,6 +9,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import InvalidRequest
 from specpipe.pipelines.decoder import SpeculativeDecoder, StepOutput
+from specpipe.pipelines.prompts import ChatEncoder, checked_messages, checked_stop, checked_text, is_token_ids
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.stages.base import Augmenter
 from specpipe.types import SamplingConfig
@@ -94,6 +95,7 @@ class Pipeline:
         eos = getattr(self.target.model.generation_config, "eos_token_id", None)
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = frozenset(e for e in eos + [tokenizer.eos_token_id] if e is not None)
+        self._chat = ChatEncoder(tokenizer)
 
     def without_drafting(self, name: str = "vanilla") -> "Pipeline":
         """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
@@ -110,33 +112,32 @@ class Pipeline:
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompt: PromptLike, chat_template: bool | None = None) -> list[int]:
-        """Token ids for a prompt string or a list of chat messages."""
+        """Token ids for a prompt string or a list of chat messages. Message text never becomes a control
+        token of the chat template (ChatEncoder); a plain string without the template is tokenized as the
+        model's raw input, its control tokens included."""
         use_template = self.chat_template if chat_template is None else chat_template
+        if use_template is not None and not isinstance(use_template, bool):
+            raise InvalidRequest(f"chat_template must be true, false or null, got {use_template!r}")
         has_template = getattr(self.tokenizer, "chat_template", None) is not None
         if isinstance(prompt, str):
+            checked_text(prompt, "the prompt")
             if not prompt.strip():
                 raise InvalidRequest("the prompt is empty; give some text to continue")
             if not (use_template and has_template):
                 return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             messages = [{"role": "user", "content": prompt}]
-        else:
-            messages = list(prompt)
-            if not messages:
-                raise InvalidRequest("the message list is empty; give at least one {'role', 'content'} message")
-            for i, message in enumerate(messages):
-                if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                    raise InvalidRequest(f"message {i} must be a dict with 'role' and 'content', got {message!r}")
-            if not any(str(m["content"]).strip() for m in messages):
-                raise InvalidRequest("every message is empty; give some text to continue")
+        elif isinstance(prompt, (list, tuple)):
+            messages = checked_messages(prompt)
             if not has_template:
                 raise InvalidRequest(
                     f"model {self.target.name!r} has no chat template, so chat messages cannot be formatted; "
                     f"pass a plain prompt string instead")
+        else:
+            raise InvalidRequest(f"the prompt must be a string, a list of chat messages ({{'role', 'content'}}) or a "
+                                 f"list of token ids, got {type(prompt).__name__}")
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)
-        return list(encoded["input_ids"])
+        return self._chat.encode(messages)
 
     # ---- retrieval (RAG) ------------------------------------------------------------------
     def retrieve(self, question: str, documents: Documents = None, k: int | None = None) -> list:
@@ -154,19 +155,23 @@ class Pipeline:
         taken as ready token ids, a PreparedPrompt as it is."""
         if isinstance(prompt, PreparedPrompt):
             return prompt
-        is_token_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-        if self.augmenter is None or is_token_ids:
+        token_ids = is_token_ids(prompt)
+        if self.augmenter is None or token_ids:
             if documents is not None:
                 raise InvalidRequest("documents were given but " + (
-                    "the prompt is token ids, which cannot be augmented" if is_token_ids else
+                    "the prompt is token ids, which cannot be augmented" if token_ids else
                     f"pipeline {self.name!r} does not retrieve documents (use e.g. pipeline=rag_lookahead)"))
-            return PreparedPrompt(list(prompt) if is_token_ids else self.encode(prompt, chat_template))
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) \
-            else [dict(m) if isinstance(m, dict) else m for m in prompt]  # malformed ones: encode() explains
-        users = [i for i, message in enumerate(messages) if isinstance(message, dict) and message.get("role") == "user"]
-        if not users:
+            return PreparedPrompt(list(prompt) if token_ids else self.encode(prompt, chat_template))
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": checked_text(prompt, "the prompt")}]
+        elif isinstance(prompt, (list, tuple)):
+            messages = checked_messages(prompt)
+        else:
             return PreparedPrompt(self.encode(prompt, chat_template))  # encode() explains what is wrong
-        question = str(messages[users[-1]]["content"])
+        users = [i for i, message in enumerate(messages) if message["role"] == "user"]
+        if not users:
+            return PreparedPrompt(self.encode(prompt, chat_template))
+        question = messages[users[-1]]["content"]
         chunks = self.augmenter.retrieve(question, documents)
         messages[users[-1]]["content"] = self.augmenter.render(question, chunks)
         augmented = messages[0]["content"] if isinstance(prompt, str) else messages
@@ -203,15 +208,14 @@ class Pipeline:
         prepared = self.prepare(prompt, documents, chat_template)
         prompt_ids = prepared.token_ids
         self._check_lengths(prompt_ids, max_new_tokens)
-        if isinstance(stop, str):
-            stop = (stop,)
-        sampling = sampling or self.sampling
+        stop = checked_stop(stop)
+        sampling = SamplingConfig.of(sampling, self.sampling)
         if not sampling.greedy and not getattr(self.decoder.verifier, "supports_sampling", False):
             raise InvalidRequest(
                 f"temperature={sampling.temperature} needs a sampling verifier; "
                 f"{type(self.decoder.verifier).__name__} only decodes greedily: use temperature 0, or build the "
                 f"pipeline with verifier=rejection (or verifier=typical)")
-        condition = StopCondition(max_new_tokens, self.eos_token_ids, tuple(s for s in stop if s), self.tokenizer)
+        condition = StopCondition(max_new_tokens, self.eos_token_ids, stop, self.tokenizer)
         return self.decoder.decode(prompt_ids, condition, sampling, prepared.document_ids)
 
     def generate(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,

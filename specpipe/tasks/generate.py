@@ -24,7 +24,10 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
     prepared = pipeline.prepare(prompt)  # RAG pipelines retrieve here (the first time: load or build the store)
     retrieval_seconds = time.perf_counter() - started
     started = time.perf_counter()  # tok/s counts decoding only, as `generate` does for a prepared prompt
-    steps = pipeline.steps(prepared, int(cfg.max_new_tokens), list(cfg.stop or ()))  # validates the request
+    # the values as given (a number-looking stop string arrives as a float, a list as a ListConfig): the pipeline
+    # checks them as it checks any request, rather than a cast here turning 5.7 into 5 or "4." into ["4", "."]
+    stop = OmegaConf.to_container(cfg.stop) if OmegaConf.is_list(cfg.stop) else cfg.stop
+    steps = pipeline.steps(prepared, cfg.max_new_tokens, stop)  # validates the request
     out.write(f"# pipeline={pipeline.name} model={pipeline.target.name} dtype={cfg.model.dtype}; "
               f"{'marked' if use_color else '[bracketed]'} text came from accepted drafts\n")
     if prepared.retrieved:
