@@ -2152,7 +2152,9 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
         # Anything else there is not loaded, nor linked: ninja takes outputs newer than their inputs as
         # up to date, so every output is removed and torch's builder builds from the source.
         _remove_build_outputs(folder)
-        cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)  # a build of this process: built again too
+        versioner = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+        if versioner is not None:  # torch's record of a build by this process: without it, built again too
+            versioner.entries.pop(name, None)
         # ninja from the environment's own bin folder (the `ninja` wheel) when the shell's PATH lacks it
         # (.venv/bin/python run without activating the environment), for the build only
         path = os.environ.get("PATH", "")
