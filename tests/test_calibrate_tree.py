@@ -167,7 +167,7 @@ def test_calibrate_tree_task_writes_a_tree_the_pipeline_reads(tiny_mixed, tmp_pa
     swapped = tmp_path / "swapped"
     shutil.copytree(heads, swapped)
     identity = medusa_head_dir(tiny_mixed.loaded.model.config, "identity")
-    for weights in identity.glob("*.safetensors"):
+    for weights in [*identity.glob("*.safetensors"), identity / "config.json"]:  # with the checksum of their own
         shutil.copy(weights, swapped / weights.name)
     stale = build_pipeline(tiny_mixed.config("medusa", f"pipeline.drafters.medusa.path={swapped}",
                                              "pipeline.drafters.medusa.vocab_top_k=0"), loaded=tiny_mixed.loaded)

@@ -97,7 +97,10 @@ def decode_steps(builder: Eagle2TreeBuilder, drafter: CountingDrafter, accepted:
     return sources
 
 
-def test_eagle2_skips_a_drafter_whose_nodes_add_nothing_beside_the_trie_and_keeps_one_that_adds():
+def test_eagle2_skips_a_drafter_whose_nodes_add_nothing_beside_the_trie_and_keeps_one_that_adds(monkeypatch):
+    # the drafters take no time on this clock: what they add decides, not how busy the machine is
+    monkeypatch.setattr("specpipe.stages.tree.eagle2.time.perf_counter", Clock())
+
     def builder() -> Eagle2TreeBuilder:
         gate = DrafterGate(warmup=2, explore_every=4, decay=1.0)
         return Eagle2TreeBuilder(CostCurve.flat(), depth=1, top_k=1, children=1, min_score=0.0, gate=gate)

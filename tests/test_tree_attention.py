@@ -86,7 +86,10 @@ def test_tree_forward_matches_causal_embedded(embedded, shape):
     parents = tree_parents(shape, generator)
     context = embedded.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown")["input_ids"]
     tokens = torch.randint(300, 20000, (len(parents),), generator=generator).tolist()
-    check_tree(embedded, context, parents, tokens, atol=1e-4)
+    # fp32 logits of ~10-30 summed in other orders through 30 layers (the tree's rows beside each other, the
+    # recomputed path alone; products of other row counts): up to 1.4e-4 apart on an AVX2 CPU. A wrong mask
+    # or position moves them by whole units; the argmax is checked exactly.
+    check_tree(embedded, context, parents, tokens, atol=5e-4)
 
 
 def test_empty_tree_is_a_plain_decoding_step(tiny_chaotic):
