@@ -38,6 +38,9 @@ def sdpa_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_ma
                  **kwargs) -> tuple[Tensor, None]:
     """transformers' SDPA attention (same arguments and result), kept off cuDNN's per-shape plans
     (PLAN_FREE_SDPA_BACKENDS) off the CPU, for the masked forwards of drafters and tree verification."""
+    ragged_batch = kwargs.pop("ragged_batch", None)
+    if ragged_batch is not None:
+        return ragged_batch.attend(sdpa_forward, module, query, key, value, attention_mask, **kwargs)
     if query.device.type == "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     with sdpa_kernel(list(PLAN_FREE_SDPA_BACKENDS)):  # it takes a list only
@@ -58,15 +61,52 @@ def folded_attention_bias(attention_mask: Tensor, groups: int, dtype: torch.dtyp
     return torch.zeros(folded.shape, dtype=dtype, device=folded.device).masked_fill_(~folded, float("-inf"))
 
 
+class RaggedBatch:
+    """The rows of several sequences in one forward: the linear layers run over all rows at once (one pass
+    over the weights for the whole batch), the attention per sequence over its own cache and its own mask.
+
+    The model is called with the rows side by side ([1, R] ids and positions), no cache and this object as the
+    keyword argument `ragged_batch`, which transformers hands to every attention function; an attention
+    function that receives it calls `attend`, which appends each sequence's new keys and values to its cache
+    and attends its rows alone."""
+
+    def __init__(self, caches: Sequence[PositionIndexedCache], rows: Sequence[int],
+                 masks: Sequence[Tensor | None]) -> None:
+        self.caches = list(caches)
+        self.masks = list(masks)  # per sequence [q_i, cached_i + q_i] bool over its cache then its rows, or None (q_i = 1)
+        self.rows = list(rows)  # per sequence: its rows in the forward, in order
+        self.starts = [0]
+        for count in rows:
+            self.starts.append(self.starts[-1] + count)
+
+    def attend(self, attention, module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
+               scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+        """query [1, heads, R, head_dim], key/value [1, kv_heads, R, head_dim] (the rows' own) -> [1, R, heads,
+        head_dim]; `attention` is an attention function (transformers' signature) for one sequence. The
+        whole forward's `attention_mask` is not read: each sequence attends under its own."""
+        outputs = []
+        for index, cache in enumerate(self.caches):
+            start, end = self.starts[index], self.starts[index + 1]
+            keys, values = cache.update(key[:, :, start:end], value[:, :, start:end], module.layer_idx)
+            mask = self.masks[index]
+            out, _ = attention(module, query[:, :, start:end], keys, values,
+                               mask[None, None].to(query.device) if mask is not None else None,
+                               scaling=scaling, **kwargs)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+
 def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0,
-                           attention_bias: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+                           attention_bias: Tensor | None = None, ragged_batch: RaggedBatch | None = None,
+                           **kwargs) -> tuple[Tensor, None]:
     """query [batch, heads, q, head_dim], key/value [batch, kv_heads, kv, head_dim],
     attention_mask [batch, 1, q, kv] bool (True = attend) or None (causal prefill / one token).
     Returns [batch, q, heads, head_dim], as transformers' SDPA attention does.
 
     `attention_bias`: folded_attention_bias(attention_mask, heads // kv_heads, query.dtype) when the
-    caller has made it once for all layers; None = fold the boolean mask here.
+    caller has made it once for all layers; None = fold the boolean mask here. `ragged_batch`: the rows of
+    several sequences (RaggedBatch), each attending its own cache.
 
     On CPU SDPA with a boolean mask is exact for trees; the Triton kernel registers its own
     implementation (specpipe.kernels.tree_attention), chosen by `attention=`.
@@ -78,6 +118,9 @@ def tree_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, at
     over q > 1 rows, which folding would misalign) keeps transformers' own path (`sdpa_forward`), and
     so does a GPU: the folding was measured on CPUs only (`attention=auto` picks the Triton kernel there).
     """
+    if ragged_batch is not None:
+        return ragged_batch.attend(tree_attention_forward, module, query, key, value, scaling=scaling,
+                                   dropout=dropout)
     batch, heads, q, head_dim = query.shape
     kv_heads = key.shape[1]
     if dropout or (attention_mask is None and q > 1) or heads % kv_heads or query.device.type != "cpu":
@@ -144,6 +187,36 @@ def input_device(model: PreTrainedModel) -> torch.device:
     return next(model.parameters()).device
 
 
+def verify_inputs(root_token: int, tree: DraftTree, committed: int, lookahead: Sequence[LookaheadRows] = ()
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A verify forward's rows over a cache of `committed` rows: the root, the tree's nodes, then each block of
+    lookahead rows. Returns input_ids [q], position_ids [q] and the mask [q, committed + q] bool over the cache
+    then these rows (None for one row, which sees everything)."""
+    n = len(tree)
+    sizes = [len(block) for block in lookahead]
+    q = 1 + n + sum(sizes)
+    input_ids = torch.empty(q, dtype=torch.long)  # [q]
+    input_ids[0] = root_token
+    input_ids[1:n + 1] = tree.tokens
+    position_ids = torch.empty(q, dtype=torch.long)  # [q]
+    position_ids[0] = committed
+    position_ids[1:n + 1] = tree.depth + (committed + 1)
+    if q == 1:
+        return input_ids, position_ids, None  # a plain decoding step: one query sees everything
+    mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
+    mask[:, :committed + 1] = True  # every row sees the committed cache and the root
+    mask[1:n + 1, committed + 1:committed + n + 1] = tree.mask  # nodes see their ancestors and themselves
+    start = n + 1  # row of the current block's first token
+    for block, size in zip(lookahead, sizes):
+        end = start + size
+        input_ids[start:end] = block.tokens
+        position_ids[start:end] = block.positions
+        mask[start:end, committed] = block.mask[:, 0]
+        mask[start:end, committed + start:committed + end] = block.mask[:, 1:]
+        start = end
+    return input_ids, position_ids, mask
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: Tensor  # [q, vocab] fp32
@@ -152,6 +225,30 @@ class ForwardOutput:
     # [q, len(aux_layers) * hidden]: the hidden states entering the layers `capture_layers` asked
     # for, side by side (EAGLE-3 heads draft from them); None when none were asked for.
     aux_hidden: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """One sequence's part of a verify forward: its root, tree and lookahead blocks over its own cache."""
+
+    root_token: int
+    tree: DraftTree
+    cache: PositionIndexedCache
+    lookahead: tuple[LookaheadRows, ...] = ()
+
+    def split(self, out: ForwardOutput) -> ForwardOutput:
+        """The forward's rows of this sequence (root, nodes, lookahead blocks) -> what a verifier reads: rows
+        0..n, and each lookahead block's logits after the root's row."""
+        if not self.lookahead:
+            return out
+        n = len(self.tree)
+        blocks: list[Tensor] = []
+        start = n + 1
+        for block in self.lookahead:  # each block's logits with the root's row first: [1 + r, vocab]
+            blocks.append(torch.cat([out.logits[:1], out.logits[start:start + len(block)]]))
+            start += len(block)
+        aux_hidden = out.aux_hidden[:n + 1] if out.aux_hidden is not None else None
+        return ForwardOutput(out.logits[:n + 1], out.hidden[:n + 1], tuple(blocks), aux_hidden)
 
 
 class TargetModel:
@@ -226,43 +323,50 @@ class TargetModel:
         A lookahead row sees the whole cache plus what its block's mask allows in [root | block];
         tree nodes and lookahead rows never see each other, nor do two blocks.
         """
-        committed = cache.get_seq_length()  # the cache covers every committed token but the root
-        n = len(tree)
-        sizes = [len(block) for block in lookahead]
-        q = 1 + n + sum(sizes)
-        input_ids = torch.empty(q, dtype=torch.long)  # [q]
-        input_ids[0] = root_token
-        input_ids[1:n + 1] = tree.tokens
-        position_ids = torch.empty(q, dtype=torch.long)  # [q]
-        position_ids[0] = committed
-        position_ids[1:n + 1] = tree.depth + (committed + 1)
-        if q == 1:
-            mask = None  # a plain decoding step: one query sees everything
-        else:
-            mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
-            mask[:, :committed + 1] = True  # every row sees the committed cache and the root
-            mask[1:n + 1, committed + 1:committed + n + 1] = tree.mask  # nodes see their ancestors and themselves
-            start = n + 1  # row of the current block's first token
-            for block, size in zip(lookahead, sizes):
-                end = start + size
-                input_ids[start:end] = block.tokens
-                position_ids[start:end] = block.positions
-                mask[start:end, committed] = block.mask[:, 0]
-                mask[start:end, committed + start:committed + end] = block.mask[:, 1:]
-                start = end
+        return self.forward_trees([VerifyRows(root_token, tree, cache, tuple(lookahead))])[0]
+
+    @torch.inference_mode()
+    def forward_trees(self, batch: Sequence[VerifyRows]) -> list[ForwardOutput]:
+        """`forward_tree` for several sequences in ONE forward: their rows side by side through the linear
+        layers, each sequence's rows attending its own cache and tree (RaggedBatch). One sequence runs the
+        plain forward over its own cache, as `forward_tree` always has."""
+        built = [verify_inputs(item.root_token, item.tree, item.cache.get_seq_length(), item.lookahead)
+                 for item in batch]
         # a branched tree's rows cannot be bitwise one-token steps (the attention's sums depend on where a row's
-        # ancestors sit): its products may take AMX tiles; a chain's keep the vector product and stay bitwise
-        with tiles_permitted(self.model, not tree.is_chain()):
-            out = self.forward_masked(input_ids, position_ids, mask, cache)
-        blocks: list[Tensor] = []
-        start = n + 1
-        for size in sizes:  # each block's logits with the root's row first: [1 + r, vocab]
-            blocks.append(torch.cat([out.logits[:1], out.logits[start:start + size]]))
-            start += size
-        if not sizes:
-            return out
-        aux_hidden = out.aux_hidden[:n + 1] if out.aux_hidden is not None else None
-        return ForwardOutput(out.logits[:n + 1], out.hidden[:n + 1], tuple(blocks), aux_hidden)
+        # ancestors sit): its products may take AMX tiles; a chain's keep the vector product and stay bitwise.
+        # In a batch, only when every sequence's tree is branched.
+        permitted = all(not item.tree.is_chain() for item in batch)
+        with tiles_permitted(self.model, permitted):
+            if len(batch) == 1:
+                input_ids, position_ids, mask = built[0]
+                outputs = [self.forward_masked(input_ids, position_ids, mask, batch[0].cache)]
+            else:
+                outputs = self._forward_ragged(batch, built)
+        return [item.split(out) for item, out in zip(batch, outputs)]
+
+    def _forward_ragged(self, batch: Sequence[VerifyRows], built: list[tuple[Tensor, Tensor, Tensor | None]]
+                        ) -> list[ForwardOutput]:
+        self._use_attention()
+        rows = [len(input_ids) for input_ids, _, _ in built]
+        ragged = RaggedBatch([item.cache for item in batch], rows, [mask for _, _, mask in built])
+        input_ids = torch.cat([ids for ids, _, _ in built])  # [R]
+        position_ids = torch.cat([positions for _, positions, _ in built])  # [R]
+        started = [item.cache.get_seq_length() for item in batch]
+        try:
+            out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
+                             use_cache=False, output_hidden_states=True, logits_to_keep=0, ragged_batch=ragged)
+        except BaseException:
+            for item, length in zip(batch, started):  # layers that ran have appended their rows: not committed
+                item.cache.crop(length)
+            raise
+        whole = self._output(out)
+        outputs, start = [], 0
+        for count in rows:
+            end = start + count
+            aux = whole.aux_hidden[start:end] if whole.aux_hidden is not None else None
+            outputs.append(ForwardOutput(whole.logits[start:end], whole.hidden[start:end], aux_hidden=aux))
+            start = end
+        return outputs
 
     @torch.inference_mode()
     def forward_masked(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | None,

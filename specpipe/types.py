@@ -7,6 +7,7 @@ row 0 of the verify logits is the target's prediction after the committed text.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -121,10 +122,16 @@ class DraftTree:
     # [n, vocab] the distribution each node's token was sampled from, for rejection sampling;
     # None = deterministic drafts (retrieval, n-grams, argmax), i.e. one-hot at the token.
     draft_probs: Tensor | None = None
+    # [n] float: each node's estimated probability of being accepted (never above its parent's), as the tree
+    # builder ranked it; None where the builder gives none (the batch budget then keeps the tree whole)
+    scores: Tensor | None = None
+    # what growing the tree cost: the draft levels' time as the tree builder priced them (ms), which the
+    # decoder leaves out of the step's price when it corrects the target's cost curve
+    drafting_ms: float = 0.0
 
     @staticmethod
     def from_parents(tokens: Tensor, parents: Tensor, sources: tuple[str, ...] = (),
-                     draft_probs: Tensor | None = None) -> "DraftTree":
+                     draft_probs: Tensor | None = None, scores: Tensor | None = None) -> "DraftTree":
         """Derives depth and the ancestor mask; parents must point to earlier nodes."""
         n = int(tokens.shape[0])
         parent_list = parents.tolist()
@@ -144,6 +151,7 @@ class DraftTree:
             mask=mask,
             sources=sources,
             draft_probs=draft_probs,
+            scores=None if scores is None else scores.to(torch.float32),
         )
 
     @staticmethod
@@ -153,6 +161,26 @@ class DraftTree:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens a step verifying this tree is expected to commit: the target's own token, plus each node's
+        probability of being accepted (1 with no scores: the tree's nodes are then not counted)."""
+        return 1.0 + (float(self.scores.sum()) if self.scores is not None else 0.0)
+
+    def keep(self, nodes: list[int]) -> "DraftTree":
+        """The tree of `nodes` (ascending, closed under ancestors): the same tokens, sources and scores, parents
+        renumbered. Deterministic drafts only: which sampled nodes exist must not depend on their tokens."""
+        if self.draft_probs is not None:
+            raise ValueError("a tree of sampled drafts is kept whole")
+        index = {old: new for new, old in enumerate(nodes)}
+        parents = [index[p] if p >= 0 else -1 for p in self.parents[nodes].tolist()]  # KeyError: not closed
+        chosen = torch.tensor(nodes, dtype=torch.long)
+        return dataclasses.replace(
+            DraftTree.from_parents(self.tokens[chosen], torch.tensor(parents, dtype=torch.long),
+                                   tuple(self.sources[i] for i in nodes) if self.sources else (),
+                                   scores=self.scores[chosen] if self.scores is not None else None),
+            drafting_ms=self.drafting_ms)
 
     def is_chain(self) -> bool:
         """Whether every node is the one before it's child (no branches; an empty tree is one)."""
@@ -238,6 +266,25 @@ class StepStats:
     seconds: dict[str, float] = field(default_factory=dict)  # stage name -> wall time
     # emitted draft tokens per proposer (the node's first proposer where several proposed it)
     drafted_by_source: dict[str, int] = field(default_factory=dict)
+    rows: int = 1  # query rows this sequence put in the step's target forward (root, nodes, lookahead rows)
+    batch_rows: int = 1  # query rows of the whole forward, every sequence of the batch
+    batch_size: int = 1  # sequences the forward verified
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What the rest of a batched step costs and yields, for a tree builder sizing one sequence's tree: the
+    other sequences' query rows in the same target forward, the tokens they are expected to commit, and the
+    step's milliseconds outside the forward that are not this sequence's (their draft levels, their proposers
+    and commits). The step's price is the cost curve at the TOTAL rows, so an extra node must pay for its row
+    against the whole batch's tokens per millisecond: under load trees shrink, at batch 1 this is all zeros."""
+
+    rows: int = 0
+    tokens: float = 0.0
+    milliseconds: float = 0.0
+
+
+NO_BUDGET = StepBudget()
 
 
 @dataclass
@@ -271,6 +318,9 @@ class DecodeState:
     # Query rows a lookahead branch (drafter=jacobi) adds to this step's verify forward beside the
     # tree: tree builders count them in the forward's cost.
     lookahead_rows: int = 0
+    # The other sequences of this step's batch (StepBudget): tree builders price this sequence's nodes against
+    # the whole forward. Set by the decoder before each build.
+    budget: StepBudget = NO_BUDGET
 
     @property
     def generated(self) -> list[int]:

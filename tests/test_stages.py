@@ -221,7 +221,7 @@ def test_trie_builder_dedupes_shared_prefix():
     assert tree.parents.tolist() == [-1, 0, 1, 1]
     assert tree.sources == ("a", "a", "a", "b")
     assert_tree_valid(tree)
-    assert builder.last_expected_tokens == pytest.approx(1 + 0.9 + 0.8 + 0.7 + 0.3)
+    assert tree.expected_tokens == pytest.approx(1 + 0.9 + 0.8 + 0.7 + 0.3)
 
 
 def test_trie_builder_same_token_under_different_parents_is_not_merged():
@@ -273,7 +273,7 @@ def test_trie_builder_drafts_nothing_when_trees_cost_10x():
     proposals = [chain(list(range(10, 18)), [0.99] * 8), chain([50, 51], [0.99, 0.99])]
     tree = builder.build(state_of([1]), proposals)
     assert len(tree) == 0 and tree.mask.shape == (0, 0)
-    assert builder.last_expected_tokens == 1.0
+    assert tree.expected_tokens == 1.0
 
 
 def test_trie_builder_sizes_by_expected_tokens_per_cost():

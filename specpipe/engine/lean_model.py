@@ -17,6 +17,7 @@ swap is not run by the lean loop (the engine owns the model from then on). Calls
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -41,7 +42,7 @@ except ImportError:  # releases that read the class attribute instead, which Lea
 
 # Keyword arguments the lean forward serves; any other (attention weights, packed-sequence
 # lengths, ...) goes to the stock forward.
-LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"})
+LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position", "ragged_batch"})
 # The most query rows the attention kernel serves, per build of it (CpuKernel.isa) and dtype. A step and a
 # tree verify: 4-13 us per layer of SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding. A
 # prompt's causal block (the prefill, a drafter fed its committed text) where the kernel is faster too:
@@ -114,13 +115,16 @@ class LeanLlamaModel(LlamaModel):
         if position_ids is None:
             seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + seen).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)
+        ragged_batch = kwargs.get("ragged_batch")  # several sequences' rows, each with its own cache and mask
+        mask = None if ragged_batch is not None else create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=past_key_values,
+            position_ids=position_ids)
         position_embeddings = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids=position_ids)
         recorded = [hidden] if output_hidden_states else None
         normalize = norm_function(self.norm_kernel, self.norm.weight, hidden)
         hidden = lean_decoder_layers(self, self.layers[: self.config.num_hidden_layers], hidden, normalize, mask,
-                                     position_ids, past_key_values, use_cache, position_embeddings, recorded)
+                                     position_ids, past_key_values, use_cache, position_embeddings, recorded,
+                                     ragged_batch)
         hidden = normalize(self.norm, hidden)
         if recorded is not None:
             recorded[-1] = hidden  # transformers ties the last recorded state to the normed output
@@ -162,16 +166,22 @@ def norm_function(norm_kernel, norm_weight: Tensor, hidden: Tensor) -> Callable[
 
 def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable[[nn.Module, Tensor], Tensor],
                         mask: Tensor | None, position_ids: Tensor, past_key_values, use_cache: bool,
-                        position_embeddings: tuple[Tensor, Tensor], recorded: list[Tensor] | None = None) -> Tensor:
+                        position_embeddings: tuple[Tensor, Tensor], recorded: list[Tensor] | None = None,
+                        ragged_batch=None) -> Tensor:
     """LlamaDecoderLayer.forward of each of `layers` inline (pre-norm attention and MLP, each added to its
     input): hidden [batch, q, hidden_size] -> [batch, q, hidden_size]; each layer's output is appended to
     `recorded` where given. `owner` carries the model's `config` and `attention_kernel` (None: SDPA); the
-    attention function, the rotary tables and the folded tree mask are made once for every layer."""
+    attention function, the rotary tables and the folded tree mask are made once for every layer.
+    `ragged_batch` (specpipe.target.RaggedBatch): the rows are several sequences', each attending its own cache
+    (`mask` and `past_key_values` are then None)."""
     config = owner.config
     attention_function = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
     lean_attention = {"attention_function": attention_function,
                       "rotary": rotary_tables(position_embeddings)}  # made once for every layer
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if ragged_batch is not None:
+        return _ragged_layers(owner, layers, hidden, normalize, position_ids, position_embeddings, recorded,
+                              ragged_batch, lean_attention)
     kernel_serves = attention_function in KERNEL_REPLACES and kernel_attends(
         owner.attention_kernel, owner.attention_max_rows, config, hidden, mask)
     if kernel_serves:
@@ -190,6 +200,31 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
             hidden_states=normalize(layer.input_layernorm, hidden), attention_mask=mask,
             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
             position_embeddings=position_embeddings, **looked_up)
+        hidden = hidden + attended
+        hidden = hidden + layer.mlp.forward(normalize(layer.post_attention_layernorm, hidden))
+        if recorded is not None:
+            recorded.append(hidden)
+    return hidden
+
+
+def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable[[nn.Module, Tensor], Tensor],
+                   position_ids: Tensor, position_embeddings: tuple[Tensor, Tensor], recorded: list[Tensor] | None,
+                   ragged_batch, lean_attention: dict) -> Tensor:
+    """`lean_decoder_layers` over several sequences' rows: the products over all rows, each sequence's attention
+    over its own cache through the kernel's attention where it serves every sequence's rows, else SDPA."""
+    attention_function = lean_attention["attention_function"]
+    one_sequence = hidden[:, :1]  # kernel_attends reads the dtype, device and batch; each sequence's rows below
+    if attention_function in KERNEL_REPLACES and all(
+            kernel_attends(owner.attention_kernel, owner.attention_max_rows, owner.config,
+                           hidden[:, :rows] if rows else one_sequence, None) for rows in ragged_batch.rows):
+        attention_function = KernelAttention(owner.attention_kernel)
+    lean_attention = dict(lean_attention, attention_function=functools.partial(ragged_batch.attend, attention_function))
+    for layer in layers:
+        attention = layer.self_attn
+        looked_up = lean_attention if type(attention) is FusedQKVAttention else {"ragged_batch": ragged_batch}
+        attended, _ = attention.forward(
+            hidden_states=normalize(layer.input_layernorm, hidden), attention_mask=None, position_ids=position_ids,
+            past_key_values=None, use_cache=False, position_embeddings=position_embeddings, **looked_up)
         hidden = hidden + attended
         hidden = hidden + layer.mlp.forward(normalize(layer.post_attention_layernorm, hidden))
         if recorded is not None:

@@ -1,6 +1,7 @@
 """Builds a Pipeline from a composed Hydra config: the only place, with run.py, that sees config objects."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from specpipe.models import LoadedModel
 from specpipe.paths import REPO_ROOT
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
+from specpipe.serving.scheduler import SchedulerLimits
 from specpipe.stages.base import Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
 from specpipe.types import SamplingConfig
@@ -150,8 +152,22 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         if pipeline_cfg.get("augment") is not None else None
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters,
                                  forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None)
+    limits = scheduler_limits(cfg)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
-                    system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter)
+                    system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter, limits=limits)
+
+
+def scheduler_limits(cfg: DictConfig) -> SchedulerLimits:
+    """The batch engine's limits of `cfg.scheduler` (the defaults where it has none)."""
+    node = cfg.get("scheduler")
+    if node is None:
+        return SchedulerLimits()
+    values = OmegaConf.to_container(node, resolve=True)
+    known = {field.name for field in dataclasses.fields(SchedulerLimits)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"scheduler has no setting {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return SchedulerLimits(**values)
 
 
 def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded: LoadedModel,

@@ -1,11 +1,17 @@
-"""The decode loop: Retrieve/Draft -> TreeBuild -> Verify -> Commit, one step at a time."""
+"""The decode loop: Retrieve/Draft -> TreeBuild -> Verify -> Commit, one step at a time, for one sequence
+or for a batch of them verified in one target forward.
+
+`SpeculativeDecoder.start` prefills a request and returns its `Sequence`; `step` advances every sequence of a
+batch by one step; `decode` is the loop for one sequence alone (a batch of one). The batch engine
+(specpipe.serving) calls `start` and `step`; nothing else decodes.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,8 +20,10 @@ from specpipe.cost import OnlineCostCurve
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
-from specpipe.target import TargetModel
-from specpipe.types import DecodeState, DraftTree, SamplingConfig, StepStats
+from specpipe.target import TargetModel, VerifyRows
+from specpipe.types import NO_BUDGET, DecodeState, DraftTree, SamplingConfig, StepBudget, StepStats
+
+clock = time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -28,11 +36,61 @@ class StepOutput:
     finished: bool
 
 
+@dataclass(eq=False)
+class Sequence:
+    """One request being decoded: its state (tokens, stage state, generator), its target cache and when it stops."""
+
+    state: DecodeState
+    cache: object  # the target's PositionIndexedCache: it covers every committed token but the last
+    stop: StopCondition
+    finished: bool = False
+    steps: int = 0  # steps after the prefill
+
+
+@dataclass(eq=False)
+class _Plan:
+    """One sequence's part of a step while it is being put together."""
+
+    sequence: Sequence
+    proposals: list = field(default_factory=list)
+    riding: list = field(default_factory=list)  # (lookahead branch, its LookaheadRows)
+    tree: DraftTree = field(default_factory=DraftTree.empty)
+    seconds: dict[str, float] = field(default_factory=dict)
+    lookahead_seconds: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.tree) + self.sequence.state.lookahead_rows
+
+
+class RunningMean:
+    """A mean over recent values (exponential decay over about `memory` of them)."""
+
+    def __init__(self, memory: float = 64.0) -> None:
+        self._keep = 1.0 - 1.0 / memory
+        self._weight = 0.0
+        self._sum = 0.0
+
+    def add(self, value: float) -> None:
+        self._weight = self._weight * self._keep + 1.0
+        self._sum = self._sum * self._keep + value
+
+    @property
+    def value(self) -> float:
+        return self._sum / self._weight if self._weight else 0.0
+
+
 class SpeculativeDecoder:
-    """Runs one sequence through the stages; owns no model state of its own.
+    """Runs sequences through the stages; owns no per-sequence state of its own.
 
     With no proposers (or when the tree builder drafts nothing) a step is exactly a plain
-    decoding step: one query token through the target.
+    decoding step: one query token per sequence through the target.
+
+    A batched step: every sequence proposes and builds its tree, one tree at a time, each priced against the
+    whole step (`DecodeState.budget`: the rows and expected tokens of the batch's other sequences, so under load
+    trees shrink until speculation stops paying); then the nodes kept across the batch are chosen once more
+    together (`_trim`); one target forward verifies every sequence's rows (TargetModel.forward_trees); each
+    sequence verifies and commits alone. A stage that fails for one sequence fails that sequence only.
     """
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
@@ -45,9 +103,29 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
         self.forward_costs = forward_costs  # the tree builder's curve, taught each step's time
+        self.stages = [*self.proposers, *self.drafters]
+        # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.
+        self.branches = [stage for stage in self.stages if isinstance(stage, LookaheadBranch)]
+        # a sequence's milliseconds of a step outside the forward and the draft levels (proposers, verify,
+        # commit): in a batch, what the other sequences add to the step's price
+        self._overhead_ms = RunningMean()
+        self._rotation = 0  # which sequence builds its tree first: rotated so that no request is always last
 
+    # ---- one sequence -----------------------------------------------------------------------------------
     def decode(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
                documents: tuple[tuple[int, ...], ...] = ()) -> Iterator[StepOutput]:
+        """One sequence decoded alone, step by step (the prefill's token first)."""
+        sequence, first = self.start(prompt, stop, sampling, documents)
+        yield first
+        while not sequence.finished:
+            (output,) = self.step([sequence])
+            if isinstance(output, BaseException):
+                raise output
+            yield output
+
+    def start(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
+              documents: tuple[tuple[int, ...], ...] = ()) -> tuple[Sequence, StepOutput]:
+        """Prefills the prompt into a new cache and commits the target's first token."""
         seed = sampling.seed
         if seed is None and not sampling.greedy and distributed.active():
             # tensor-parallel ranks must sample the same tokens: one fresh seed, drawn on rank 0 from
@@ -55,85 +133,229 @@ class SpeculativeDecoder:
             seed = distributed.broadcast_from_main(int.from_bytes(os.urandom(8), "little") >> 1)
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         cache = self.target.new_cache()
-        clock = time.perf_counter
         started = clock()
         first = self.target.prefill(prompt, cache)
         result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
         emitted, finished = stop.cut([result.bonus])
         state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                             hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
-                            prompt_aux_hidden=first.aux_hidden,
-                            documents=documents, rng=rng)
-        yield StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
-        stages = [*self.proposers, *self.drafters]
-        # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.
-        branches = [stage for stage in stages if isinstance(stage, LookaheadBranch)]
-        for stage in stages:
+                            prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
+        sequence = Sequence(state, cache, stop, finished)
+        output = StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
+        for stage in self.stages:
             stage.reset(state)
-        first_step = True
-        while not finished:
-            seconds: dict[str, float] = {}
-            step_started = mark = clock()
-            proposals = [proposer.propose(state) for proposer in self.proposers]
-            seconds["propose"] = clock() - mark
+        return sequence, output
 
-            mark = clock()
-            riding = [(branch, branch.lookahead_rows(state)) for branch in branches]
-            riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
-            state.lookahead_rows = sum(len(rows) for _, rows in riding)
-            lookahead_seconds = clock() - mark
+    # ---- one step of a batch ----------------------------------------------------------------------------
+    def step(self, batch: list[Sequence]) -> list[StepOutput | BaseException]:
+        """Advances every sequence of `batch` (none finished) by one step, verified in one target forward.
+        Returns per sequence its StepOutput, or the exception that failed it (it is then finished)."""
+        step_started = clock()
+        results: list[StepOutput | BaseException | None] = [None] * len(batch)
+        plans = {index: _Plan(sequence) for index, sequence in enumerate(batch)}
+        self._each(plans, results, self._propose)
+        self._build_trees(plans, results)
+        if len(plans) > 1:
+            self._trim(plans)
+        mark = clock()
+        forwards = self._forward(plans, results)
+        forward_seconds = clock() - mark
+        total_rows = sum(plan.rows for plan in plans.values())
+        for index, plan in list(plans.items()):
+            plan.seconds["forward"] = forward_seconds
+            try:
+                results[index] = self._verify_and_commit(plan, forwards[index], total_rows, len(forwards))
+            except Exception as error:  # noqa: BLE001 - a stage's failure is this sequence's alone
+                self._fail(plan.sequence, results, index, error)
+                del plans[index]
+        self._learn_step_cost(plans, step_started, forward_seconds, total_rows)
+        return results
 
-            mark = clock()
-            built = self.tree_builder is not None and bool(proposals or self.drafters)
-            tree = self.tree_builder.build(state, proposals, self.drafters) if built else DraftTree.empty()
-            seconds["tree"] = clock() - mark
-            # the draft levels' time as the builder priced them (drafters' own curves)
-            drafting_ms = getattr(self.tree_builder, "last_drafting_ms", 0.0) if built else 0.0
+    def _each(self, plans: dict[int, _Plan], results: list, work) -> None:
+        for index, plan in list(plans.items()):
+            try:
+                work(plan)
+            except Exception as error:  # noqa: BLE001
+                self._fail(plan.sequence, results, index, error)
+                del plans[index]
 
-            mark = clock()
-            forward = self.target.forward_tree(state.tokens[-1], tree, cache, [rows for _, rows in riding])
-            seconds["forward"] = clock() - mark
-            query_rows = len(tree) + 1 + state.lookahead_rows
+    def _propose(self, plan: _Plan) -> None:
+        state = plan.sequence.state
+        mark = clock()
+        plan.proposals = [proposer.propose(state) for proposer in self.proposers]
+        plan.seconds["propose"] = clock() - mark
+        mark = clock()
+        riding = [(branch, branch.lookahead_rows(state)) for branch in self.branches]
+        plan.riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
+        state.lookahead_rows = sum(len(rows) for _, rows in plan.riding)
+        plan.lookahead_seconds = clock() - mark
 
-            mark = clock()
-            for (branch, _), logits in zip(riding, forward.lookahead_logits):
-                branch.on_lookahead(state, logits)  # before the commit: the rows were built on this root
-            if branches:  # pipelines without a lookahead branch report the same stages as before
-                seconds["lookahead"] = lookahead_seconds + clock() - mark
+    def _build_trees(self, plans: dict[int, _Plan], results: list) -> None:
+        """Each sequence's tree, priced against the rest of the batch as it stands when the tree is built (the
+        others' plain rows, or the trees they have built already)."""
+        order = sorted(plans)
+        if order:
+            self._rotation = (self._rotation + 1) % len(order)
+            order = order[self._rotation:] + order[:self._rotation]
+        for index in order:
+            plan = plans.get(index)
+            if plan is None:
+                continue
+            others = [other for key, other in plans.items() if key != index]
+            state = plan.sequence.state
+            # a sampled request's tree is sized as if it were alone: a tree of another shape would draw other
+            # numbers from its generator, and its seed would no longer give the same tokens in any batch
+            state.budget = NO_BUDGET if not others or not state.sampling.greedy else StepBudget(
+                rows=sum(other.rows for other in others),
+                tokens=sum(other.tree.expected_tokens for other in others),
+                milliseconds=sum(other.tree.drafting_ms for other in others)
+                + len(others) * self._overhead_ms.value)
+            try:
+                mark = clock()
+                built = self.tree_builder is not None and bool(plan.proposals or self.drafters)
+                plan.tree = self.tree_builder.build(state, plan.proposals, self.drafters) if built \
+                    else DraftTree.empty()
+                plan.seconds["tree"] = clock() - mark
+            except Exception as error:  # noqa: BLE001
+                self._fail(plan.sequence, results, index, error)
+                del plans[index]
+            finally:
+                state.budget = NO_BUDGET
 
-            mark = clock()
-            result = self.verifier.accept(tree, forward.logits, rng, sampling)
-            result = dataclasses.replace(result, hidden=forward.hidden, aux_hidden=forward.aux_hidden)
-            tree_tokens = tree.tokens.tolist()
-            emitted, finished = stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
-            seconds["verify"] = clock() - mark
+    def _trim(self, plans: dict[int, _Plan]) -> None:
+        """The batch's nodes chosen together: every tree's scored nodes ranked by their chance of acceptance, and
+        the best prefix kept by expected tokens per millisecond of the whole step. Each tree was priced against
+        the others as they stood when it was built; this corrects for the order they were built in. The trees of
+        sampled requests (see `_build_trees`), or without scores, are kept whole."""
+        curve = getattr(self.tree_builder, "cost_curve", None)
+        if curve is None:
+            return
+        fixed_rows, fixed_tokens, candidates = 0, 0.0, []
+        milliseconds = sum(plan.tree.drafting_ms for plan in plans.values()) + \
+            (len(plans) - 1) * self._overhead_ms.value
+        for index, plan in plans.items():
+            tree = plan.tree
+            fixed_rows += 1 + plan.sequence.state.lookahead_rows
+            if not self._trimmable(plan):
+                fixed_rows += len(tree)
+                fixed_tokens += tree.expected_tokens
+                continue
+            fixed_tokens += 1.0
+            candidates += [(-score, index, node) for node, score in enumerate(tree.scores.tolist())]
+        if not candidates:
+            return
+        candidates.sort()
+        best_count, best_rate, expected = 0, fixed_tokens / (curve(fixed_rows) + milliseconds), fixed_tokens
+        for count, (negative_score, _, _) in enumerate(candidates, start=1):
+            expected -= negative_score
+            rate = expected / (curve(fixed_rows + count) + milliseconds)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        kept: dict[int, set[int]] = {}
+        for _, index, node in candidates[:best_count]:
+            kept.setdefault(index, set()).add(node)
+        for index, plan in plans.items():
+            tree = plan.tree
+            if not self._trimmable(plan) or len(kept.get(index, ())) == len(tree):
+                continue
+            nodes, parents = [], tree.parents.tolist()
+            chosen = kept.get(index, set())
+            for node in range(len(tree)):  # parents first: a node stays only with its whole path
+                if node in chosen and (parents[node] < 0 or parents[node] in nodes):
+                    nodes.append(node)
+            plan.tree = tree.keep(nodes)
 
-            mark = clock()
-            self.committer.commit(state, cache, tree, result, emitted)
-            for stage in stages:
-                stage.on_commit(state, result)
-            seconds["commit"] = clock() - mark
+    @staticmethod
+    def _trimmable(plan: _Plan) -> bool:
+        tree = plan.tree
+        return tree.scores is not None and tree.draft_probs is None and plan.sequence.state.sampling.greedy
 
-            drafted = min(len(result.accepted), len(emitted))
-            by_source: dict[str, int] = {}
-            for node in result.accepted[:drafted]:
-                source = tree.sources[node] if tree.sources else "draft"
-                by_source[source] = by_source.get(source, 0) + 1
-            if self.forward_costs is not None and not first_step:
-                # Trees are sized for expected tokens per millisecond of the whole step, which costs more than
-                # its verify forward: the proposers, a drafter's first forward (feeding the committed rows),
-                # verify, commit (bf16 `eagle` on the 2-core EPYC: ~2 ms of an 11 ms step). Priced at the
-                # forward alone, those fixed costs were missing from every tree's price, so extra rows looked
-                # dearer, against the step, than they are. The draft levels are left out: the builder prices
-                # them itself, with the drafters' own curves. The caller's time between steps is not the
-                # decoder's and is left out too.
-                # The first step after a prefill finds the caches full of the prompt's work: 4-8% slower than
-                # the next ones (2-core Zen 5, fp32 and bf16), and it would price one row as if all were so
-                self.forward_costs.observe(query_rows, 1000.0 * (clock() - step_started) - drafting_ms)
-            first_step = False
-            if finished:
-                for stage in stages:
-                    finish = getattr(stage, "on_finish", None)  # optional: stages before it need not change
-                    if finish is not None:
-                        finish(state)
-            yield StepOutput(emitted, drafted, StepStats(len(emitted), len(tree), seconds, by_source), finished)
+    def _forward(self, plans: dict[int, _Plan], results: list) -> dict[int, object]:
+        """Every sequence's rows in one target forward; where that fails, each sequence alone (so that one
+        sequence's failure fails it only)."""
+        order = list(plans)
+        batch = [VerifyRows(plans[i].sequence.state.tokens[-1], plans[i].tree, plans[i].sequence.cache,
+                            tuple(rows for _, rows in plans[i].riding)) for i in order]
+        try:
+            return dict(zip(order, self.target.forward_trees(batch)))
+        except Exception as error:  # noqa: BLE001
+            if len(order) == 1:
+                self._fail(plans[order[0]].sequence, results, order[0], error)
+                del plans[order[0]]
+                return {}
+        forwards = {}
+        for index, rows in zip(order, batch):
+            try:
+                forwards[index] = self.target.forward_trees([rows])[0]
+            except Exception as error:  # noqa: BLE001
+                self._fail(plans[index].sequence, results, index, error)
+                del plans[index]
+        return forwards
+
+    def _verify_and_commit(self, plan: _Plan, forward, total_rows: int, batch_size: int) -> StepOutput:
+        sequence, tree, seconds = plan.sequence, plan.tree, plan.seconds
+        state = sequence.state
+        mark = clock()
+        for (branch, _), logits in zip(plan.riding, forward.lookahead_logits):
+            branch.on_lookahead(state, logits)  # before the commit: the rows were built on this root
+        if self.branches:  # pipelines without a lookahead branch report the same stages as before
+            seconds["lookahead"] = plan.lookahead_seconds + clock() - mark
+
+        mark = clock()
+        result = self.verifier.accept(tree, forward.logits, state.rng, state.sampling)
+        result = dataclasses.replace(result, hidden=forward.hidden, aux_hidden=forward.aux_hidden)
+        tree_tokens = tree.tokens.tolist()
+        emitted, finished = sequence.stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
+        seconds["verify"] = clock() - mark
+
+        mark = clock()
+        self.committer.commit(state, sequence.cache, tree, result, emitted)
+        for stage in self.stages:
+            stage.on_commit(state, result)
+        seconds["commit"] = clock() - mark
+
+        drafted = min(len(result.accepted), len(emitted))
+        by_source: dict[str, int] = {}
+        for node in result.accepted[:drafted]:
+            source = tree.sources[node] if tree.sources else "draft"
+            by_source[source] = by_source.get(source, 0) + 1
+        sequence.steps += 1
+        sequence.finished = finished
+        if finished:
+            self._finish(sequence)
+        stats = StepStats(len(emitted), len(tree), seconds, by_source, rows=plan.rows, batch_rows=total_rows,
+                          batch_size=batch_size)
+        return StepOutput(emitted, drafted, stats, finished)
+
+    def _learn_step_cost(self, plans: dict[int, _Plan], step_started: float, forward_seconds: float,
+                         total_rows: int) -> None:
+        """Teaches the online cost curve what the step cost. Trees are sized for expected tokens per millisecond
+        of the whole step, which costs more than its verify forward: the proposers, a drafter's first forward
+        (feeding the committed rows), verify, commit. Priced at the forward alone, those fixed costs would be
+        missing from every tree's price, so extra rows would look dearer, against the step, than they are. The
+        draft levels are left out: the builder prices them itself, with the drafters' own curves. In a batch the
+        curve learns the forward plus ONE sequence's share of the rest; the others' shares are the
+        `StepBudget.milliseconds` their trees are priced with."""
+        if not plans:
+            return
+        drafting_ms = sum(plan.tree.drafting_ms for plan in plans.values())
+        step_ms = 1000.0 * (clock() - step_started) - drafting_ms
+        forward_ms = 1000.0 * forward_seconds
+        per_sequence_ms = (step_ms - forward_ms) / len(plans)  # < 0 where the levels took less than priced
+        self._overhead_ms.add(max(per_sequence_ms, 0.0))
+        # The first step after a prefill finds the caches full of the prompt's work, and would price one
+        # row as if all were so
+        if self.forward_costs is not None and all(plan.sequence.steps > 1 for plan in plans.values()):
+            self.forward_costs.observe(total_rows, forward_ms + per_sequence_ms)  # one sequence alone: step_ms
+
+    # ---- the end of a sequence --------------------------------------------------------------------------
+    def _fail(self, sequence: Sequence, results: list, index: int, error: BaseException) -> None:
+        sequence.finished = True
+        results[index] = error
+        sequence.cache.crop(max(len(sequence.state.tokens) - 1, 0))  # a failed forward's rows are not committed
+
+    def _finish(self, sequence: Sequence) -> None:
+        for stage in self.stages:
+            finish = getattr(stage, "on_finish", None)  # optional: stages before it need not change
+            if finish is not None:
+                finish(sequence.state)

@@ -1,16 +1,20 @@
 """The application API: `generate` and `stream` over a built decoder."""
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from specpipe import distributed
 from specpipe.errors import InvalidRequest
 from specpipe.pipelines.decoder import SpeculativeDecoder, StepOutput
 from specpipe.pipelines.prompts import ChatEncoder, checked_messages, checked_stop, checked_text, is_token_ids
 from specpipe.pipelines.stopping import StopCondition
+from specpipe.serving.handle import DecodeRequest, RequestHandle
+from specpipe.serving.scheduler import BatchScheduler, SchedulerLimits
 from specpipe.stages.base import Augmenter
 from specpipe.types import SamplingConfig
 
@@ -62,6 +66,8 @@ class Generation:
     prompt_ids: list[int]
     stats: GenerationStats
     retrieved: list = field(default_factory=list)  # RetrievedChunk: the documents the prompt was augmented with
+    # why decoding stopped: "eos", "stop_string" or "length" (max_new_tokens); None where it did not end itself
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,11 @@ class Pipeline:
 
     def __init__(self, name: str, decoder: SpeculativeDecoder, tokenizer: PreTrainedTokenizerBase,
                  chat_template: bool = True, system_prompt: str | None = None,
-                 sampling: SamplingConfig = SamplingConfig(), augmenter: Augmenter | None = None) -> None:
+                 sampling: SamplingConfig = SamplingConfig(), augmenter: Augmenter | None = None,
+                 limits: SchedulerLimits = SchedulerLimits()) -> None:
         self.name = name
+        self.limits = limits  # the batch engine's: requests decoded at once, queued, tokens in flight
+        self._scheduler: BatchScheduler | None = None
         self.augmenter = augmenter  # RAG: retrieves documents and writes them into the prompt
         self.decoder = decoder
         self.target = decoder.target
@@ -101,7 +110,8 @@ class Pipeline:
         """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
         decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier)
         return Pipeline(name, decoder, self.tokenizer, chat_template=self.chat_template,
-                        system_prompt=self.system_prompt, sampling=self.sampling, augmenter=self.augmenter)
+                        system_prompt=self.system_prompt, sampling=self.sampling, augmenter=self.augmenter,
+                        limits=self.limits)
 
     @classmethod
     def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
@@ -201,13 +211,13 @@ class Pipeline:
                 f"{context - len(prompt_ids)}")
 
     # ---- decoding ------------------------------------------------------------------
-    def steps(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
-              stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
-              documents: Documents = None) -> Iterator[StepOutput]:
-        """Every decoding step's committed tokens. A list of ints is taken as ready token ids."""
-        prepared = self.prepare(prompt, documents, chat_template)
-        prompt_ids = prepared.token_ids
-        self._check_lengths(prompt_ids, max_new_tokens)
+    def request(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+                stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                chat_template: bool | None = None, documents: Documents = None) -> DecodeRequest:
+        """The request checked (every argument, cheapest first) and prepared (retrieval, chat template), ready to
+        decode; raises InvalidRequest with what is wrong. What `submit` and the decoding calls run first."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stop = checked_stop(stop)
         sampling = SamplingConfig.of(sampling, self.sampling)
         if not sampling.greedy and not getattr(self.decoder.verifier, "supports_sampling", False):
@@ -215,36 +225,130 @@ class Pipeline:
                 f"temperature={sampling.temperature} needs a sampling verifier; "
                 f"{type(self.decoder.verifier).__name__} only decodes greedily: use temperature 0, or build the "
                 f"pipeline with verifier=rejection (or verifier=typical)")
+        prepared = self.prepare(prompt, documents, chat_template)
+        self._check_lengths(prepared.token_ids, max_new_tokens)
         condition = StopCondition(max_new_tokens, self.eos_token_ids, stop, self.tokenizer)
-        return self.decoder.decode(prompt_ids, condition, sampling, prepared.document_ids)
+        return DecodeRequest(list(prepared.token_ids), max_new_tokens, condition, sampling, prepared.document_ids,
+                             tuple(prepared.retrieved))
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The batch engine every request of this pipeline goes through (its thread starts with the first)."""
+        if self._scheduler is None:
+            self._scheduler = BatchScheduler(self.decoder, self.limits)
+        return self._scheduler
+
+    def submit(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+               stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+               chat_template: bool | None = None, documents: Documents = None) -> RequestHandle:
+        """Queues a request for the batch engine and returns at once: read its committed steps with
+        `handle.steps()` (or `result(handle)`, `stream(handle)`), or `cancel()` it. Requests submitted from any
+        thread are decoded together, all of them verified in one target forward per step. Raises InvalidRequest
+        (a bad argument) or Overloaded (the queue is full) at once."""
+        return self.scheduler.submit(self.request(prompt, max_new_tokens, stop, sampling, chat_template, documents))
+
+    def steps(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+              stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+              chat_template: bool | None = None, documents: Documents = None) -> Iterator[StepOutput]:
+        """Every decoding step's committed tokens. A list of ints is taken as ready token ids. The request is
+        checked before this returns; closing the iterator early cancels it."""
+        request = self.request(prompt, max_new_tokens, stop, sampling, chat_template, documents)
+        if distributed.active():  # tensor-parallel ranks step in lockstep: each decodes its request in this thread
+            return self.decoder.decode(request.prompt_ids, request.stop, request.sampling, request.document_ids)
+        return self.scheduler.submit(request).steps()
 
     def generate(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
-                 stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
-                 documents: Documents = None) -> Generation:
+                 stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                 chat_template: bool | None = None, documents: Documents = None) -> Generation:
         """The answer with its stats; a RAG pipeline augments the prompt with retrieved chunks
         (from `documents` when given: a list of strings or a DocumentStore) and returns them too."""
         started = time.perf_counter()
-        prepared = self.prepare(prompt, documents, chat_template)
-        stats = GenerationStats()
-        tokens: list[int] = []
-        for step in self.steps(prepared, max_new_tokens, stop, sampling, chat_template):
-            tokens.extend(step.tokens)
-            stats.add(step)
-        stats.seconds = time.perf_counter() - started
-        return Generation(self.decode_text(tokens), tokens, list(prepared.token_ids), stats, list(prepared.retrieved))
+        request = self.request(prompt, max_new_tokens, stop, sampling, chat_template, documents)
+        if distributed.active():
+            steps = self.decoder.decode(request.prompt_ids, request.stop, request.sampling, request.document_ids)
+        else:
+            steps = self.scheduler.submit(request).steps()
+        return self._generation(request, steps, started)
 
-    def stream(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
-               stop: Sequence[str] = (), sampling: SamplingConfig | None = None, chat_template: bool | None = None,
-               documents: Documents = None) -> Iterator[str]:
-        """Yields the answer's text in chunks as decoding commits tokens."""
+    def result(self, handle: RequestHandle, timeout: float | None = None) -> Generation:
+        """A submitted request's answer, once it is complete (its errors raised here)."""
+        return self._generation(handle.request, handle.steps(timeout), handle.submitted)
+
+    def generate_many(self, prompts: Sequence[PromptLike | list[int]], max_new_tokens: int = 128,
+                      stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                      chat_template: bool | None = None) -> list[Generation]:
+        """Answers for several prompts, decoded together by the batch engine (the same settings for each; submit
+        them one by one for per-request settings). Every prompt is checked before any is decoded."""
+        requests = [self.request(prompt, max_new_tokens, stop, sampling, chat_template) for prompt in prompts]
+        started = time.perf_counter()
+        handles = []
+        try:
+            for request in requests:
+                handles.append(self.scheduler.submit(request))
+            return [self._generation(handle.request, handle.steps(), started) for handle in handles]
+        finally:
+            for handle in handles:
+                if not handle.done:
+                    handle.cancel()
+
+    def stream(self, prompt: PromptLike | list[int] | PreparedPrompt | RequestHandle, max_new_tokens: int = 128,
+               stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+               chat_template: bool | None = None, documents: Documents = None) -> Iterator[str]:
+        """Yields the answer's text in chunks as decoding commits tokens (of a submitted request's handle too)."""
+        steps = prompt.steps() if isinstance(prompt, RequestHandle) else \
+            self.steps(prompt, max_new_tokens, stop, sampling, chat_template, documents)
+        yield from self._text_chunks(steps)
+
+    async def agenerate(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+                        stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                        chat_template: bool | None = None, documents: Documents = None) -> Generation:
+        """`generate` for asyncio: the request is prepared in a worker thread (retrieval, tokenization) and
+        decoded by the batch engine; the event loop is never blocked."""
+        started = time.perf_counter()
+        handle = await self.asubmit(prompt, max_new_tokens, stop, sampling, chat_template, documents)
+        return self._generation(handle.request, [step async for step in handle.asteps()], started)
+
+    async def astream(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+                      stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                      chat_template: bool | None = None, documents: Documents = None) -> AsyncIterator[str]:
+        """`stream` for asyncio."""
+        handle = await self.asubmit(prompt, max_new_tokens, stop, sampling, chat_template, documents)
         text = IncrementalText(self)
-        for step in self.steps(prompt, max_new_tokens, stop, sampling, chat_template, documents):
+        async for step in handle.asteps():
             chunk = text.push(step.tokens)
             if chunk:
                 yield chunk
         tail = text.flush()
         if tail:
             yield tail
+
+    async def asubmit(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
+                      stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
+                      chat_template: bool | None = None, documents: Documents = None) -> RequestHandle:
+        """`submit` for asyncio (read the handle with `asteps()`)."""
+        request = await asyncio.to_thread(self.request, prompt, max_new_tokens, stop, sampling, chat_template,
+                                          documents)
+        return self.scheduler.submit(request)
+
+    def _text_chunks(self, steps: Iterable[StepOutput]) -> Iterator[str]:
+        text = IncrementalText(self)
+        for step in steps:
+            chunk = text.push(step.tokens)
+            if chunk:
+                yield chunk
+        tail = text.flush()
+        if tail:
+            yield tail
+
+    def _generation(self, request: DecodeRequest, steps: Iterable[StepOutput], started: float) -> Generation:
+        stats = GenerationStats()
+        tokens: list[int] = []
+        for step in steps:
+            tokens.extend(step.tokens)
+            stats.add(step)
+        stats.seconds = time.perf_counter() - started
+        return Generation(self.decode_text(tokens), tokens, list(request.prompt_ids), stats, list(request.retrieved),
+                          finish_reason=request.stop.reason)
 
     def decode_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

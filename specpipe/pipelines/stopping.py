@@ -20,6 +20,7 @@ class StopCondition:
     stop_strings: tuple[str, ...] = ()
     tokenizer: PreTrainedTokenizerBase | None = None
     generated: int = 0
+    reason: str | None = None  # once finished: "eos", "stop_string" or "length"
     _tail: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -34,8 +35,15 @@ class StopCondition:
         for token in emitted:
             kept.append(token)
             self.generated += 1
-            if token in self.eos_token_ids or self.generated >= self.max_new_tokens or self._hits_stop_string(token):
-                return kept, True
+            if token in self.eos_token_ids:
+                self.reason = "eos"
+            elif self._hits_stop_string(token):
+                self.reason = "stop_string"
+            elif self.generated >= self.max_new_tokens:
+                self.reason = "length"
+            else:
+                continue
+            return kept, True
         return kept, False
 
     def _hits_stop_string(self, token: int) -> bool:

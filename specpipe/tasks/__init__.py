@@ -19,6 +19,7 @@ from specpipe.paths import REPO_ROOT
 TASKS: dict[str, tuple[str, str]] = {
     "generate": ("specpipe.tasks.generate", "run_generate"),
     "bench": ("specpipe.tasks.bench", "run_bench"),
+    "bench_load": ("specpipe.tasks.bench_load", "run_bench_load"),
     "bench_cost": ("specpipe.tasks.bench_cost", "run_bench_cost"),
     "build_store": ("specpipe.tasks.build_store", "run_build_store"),
     "distill_corpus": ("specpipe.tasks.distill_corpus", "run_distill_corpus"),

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
+from specpipe.types import NO_BUDGET, StepBudget
 
 FORMAT = "specpipe.tree_calibration"
 FORMAT_VERSION = 1
@@ -118,14 +119,15 @@ def read_calibration(path: Path) -> tuple[list[tuple[int, ...]], list[float]]:
     return paths, probabilities
 
 
-def best_size(probabilities: Sequence[float], cost_curve: CostCurve) -> int:
+def best_size(probabilities: Sequence[float], cost_curve: CostCurve, budget: StepBudget = NO_BUDGET) -> int:
     """How many of the ranked paths to verify: the count that maximises expected tokens per
-    millisecond, (1 + their probabilities) / cost of the forward (root + nodes); 0 = a plain step."""
-    best, best_rate = 0, 1.0 / cost_curve(1)
-    expected = 1.0
+    millisecond, (1 + their probabilities) / cost of the forward (root + nodes); 0 = a plain step.
+    In a batch the tokens and the cost are the whole step's (`budget`: the other sequences)."""
+    expected = 1.0 + budget.tokens
+    best, best_rate = 0, expected / (cost_curve(1 + budget.rows) + budget.milliseconds)
     for size, probability in enumerate(probabilities, 1):
         expected += probability
-        rate = expected / cost_curve(size + 1)
+        rate = expected / (cost_curve(size + 1 + budget.rows) + budget.milliseconds)
         if rate > best_rate:
             best, best_rate = size, rate
     return best

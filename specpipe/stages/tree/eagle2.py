@@ -1,6 +1,7 @@
 """EAGLE-2's dynamic draft tree, for any StepDrafter, merged with the other sources' proposals."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -13,7 +14,7 @@ from specpipe.sampling import draw_without_replacement, target_probs
 from specpipe.stages.base import StepDrafter, draft_token_ids, to_full_vocab
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
-from specpipe.types import DecodeState, DraftTree, Proposal
+from specpipe.types import NO_BUDGET, DecodeState, DraftTree, Proposal, StepBudget
 
 ROOT = -1
 
@@ -83,16 +84,14 @@ class Eagle2TreeBuilder:
             cost_curve = CostCurve.flat()
         self.selector = TrieTreeBuilder(cost_curve, max_nodes=max_nodes, min_gain=min_gain)
         self.gate = gate
-        # the draft levels' estimated time in the last build (the decoder leaves it out of the step's price)
-        self.last_drafting_ms = 0.0
 
     @property
     def cost_curve(self) -> CostCurve:
         return self.selector.cost_curve
 
-    @property
-    def last_expected_tokens(self) -> float:
-        return self.selector.last_expected_tokens
+    def _price(self, queries: int, budget: StepBudget) -> float:
+        """The step's milliseconds with `queries` rows of this sequence beside the batch's others (`budget`)."""
+        return self.cost_curve(budget.rows + queries) + budget.milliseconds
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
         # the other sources' node scores, best first: the cut the drafters' nodes must improve on (only
@@ -106,7 +105,7 @@ class Eagle2TreeBuilder:
         grown_before = self.gate.learn_last_step(state) if self.gate is not None else frozenset()
         if gated:
             bucket = self.gate.bucket(other_scores[0])  # the other sources' best node score
-            other_rate = self.selector.best_cut(other_scores)[2]
+            other_rate = self.selector.best_cut(other_scores, budget=state.budget)[2]
         grown, drafting_ms, timed = [], 0.0, {}
         for drafter in drafters:
             name = getattr(drafter, "name", "draft")
@@ -122,8 +121,8 @@ class Eagle2TreeBuilder:
                                                         caught_up=name not in grown_before))
             grown.append(proposal)
             drafting_ms += milliseconds
-        tree = self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms)
-        self.last_drafting_ms = drafting_ms
+        tree = dataclasses.replace(self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms),
+                                   drafting_ms=drafting_ms)
         if gated:
             self.gate.remember_step(state, tree.tokens.tolist(), tree.parents.tolist(), list(tree.sources), timed)
         return tree
@@ -154,7 +153,7 @@ class Eagle2TreeBuilder:
             if depth > 0:
                 expand, step_ms = self._frontier_to_expand([*other_scores, *(math.exp(s) for s in log_scores)],
                                                            [math.exp(s) for s in frontier_scores], drafting_ms, draft_cost,
-                                                           child_rate)
+                                                           child_rate, state.budget)
                 if not expand:
                     break
                 frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
@@ -199,12 +198,13 @@ class Eagle2TreeBuilder:
         scores: list[float] = []
         draft_probs: list[Tensor] = []  # [vocab] per node: what it was drawn from
         frontier, frontier_scores = [ROOT], [1.0]
-        expected, drafting_ms = 1.0, 0.0
+        budget = state.budget
+        expected, drafting_ms = 1.0 + budget.tokens, 0.0  # the whole step's: the batch's other sequences too
         for depth in range(self.depth):
             if depth > 0:
                 child_rate = float(frontier_probs.max(dim=-1).values.mean())  # the level just drawn from
                 expand, step_ms = self._frontier_to_expand([*other_scores, *scores], frontier_scores, drafting_ms,
-                                                           draft_cost, child_rate)
+                                                           draft_cost, child_rate, budget)
                 if not expand:
                     break
                 frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
@@ -213,8 +213,9 @@ class Eagle2TreeBuilder:
                 frontier_probs = target_probs(full_vocab(drafter.step(state, tokens, parents, frontier)),
                                               sampling)  # [m, vocab]
                 learn_level_cost(draft_cost, len(frontier), level_started)
-            counts, expected = self._allot_children(frontier_probs, frontier_scores, expected, len(tokens), drafting_ms)
-            if depth == 0 and not self._beats_plain_step(expected, sum(counts), drafting_ms):
+            counts, expected = self._allot_children(frontier_probs, frontier_scores, expected, len(tokens), drafting_ms,
+                                                    budget)
+            if depth == 0 and not self._beats_plain_step(expected, sum(counts), drafting_ms, budget):
                 counts = [0] * len(counts)
             if not any(counts):
                 break
@@ -235,7 +236,7 @@ class Eagle2TreeBuilder:
         return proposal, drafting_ms
 
     def _allot_children(self, probs: Tensor, frontier_scores: list[float], expected: float, nodes: int,
-                        drafting_ms: float) -> tuple[list[int], float]:
+                        drafting_ms: float, budget: StepBudget = NO_BUDGET) -> tuple[list[int], float]:
         """How many children to draw for each frontier node (probs [m, vocab]), before drawing any.
 
         The j-th draw of a node is valued as its j-th most likely token would be under top-k
@@ -249,19 +250,21 @@ class Eagle2TreeBuilder:
             taken = nodes + sum(counts)
             if value < self.min_score or value <= 0.0 or taken >= self.selector.max_nodes:
                 break
-            rate_now = expected / (self.cost_curve(taken + 1) + drafting_ms)
-            if (expected + value) / (self.cost_curve(taken + 2) + drafting_ms) < rate_now:
+            rate_now = expected / (self._price(taken + 1, budget) + drafting_ms)
+            if (expected + value) / (self._price(taken + 2, budget) + drafting_ms) < rate_now:
                 break
             counts[flat // values.shape[1]] += 1
             expected += value
         return counts, expected
 
-    def _beats_plain_step(self, expected: float, nodes: int, drafting_ms: float) -> bool:
-        one_step = self.cost_curve(1)
-        return nodes > 0 and expected / (self.cost_curve(nodes + 1) + drafting_ms) * one_step >= self.selector.min_gain
+    def _beats_plain_step(self, expected: float, nodes: int, drafting_ms: float, budget: StepBudget = NO_BUDGET) -> bool:
+        """`expected`: the step's tokens with these `nodes` (the batch's other sequences' included)."""
+        return nodes > 0 and expected / (self._price(nodes + 1, budget) + drafting_ms) >= \
+            self.selector.min_gain * self.selector.plain_rate(budget=budget)
 
     def _frontier_to_expand(self, scores: list[float], frontier_scores: list[float], drafting_ms: float,
-                            draft_cost: CostCurve | None, child_rate: float) -> tuple[int, float]:
+                            draft_cost: CostCurve | None, child_rate: float,
+                            budget: StepBudget = NO_BUDGET) -> tuple[int, float]:
         """How many of the frontier's best nodes (`frontier_scores`, best first) one more level should
         expand (0 = stop), and the estimated milliseconds of that draft forward.
 
@@ -273,12 +276,12 @@ class Eagle2TreeBuilder:
         to be accepted, the embedded draft never grew past depth 2; growing every prefix that could
         pay at best drafted deeper levels that did not pay for their time.)"""
         ranked = sorted(scores, reverse=True)[: self.selector.max_nodes]
-        best_size, best_expected, best_rate = self.selector.best_cut(ranked, drafting_ms)
+        best_size, best_expected, best_rate = self.selector.best_cut(ranked, drafting_ms, budget=budget)
         expand, expand_ms, gain = 0, 0.0, 0.0
         for count, score in enumerate(frontier_scores, start=1):
             gain += score * child_rate
             step_ms = draft_cost(count) if draft_cost is not None else 0.0
-            estimated = (best_expected + gain) / (self.cost_curve(best_size + count + 1) + drafting_ms + step_ms)
+            estimated = (best_expected + gain) / (self._price(best_size + count + 1, budget) + drafting_ms + step_ms)
             if estimated > best_rate:
                 expand, expand_ms, best_rate = count, step_ms, estimated
         return expand, expand_ms

@@ -94,7 +94,7 @@ class StaticTreeBuilder:
         self.attach(drafters)
         choices = self.choices
         if self.probabilities is not None:
-            size = best_size(self.probabilities, self.cost_curve)
+            size = best_size(self.probabilities, self.cost_curve, state.budget)
             choices = sorted(self.ranked[:size], key=lambda path: (len(path), path))
         grown = [self.grow(state, drafter, choices) for drafter in drafters] if choices else []
         return self.merger.build(state, [*proposals, *grown])

@@ -7,7 +7,7 @@ import torch
 
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
-from specpipe.types import DecodeState, DraftTree, Proposal, merge_by_prefix
+from specpipe.types import NO_BUDGET, DecodeState, DraftTree, Proposal, StepBudget, merge_by_prefix
 
 
 def check_budget(max_nodes: int, min_gain: float, tree: str = "trie") -> None:
@@ -35,7 +35,6 @@ class TrieTreeBuilder:
         self.cost_curve = cost_curve
         self.max_nodes = max_nodes
         self.min_gain = min_gain
-        self.last_expected_tokens = 1.0
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list = (),
               overhead_ms: float = 0.0) -> DraftTree:
@@ -52,14 +51,15 @@ class TrieTreeBuilder:
         budget = max(0, self.max_nodes - len(fixed_tokens))
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:budget]
         size = self._best_size([scores[i] for i in order], overhead_ms, len(fixed_tokens), fixed_expected,
-                               state.lookahead_rows)
-        self.last_expected_tokens = 1.0 + fixed_expected + sum(scores[i] for i in order[:size])
+                               state.lookahead_rows, state.budget)
         if size == 0 and not fixed_tokens:
             return DraftTree.empty()
         kept = sorted(order[:size])  # node order stays topological
         offset = len(fixed_tokens)
         new_index = {old: offset + new for new, old in enumerate(kept)}
         all_tokens = torch.tensor(fixed_tokens + [tokens[i] for i in kept], dtype=torch.long)  # [n]
+        all_scores = torch.tensor([score for proposal in sampled for score in proposal.scores.tolist()]
+                                  + [scores[i] for i in kept], dtype=torch.float32)  # [n]
         draft_probs = None
         if sampled:
             device = sampled[0].draft_probs.device  # the drafters' (the target's) device
@@ -72,16 +72,20 @@ class TrieTreeBuilder:
                          dtype=torch.long),
             sources=tuple(fixed_sources + [sources[i] for i in kept]),
             draft_probs=draft_probs,
+            scores=all_scores,
         )
 
     def best_cut(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
-                 fixed_expected: float = 0.0, extra_rows: int = 0) -> tuple[int, float, float]:
+                 fixed_expected: float = 0.0, extra_rows: int = 0,
+                 budget: StepBudget = NO_BUDGET) -> tuple[int, float, float]:
         """(size, expected tokens, expected tokens per ms) of the best prefix of `ranked_scores` (best
         first) to verify after `fixed_nodes` nodes already in the tree that are expected to yield
         `fixed_expected` tokens; size 0 = none of them. `overhead_ms` is added to every size's cost,
-        and `extra_rows` (lookahead rows riding in the same forward) to every size's query count."""
-        expected = 1.0 + fixed_expected
-        base = fixed_nodes + extra_rows + 1
+        and `extra_rows` (lookahead rows riding in the same forward) to every size's query count; the
+        expected tokens and the rate are the whole step's, the other sequences of its batch (`budget`) included."""
+        expected = 1.0 + fixed_expected + budget.tokens
+        base = fixed_nodes + extra_rows + 1 + budget.rows
+        overhead_ms += budget.milliseconds
         best = (0, expected, expected / (self.cost_curve(base) + overhead_ms))
         for size, score in enumerate(ranked_scores, start=1):
             expected += score
@@ -90,12 +94,17 @@ class TrieTreeBuilder:
                 best = (size, expected, rate)
         return best
 
+    def plain_rate(self, overhead_ms: float = 0.0, extra_rows: int = 0, budget: StepBudget = NO_BUDGET) -> float:
+        """Expected tokens per ms of the step with no tree for this sequence (its root and lookahead rows only)."""
+        return (1.0 + budget.tokens) / (self.cost_curve(1 + extra_rows + budget.rows) + overhead_ms
+                                        + budget.milliseconds)
+
     def _best_size(self, ranked_scores: list[float], overhead_ms: float = 0.0, fixed_nodes: int = 0,
-                   fixed_expected: float = 0.0, extra_rows: int = 0) -> int:
+                   fixed_expected: float = 0.0, extra_rows: int = 0, budget: StepBudget = NO_BUDGET) -> int:
         """The number of nodes maximising expected tokens per unit of cost (0 = none), after
         `fixed_nodes` nodes already in the tree that are expected to yield `fixed_expected` tokens."""
-        size, _, rate = self.best_cut(ranked_scores, overhead_ms, fixed_nodes, fixed_expected, extra_rows)
-        if not fixed_nodes and rate * (self.cost_curve(1 + extra_rows) + overhead_ms) < self.min_gain:
+        size, _, rate = self.best_cut(ranked_scores, overhead_ms, fixed_nodes, fixed_expected, extra_rows, budget)
+        if not fixed_nodes and rate < self.min_gain * self.plain_rate(overhead_ms, extra_rows, budget):
             return 0
         return size
 
