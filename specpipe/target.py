@@ -346,25 +346,41 @@ class TargetModel:
 
     def _forward_ragged(self, batch: Sequence[VerifyRows], built: list[tuple[Tensor, Tensor, Tensor | None]]
                         ) -> list[ForwardOutput]:
+        return self.forward_rows([(ids, positions, mask, item.cache) for item, (ids, positions, mask) in
+                                  zip(batch, built)])
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: Sequence[tuple[Tensor, Tensor, Tensor | None, PositionIndexedCache]],
+                     logits_rows: Tensor | None = None) -> list[ForwardOutput]:
+        """`forward_masked` for several sequences in ONE forward: per sequence (input_ids [q], position_ids [q], mask
+        [q, cached + q] bool or None for one row, its cache). Returns per sequence its logits and hidden rows; with
+        `logits_rows` [r] (row numbers of the whole forward, ascending) only those rows' logits, handed to the
+        sequences they belong to (an empty tensor: no logits, for a drafter that scores hidden states itself)."""
         self._use_attention()
-        rows = [len(input_ids) for input_ids, _, _ in built]
-        ragged = RaggedBatch([item.cache for item in batch], rows, [mask for _, _, mask in built])
-        input_ids = torch.cat([ids for ids, _, _ in built])  # [R]
-        position_ids = torch.cat([positions for _, positions, _ in built])  # [R]
-        started = [item.cache.get_seq_length() for item in batch]
+        counts = [len(ids) for ids, _, _, _ in rows]
+        ragged = RaggedBatch([cache for _, _, _, cache in rows], counts, [mask for _, _, mask, _ in rows])
+        input_ids = torch.cat([ids for ids, _, _, _ in rows])  # [R]
+        position_ids = torch.cat([positions for _, positions, _, _ in rows])  # [R]
+        started = [cache.get_seq_length() for _, _, _, cache in rows]
         try:
             out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
-                             use_cache=False, output_hidden_states=True, logits_to_keep=0, ragged_batch=ragged)
+                             use_cache=False, output_hidden_states=True, ragged_batch=ragged,
+                             logits_to_keep=0 if logits_rows is None else logits_rows.to(self.device))
         except BaseException:
-            for item, length in zip(batch, started):  # layers that ran have appended their rows: not committed
-                item.cache.crop(length)
+            for (_, _, _, cache), length in zip(rows, started):  # layers that ran have appended their rows
+                cache.crop(length)
             raise
         whole = self._output(out)
-        outputs, start = [], 0
-        for count in rows:
+        outputs, start, kept = [], 0, 0
+        for count in counts:
             end = start + count
+            if logits_rows is None:
+                logits = whole.logits[start:end]
+            else:  # the kept rows of this sequence
+                mine = int(((logits_rows >= start) & (logits_rows < end)).sum())
+                logits, kept = whole.logits[kept:kept + mine], kept + mine
             aux = whole.aux_hidden[start:end] if whole.aux_hidden is not None else None
-            outputs.append(ForwardOutput(whole.logits[start:end], whole.hidden[start:end], aux_hidden=aux))
+            outputs.append(ForwardOutput(logits, whole.hidden[start:end], aux_hidden=aux))
             start = end
         return outputs
 

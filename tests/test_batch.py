@@ -208,6 +208,9 @@ def test_limits_queue_and_tokens_in_flight(tiny_mixed):
 
     pipe.decoder.start = held_start
     scheduler = BatchScheduler(pipe.decoder, SchedulerLimits(max_sequences=1, max_queued=2, max_tokens_in_flight=300))
+    stop = threading.Event()
+    driver = threading.Thread(target=scheduler.run, args=(stop,))  # as the server drives it
+    driver.start()
     prompt = random_prompts(1, seed=50)[0]
     first = scheduler.submit(pipe.request(prompt, 10))
     assert started.wait(30)  # admitted: its prefill holds the scheduler
@@ -223,6 +226,9 @@ def test_limits_queue_and_tokens_in_flight(tiny_mixed):
     assert scheduler.shutdown(grace_seconds=5)
     with pytest.raises(Overloaded, match="shutting down"):
         scheduler.submit(pipe.request(prompt, 10))
+    stop.set()
+    driver.join(30)
+    assert not driver.is_alive()
 
 
 def test_tree_budget_shrinks_with_the_batch():
@@ -288,3 +294,98 @@ def test_ragged_forward_equals_each_sequence_alone(tiny_mixed):
         for mine, theirs in zip(item.cache.layers, cache.layers):
             assert torch.allclose(mine.keys, theirs.keys, atol=1e-5) and torch.allclose(mine.values, theirs.values,
                                                                                        atol=1e-5)
+
+
+def test_the_engine_runs_in_the_reading_thread_or_in_the_one_that_runs_it(tiny_mixed):
+    """Every stage call of the engine happens in one thread at a time: the main thread that reads its own request;
+    the thread that runs the engine (`run`) while others only submit and read; a background thread for asyncio
+    readers that nobody else drives."""
+    import asyncio
+
+    pipe = tiny_mixed.pipeline("lookahead_trie", fresh=True)
+    proposer = pipe.decoder.proposers[0]
+    propose, seen = proposer.propose, []
+
+    def recording_propose(state):
+        seen.append(threading.current_thread())
+        return propose(state)
+
+    proposer.propose = recording_propose
+    prompts = random_prompts(4, seed=52)
+    pipe.generate(prompts[0], max_new_tokens=20)
+    assert seen and set(seen) == {threading.main_thread()}
+
+    seen.clear()
+    stop, answers = threading.Event(), {}
+
+    def reader(index: int) -> None:
+        answers[index] = pipe.generate(prompts[index], max_new_tokens=20).token_ids
+
+    readers = [threading.Thread(target=reader, args=(i,)) for i in range(len(prompts))]
+    pipe.scheduler.hold()  # before the readers start, or the first of them takes the engine
+    for thread in readers:
+        thread.start()
+
+    def stop_when_read() -> None:
+        for thread in readers:
+            thread.join()
+        stop.set()
+
+    threading.Thread(target=stop_when_read).start()
+    pipe.scheduler.run(stop)
+    assert set(seen) == {threading.main_thread()}  # the readers never ran the engine
+    assert [answers[i] for i in range(len(prompts))] == [tiny_mixed.greedy_hf(p, 20) for p in prompts]
+
+    seen.clear()
+    asyncio.run(pipe.agenerate(prompts[1], max_new_tokens=20))
+    assert len(set(seen)) == 1 and seen[0] is not threading.main_thread()
+
+
+@pytest.mark.parametrize("pipeline", ["eagle", "draft_model"])
+def test_batched_drafters_draft_in_one_forward_what_each_drafts_alone(tiny_mixed, pipeline):
+    """A draft level for several requests is one forward of the drafter, and gives each request the log-probs its
+    own forward gives it."""
+    together, alone = (tiny_mixed.pipeline(pipeline, fresh=True) for _ in range(2))
+    prompts = random_prompts(3, seed=53)
+
+    def started(pipe) -> list[DecodeState]:
+        states = []
+        for prompt in prompts:
+            request = pipe.request(prompt, 20)
+            sequence, _ = pipe.decoder.start(request.prompt_ids, request.stop, request.sampling)
+            states.append(sequence.state)
+        return states
+
+    drafter, solo = together.decoder.drafters[0], alone.decoder.drafters[0]
+    forwards = []
+    if pipeline == "eagle":
+        rows = drafter.net.rows
+        drafter.net.rows = lambda *args, **kwargs: forwards.append(1) or rows(*args, **kwargs)
+    else:
+        forward_rows = drafter.runner.forward_rows
+        drafter.runner.forward_rows = lambda *args, **kwargs: forwards.append(1) or forward_rows(*args, **kwargs)
+    mine, theirs = started(together), started(alone)
+    roots = drafter.start_many(mine)
+    assert len(forwards) == 1
+    for root, state in zip(roots, theirs):
+        assert torch.allclose(root, solo.start(state), atol=1e-5)
+    # a level of two children under each root, then one of a child's children: each one forward for all requests
+    trees = []
+    for root in roots:
+        top = root.topk(2).indices.tolist()
+        trees.append(([int(t) for t in top], [-1, -1]))
+    calls = [(state, tokens, parents, [-1]) for state, (tokens, parents) in zip(mine, trees)]
+    assert all(torch.equal(level, root[None]) for level, root in zip(drafter.step_many(calls), roots))
+    assert len(forwards) == 1  # the root's log-probs came with start
+    calls = [(state, tokens, parents, [0, 1]) for state, (tokens, parents) in zip(mine, trees)]
+    levels = drafter.step_many(calls)
+    assert len(forwards) == 2
+    for level, state, (tokens, parents) in zip(levels, theirs, trees):
+        solo.step(state, tokens, parents, [-1])
+        assert torch.allclose(level, solo.step(state, tokens, parents, [0, 1]), atol=1e-5)
+    deeper = [(tokens + [int(level[0].topk(1).indices)], parents + [0]) for level, (tokens, parents) in zip(levels, trees)]
+    calls = [(state, tokens, parents, [2]) for state, (tokens, parents) in zip(mine, deeper)]
+    last = drafter.step_many(calls)
+    assert len(forwards) == 3
+    for level, state, (tokens, parents) in zip(last, theirs, deeper):
+        assert torch.allclose(level, solo.step(state, tokens, parents, [2]), atol=1e-5)

@@ -1516,6 +1516,32 @@ int heads_together(int nv, int64_t groups) {
   return 1;
 }
 
+// One unit of attention work: query heads [first, first + together) of one KV head over one query row
+// (queries / outs: `together` row pointers), through the vector path of its head size.
+template <typename Raw>
+void attend_unit(int nv, int together, const Raw* const* queries, const Raw* head_keys, int64_t key_stride,
+                 const Raw* head_values, int64_t value_stride, const bool* visible, int64_t kv, int64_t head_dim,
+                 float scale, Raw* const* outs, float* scores, float* sums, uint32_t* weight_pairs) {
+  switch (nv) {
+    case 4:
+      return attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                scale, outs, scores, weight_pairs);
+    case 8:
+      return attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                scale, outs, scores, weight_pairs);
+    case 16:
+      return attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                 scale, outs, scores, weight_pairs);
+    default:
+      attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale, outs[0],
+                 scores, sums);
+  }
+}
+
+inline int vector_path(int64_t head_dim) {
+  return head_dim == kLanes * 4 ? 4 : head_dim == kLanes * 8 ? 8 : head_dim == kLanes * 16 ? 16 : 0;
+}
+
 template <typename T, typename Raw>
 void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, const bool* mask,
             float scale, torch::Tensor& out) {
@@ -1525,7 +1551,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   const Raw* key_data = reinterpret_cast<const Raw*>(key.data_ptr<T>());
   const Raw* value_data = reinterpret_cast<const Raw*>(value.data_ptr<T>());
   Raw* out_data = reinterpret_cast<Raw*>(out.data_ptr<T>());
-  const int nv = head_dim == kLanes * 4 ? 4 : head_dim == kLanes * 8 ? 8 : head_dim == kLanes * 16 ? 16 : 0;
+  const int nv = vector_path(head_dim);
   const int together = heads_together<Raw>(nv, groups);
   const int64_t chunks = groups / together;  // per KV head
   const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
@@ -1540,30 +1566,60 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
       const int64_t r = unit % q, chunk = unit / q;
       const int64_t g = chunk / chunks;  // the KV head (transformers' repeat_kv order: heads g*groups...)
       const int64_t first = g * groups + (chunk % chunks) * together;
-      const Raw* head_keys = key_data + g * key.stride(1);
-      const Raw* head_values = value_data + g * value.stride(1);
-      const bool* visible = mask != nullptr ? mask + r * kv : nullptr;
       for (int i = 0; i < together; ++i) {
         queries[i] = query_data + (first + i) * query.stride(1) + r * query.stride(2);
         outs[i] = out_data + (r * heads + first + i) * head_dim;
       }
-      switch (nv) {
-        case 4:
-          attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                             outs, scores.data(), weight_pairs.data());
-          break;
-        case 8:
-          attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                             outs, scores.data(), weight_pairs.data());
-          break;
-        case 16:
-          attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv, scale,
-                              outs, scores.data(), weight_pairs.data());
-          break;
-        default:
-          attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale,
-                     outs[0], scores.data(), sums.data());
+      attend_unit(nv, together, queries, key_data + g * key.stride(1), key_stride, value_data + g * value.stride(1),
+                  value_stride, mask != nullptr ? mask + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
+                  sums.data(), weight_pairs.data());
+    }
+  });
+}
+
+// Several sequences' rows in one call: sequence b's rows [starts[b], starts[b + 1]) of query attend its own
+// keys and values (`keys[b]`, `values[b]`: [1, kv_heads, lengths[b], head_dim] views of its cache), under its own
+// mask (`masks[b]` [q_b, lengths[b]], or none for one row). Every unit is computed as `attend` computes it.
+template <typename T, typename Raw>
+void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>& keys,
+                   const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                   const std::vector<const bool*>& masks, float scale, torch::Tensor& out) {
+  const int64_t heads = query.size(1), head_dim = query.size(3);
+  const int64_t kv_heads = keys[0].size(1), groups = heads / kv_heads;
+  const int64_t sequences = static_cast<int64_t>(keys.size());
+  const Raw* query_data = reinterpret_cast<const Raw*>(query.data_ptr<T>());
+  Raw* out_data = reinterpret_cast<Raw*>(out.data_ptr<T>());
+  const int nv = vector_path(head_dim);
+  const int together = heads_together<Raw>(nv, groups);
+  const int64_t chunks = groups / together;
+  std::vector<int64_t> first_unit(sequences + 1, 0);  // each sequence's units follow the previous one's
+  int64_t longest = 0;
+  for (int64_t b = 0; b < sequences; ++b) {
+    first_unit[b + 1] = first_unit[b] + kv_heads * chunks * (starts[b + 1] - starts[b]);
+    longest = std::max<int64_t>(longest, keys[b].size(2));
+  }
+  at::parallel_for(0, first_unit[sequences], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(together * longest), sums(head_dim);
+    std::vector<uint32_t> weight_pairs(together * (longest / 2 + 1));
+    const Raw* queries[4];
+    Raw* outs[4];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+      const int64_t q = starts[b + 1] - starts[b], local = unit - first_unit[b];
+      const int64_t r = local % q, chunk = local / q;
+      const int64_t g = chunk / chunks;
+      const int64_t first = g * groups + (chunk % chunks) * together;
+      const int64_t row = starts[b] + r, kv = keys[b].size(2);
+      for (int i = 0; i < together; ++i) {
+        queries[i] = query_data + (first + i) * query.stride(1) + row * query.stride(2);
+        outs[i] = out_data + (row * heads + first + i) * head_dim;
       }
+      const Raw* key_data = reinterpret_cast<const Raw*>(keys[b].data_ptr<T>());
+      const Raw* value_data = reinterpret_cast<const Raw*>(values[b].data_ptr<T>());
+      attend_unit(nv, together, queries, key_data + g * keys[b].stride(1), keys[b].stride(2),
+                  value_data + g * values[b].stride(1), values[b].stride(2),
+                  masks[b] != nullptr ? masks[b] + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
+                  sums.data(), weight_pairs.data());
     }
   });
 }
@@ -1599,6 +1655,62 @@ torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tens
     attend<at::BFloat16, uint16_t>(query, key, value, mask_data, static_cast<float>(scale), out);
   else
     attend<float, float>(query, key, value, mask_data, static_cast<float>(scale), out);
+  return out;
+}
+
+// The attention of several sequences' rows of one forward (a batch of requests, each over its own cache):
+// query [1, heads, R, hd] and the rows' own key, value [1, kv_heads, R, hd]; sequence b owns rows
+// [starts[b], starts[b + 1]), its cache's key and value buffers [1, kv_heads, capacity, hd] hold cached[b] rows
+// and get its new ones appended after them (the caller has made room: PositionIndexedCache.rows_to_write), and
+// it attends under masks[b] [q_b, cached[b] + q_b] bool (an empty tensor: one row, which sees everything).
+// Returns [1, R, heads, hd], each row exactly what tree_attention gives for its sequence alone.
+torch::Tensor ragged_tree_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                    std::vector<torch::Tensor> key_buffers, std::vector<torch::Tensor> value_buffers,
+                                    std::vector<int64_t> cached, std::vector<int64_t> starts,
+                                    std::vector<torch::Tensor> masks, double scale) {
+  const auto dtype = query.scalar_type();
+  const int64_t sequences = static_cast<int64_t>(key_buffers.size());
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "query: fp32 or bf16");
+  TORCH_CHECK(sequences > 0 && static_cast<int64_t>(value_buffers.size()) == sequences &&
+                  static_cast<int64_t>(cached.size()) == sequences &&
+                  static_cast<int64_t>(starts.size()) == sequences + 1 &&
+                  static_cast<int64_t>(masks.size()) == sequences, "one buffer pair, length and mask per sequence");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1 && key.size(0) == 1 &&
+                  value.size(0) == 1 && key.sizes() == value.sizes() && key.size(2) == query.size(2) &&
+                  key.size(3) == query.size(3) && query.size(1) % key.size(1) == 0,
+              "query [1, heads, R, head_dim], key and value [1, kv_heads, R, head_dim]");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "key and value: query's dtype");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(starts[0] == 0 && starts[sequences] == query.size(2), "starts must cover the rows from 0");
+  const int64_t kv_heads = key.size(1), head_dim = key.size(3);
+  std::vector<torch::Tensor> keys(sequences), values(sequences), mask_rows(sequences);
+  std::vector<const bool*> mask_data(sequences, nullptr);
+  for (int64_t b = 0; b < sequences; ++b) {
+    const int64_t q = starts[b + 1] - starts[b];
+    TORCH_CHECK(q >= 1, "every sequence has a row");
+    for (const auto* buffer : {&key_buffers[b], &value_buffers[b]})
+      TORCH_CHECK(buffer->scalar_type() == dtype && buffer->dim() == 4 && buffer->size(0) == 1 &&
+                      buffer->size(1) == kv_heads && buffer->size(3) == head_dim && buffer->stride(3) == 1 &&
+                      cached[b] >= 0 && cached[b] + q <= buffer->size(2),
+                  "a cache buffer [1, kv_heads, capacity, head_dim] with room for its rows");
+    key_buffers[b].narrow(2, cached[b], q).copy_(key.narrow(2, starts[b], q));
+    value_buffers[b].narrow(2, cached[b], q).copy_(value.narrow(2, starts[b], q));
+    keys[b] = key_buffers[b].narrow(2, 0, cached[b] + q);
+    values[b] = value_buffers[b].narrow(2, 0, cached[b] + q);
+    if (masks[b].numel() > 0) {
+      TORCH_CHECK(masks[b].scalar_type() == torch::kBool && masks[b].dim() == 2 && masks[b].size(0) == q &&
+                      masks[b].size(1) == cached[b] + q, "mask: bool [q, cached + q]");
+      mask_rows[b] = masks[b].contiguous();
+      mask_data[b] = mask_rows[b].data_ptr<bool>();
+    } else {
+      TORCH_CHECK(q == 1, "a sequence of several rows needs its mask");
+    }
+  }
+  auto out = torch::empty({1, query.size(2), query.size(1), head_dim}, query.options());
+  if (dtype == torch::kBFloat16)
+    attend_ragged<at::BFloat16, uint16_t>(query, keys, values, starts, mask_data, static_cast<float>(scale), out);
+  else
+    attend_ragged<float, float>(query, keys, values, starts, mask_data, static_cast<float>(scale), out);
   return out;
 }
 
@@ -2009,6 +2121,9 @@ class CpuKernel:
         # attention(query [1, heads, q, hd], key, value [1, kv_heads, kv, hd], mask [q, kv] bool or None,
         # scale) -> [1, q, heads, hd]: a decoding step's or a tree verify's attention (fp32 sums)
         self.attention = None
+        # ragged_attention(...): `attention` for several sequences' rows of one forward, each appended to and
+        # attending its own cache (the C++ ragged_tree_attention; set and cleared with `attention`)
+        self.ragged_attention = None
         # gate(gate_up [..., 2n]) -> [..., n]: silu(gate) * up, bitwise torch's where `serves_gate` says so
         self.gate = None
         self.reason = ""
@@ -2050,11 +2165,13 @@ class CpuKernel:
             self.norm_reason = f"its RMSNorm is not bitwise torch's here ({mismatch})"
         else:
             self.norm = module.rms_norm
-        mismatch = _attention_mismatch(module.tree_attention)
+        mismatch = _attention_mismatch(module.tree_attention) or _ragged_mismatch(module.ragged_tree_attention,
+                                                                                  module.tree_attention)
         if mismatch:
             self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
         else:
             self.attention = module.tree_attention
+            self.ragged_attention = module.ragged_tree_attention
         try:
             mismatch = _gate_mismatch(module.silu_gate)
         except RuntimeError as error:  # e.g. a torch without Sleef's exp among its symbols
@@ -2163,7 +2280,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
             os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
         try:
             module = cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "silu_gate",
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "ragged_tree_attention", "silu_gate",
                            "block_decoder_layer", "block_draft_level", "amx_block_product", "amx_request"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                                                                       block_lookahead_rows), extra_ldflags=["-fopenmp"],
@@ -2316,6 +2433,38 @@ def _attention_mismatch(attention) -> str:
             error = (attention(query, key, value, mask, scale).float() - sdpa_reference(query, key, value, mask, scale))
             if not error.abs().max() <= tolerance:
                 return f"{dtype} head_dim {head_dim}, {q} rows over {kv} keys: max error {error.abs().max():.3g}"
+    return ""
+
+
+def _ragged_mismatch(ragged, attention) -> str:
+    """'' when the ragged attention gives every sequence bitwise what `attention` gives it alone (fp32, bf16; one
+    row and tree rows; caches of other lengths) and appends its rows to its buffers, else what did not."""
+    generator = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, cached = [1, 4, 1, 3], [9, 30, 0, 17]
+        total = sum(rows)
+        query = torch.randn(1, 6, total, 64, generator=generator).to(dtype)
+        key, value = (torch.randn(1, 2, total, 64, generator=generator).to(dtype) for _ in range(2))
+        buffers = [[torch.randn(1, 2, 48, 64, generator=generator).to(dtype) for _ in range(2)] for _ in rows]
+        masks, expected, start = [], [], 0
+        for (key_buffer, value_buffer), q, length in zip(buffers, rows, cached):
+            end = start + q
+            mask = torch.ones(q, length + q, dtype=torch.bool)
+            if q > 1:
+                mask[:, length:] = torch.eye(q, dtype=torch.bool) | (torch.rand(q, q, generator=generator) < 0.5).tril()
+            keys = torch.cat([key_buffer[:, :, :length], key[:, :, start:end]], dim=2)
+            values = torch.cat([value_buffer[:, :, :length], value[:, :, start:end]], dim=2)
+            expected.append(attention(query[:, :, start:end], keys, values, mask if q > 1 else None, 0.125))
+            masks.append(mask if q > 1 else torch.empty(0, dtype=torch.bool))
+            start = end
+        starts = [0]
+        for q in rows:
+            starts.append(starts[-1] + q)
+        out = ragged(query, key, value, [b[0] for b in buffers], [b[1] for b in buffers], cached, starts, masks, 0.125)
+        if not torch.equal(out, torch.cat(expected, dim=1)):
+            return f"{dtype}: the ragged rows differ from each sequence's attention alone"
+        if not torch.equal(buffers[1][0][:, :, 30:34], key[:, :, 1:5]):
+            return f"{dtype}: the ragged call did not append a sequence's keys to its buffer"
     return ""
 
 

@@ -90,6 +90,9 @@ class LeanLlamaModel(LlamaModel):
     # in place of SDPA, the folded tree mask and the transposes around it; None = tree_attention_forward's SDPA.
     attention_kernel = None
     attention_max_rows: Mapping[torch.dtype, int] = MappingProxyType({})  # dtype -> rows, for its build
+    # `ragged_attention_kernel` (set by swap_lean_model): CpuKernel.ragged_attention, the attention of several
+    # sequences' rows in one call (each appended to and attending its own cache); None = one call per sequence
+    ragged_attention_kernel = None
     # `rotary_lookup` (set by swap_lean_model): RotaryTables over `rotary_emb`, the cos/sin of each position
     # looked up instead of computed per forward (bitwise the same); None = the module computes them
     rotary_lookup = None
@@ -213,12 +216,18 @@ def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable
     """`lean_decoder_layers` over several sequences' rows: the products over all rows, each sequence's attention
     over its own cache through the kernel's attention where it serves every sequence's rows, else SDPA."""
     attention_function = lean_attention["attention_function"]
-    one_sequence = hidden[:, :1]  # kernel_attends reads the dtype, device and batch; each sequence's rows below
     if attention_function in KERNEL_REPLACES and all(
-            kernel_attends(owner.attention_kernel, owner.attention_max_rows, owner.config,
-                           hidden[:, :rows] if rows else one_sequence, None) for rows in ragged_batch.rows):
-        attention_function = KernelAttention(owner.attention_kernel)
-    lean_attention = dict(lean_attention, attention_function=functools.partial(ragged_batch.attend, attention_function))
+            kernel_attends(owner.attention_kernel, owner.attention_max_rows, owner.config, hidden[:, :rows], None)
+            for rows in ragged_batch.rows):
+        ragged_kernel = getattr(owner, "ragged_attention_kernel", None)
+        if ragged_kernel is not None:
+            lean_attention = dict(lean_attention, attention_function=RaggedKernelAttention(ragged_kernel, ragged_batch))
+        else:
+            lean_attention = dict(lean_attention, attention_function=functools.partial(
+                ragged_batch.attend, KernelAttention(owner.attention_kernel)))
+    else:
+        lean_attention = dict(lean_attention, attention_function=functools.partial(ragged_batch.attend,
+                                                                                   attention_function))
     for layer in layers:
         attention = layer.self_attn
         looked_up = lean_attention if type(attention) is FusedQKVAttention else {"ragged_batch": ragged_batch}
@@ -455,6 +464,31 @@ class KernelAttention:
         return self.kernel(query, key, value, mask, scale), None
 
 
+class RaggedKernelAttention:
+    """An attention function (transformers' signature) for the rows of a RaggedBatch, over
+    CpuKernel.ragged_attention: each sequence's new keys and values written into its own cache and its rows'
+    attention computed in one call for the whole batch (one Python call per layer instead of one per sequence)."""
+
+    def __init__(self, kernel, batch) -> None:
+        self.kernel = kernel
+        self.batch = batch
+        self.masks = [mask if mask is not None else torch.empty(0, dtype=torch.bool) for mask in batch.masks]
+
+    def __call__(self, module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None,
+                 scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+        # query [1, heads, R, head_dim], key/value [1, kv_heads, R, head_dim] -> [1, R, heads, head_dim]
+        key_buffers, value_buffers, cached = [], [], []
+        like = key[:, :, :0]
+        for cache, rows in zip(self.batch.caches, self.batch.rows):
+            key_buffer, value_buffer, start = cache.rows_to_write(module.layer_idx, like, rows)
+            key_buffers.append(key_buffer)
+            value_buffers.append(value_buffer)
+            cached.append(start)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return self.kernel(query, key, value, key_buffers, value_buffers, cached, self.batch.starts, self.masks,
+                           scale), None
+
+
 def _hooked(module: nn.Module) -> bool:
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
     return any(getattr(hook, "__name__", "") != TRANSFORMERS_HOOK for hook in hooks)
@@ -487,11 +521,13 @@ def rotary_lookup(model: nn.Module) -> RotaryTables | None:
 
 
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
-                    layer_kernel=None, level_kernel=None, draft_model: bool = False) -> int:
+                    layer_kernel=None, level_kernel=None, draft_model: bool = False,
+                    ragged_attention_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
-    (`attention_isa`: the build's CpuKernel.isa); `layer_kernel`: the kernel's block_decoder_layer
+    (`attention_isa`: the build's CpuKernel.isa), and `ragged_attention_kernel` (CpuKernel.ragged_attention) for
+    their forwards of several sequences' rows; `layer_kernel`: the kernel's block_decoder_layer
     (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
     block_draft_level (BlockProduct.draft_level), for a draft's whole level (KernelDraftLevel): an EAGLE head's, and
     with `draft_model` (the model only drafts) a LlamaModel's. Each also gets `rotary_lookup`
@@ -502,6 +538,7 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
         if getattr(module, "accepts_lean_kernels", False):  # a draft head with a lean loop of its own (EagleNet)
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
+            module.ragged_attention_kernel = ragged_attention_kernel
             module.layer_kernel = layer_kernel
             module.level_kernel = level_kernel if layer_kernel is not None else None
             module.rotary_lookup = rotary_lookup(module)
@@ -510,6 +547,7 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
             module.__class__ = LeanLlamaModel
             module.norm_kernel = norm_kernel if norm_kernel is not None and _norm_kernel_serves(module) else None
             module.attention_kernel, module.attention_max_rows = attention_kernel, max_rows
+            module.ragged_attention_kernel = ragged_attention_kernel
             module.rotary_lookup = rotary_lookup(module)
             # offered to the drafter that runs a draft model's levels itself (DraftModelDrafter); never a target's
             module.level_kernel = level_kernel if layer_kernel is not None and draft_model else None

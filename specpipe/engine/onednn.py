@@ -344,6 +344,8 @@ class OneDNNEngine:
                      and attention is not None else None)
             level = blocks.draft_level if layer is not None and self.draft_level else None
             lean_models = swap_lean_model(model, norm_kernel=norm, attention_kernel=attention,
+                                          ragged_attention_kernel=getattr(extension, "ragged_attention", None) if attention is not None
+                                          else None,
                                           attention_isa=extension.isa if extension is not None else "avx2",
                                           layer_kernel=layer, level_kernel=level, draft_model=drafter)
         int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""

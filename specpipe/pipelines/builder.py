@@ -22,6 +22,7 @@ from specpipe.models import LoadedModel
 from specpipe.paths import REPO_ROOT
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
+from specpipe.pipelines.speculation_gate import SpeculationGate
 from specpipe.serving.scheduler import SchedulerLimits
 from specpipe.stages.base import Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
@@ -150,8 +151,11 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
             f"(Medusa's typical acceptance, not lossless), or use sampling.temperature=0")
     augmenter = _instantiate_stage(pipeline_cfg.augment, "pipeline.augment") \
         if pipeline_cfg.get("augment") is not None else None
+    # a batch measures whether speculating pays at its size, where trees are sized by measured costs at all
+    gate = SpeculationGate() if tree_builder is not None and cfg.get("cost_curve", "measured") != "flat" else None
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters,
-                                 forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None)
+                                 forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None,
+                                 gate=gate)
     limits = scheduler_limits(cfg)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
                     system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter, limits=limits)

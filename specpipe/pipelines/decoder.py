@@ -17,6 +17,7 @@ import torch
 
 from specpipe import distributed
 from specpipe.cost import OnlineCostCurve
+from specpipe.pipelines.speculation_gate import SpeculationGate
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.stages.commit.kv_compact import KVCompactCommit
@@ -57,6 +58,7 @@ class _Plan:
     tree: DraftTree = field(default_factory=DraftTree.empty)
     seconds: dict[str, float] = field(default_factory=dict)
     lookahead_seconds: float = 0.0
+    plain: bool = False  # a plain step: nothing proposed or drafted (SpeculationGate)
 
     @property
     def rows(self) -> int:
@@ -95,7 +97,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
                  verifier: Verifier, committer: KVCompactCommit | None = None,
-                 drafters: list[StepDrafter] = (), forward_costs: OnlineCostCurve | None = None) -> None:
+                 drafters: list[StepDrafter] = (), forward_costs: OnlineCostCurve | None = None,
+                 gate: SpeculationGate | None = None) -> None:
         self.target = target
         self.proposers = list(proposers)
         self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
@@ -103,12 +106,13 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.committer = committer or KVCompactCommit()
         self.forward_costs = forward_costs  # the tree builder's curve, taught each step's time
+        self.gate = gate  # whether a batched step speculates, measured against plain steps (None: it always does)
         self.stages = [*self.proposers, *self.drafters]
         # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.
         self.branches = [stage for stage in self.stages if isinstance(stage, LookaheadBranch)]
-        # a sequence's milliseconds of a step outside the forward and the draft levels (proposers, verify,
-        # commit): in a batch, what the other sequences add to the step's price
-        self._overhead_ms = RunningMean()
+        # what each further sequence of a batch adds to a step beyond its rows on the cost curve (its attention,
+        # proposers, verify and commit): in a batch, what the other sequences add to a tree's price
+        self._sequence_ms = RunningMean()
         self._rotation = 0  # which sequence builds its tree first: rotated so that no request is always last
 
     # ---- one sequence -----------------------------------------------------------------------------------
@@ -152,7 +156,10 @@ class SpeculativeDecoder:
         Returns per sequence its StepOutput, or the exception that failed it (it is then finished)."""
         step_started = clock()
         results: list[StepOutput | BaseException | None] = [None] * len(batch)
-        plans = {index: _Plan(sequence) for index, sequence in enumerate(batch)}
+        speculate = self.gate is None or self.gate.speculate(len(batch))
+        # a sampled request speculates in any batch: its seed must give the same tokens whatever else runs
+        plans = {index: _Plan(sequence, plain=not speculate and sequence.state.sampling.greedy)
+                 for index, sequence in enumerate(batch)}
         self._each(plans, results, self._propose)
         self._build_trees(plans, results)
         if len(plans) > 1:
@@ -168,7 +175,10 @@ class SpeculativeDecoder:
             except Exception as error:  # noqa: BLE001 - a stage's failure is this sequence's alone
                 self._fail(plan.sequence, results, index, error)
                 del plans[index]
-        self._learn_step_cost(plans, step_started, forward_seconds, total_rows)
+        self._learn_step_cost(plans, step_started, total_rows)
+        if self.gate is not None:
+            committed = sum(len(result.tokens) for result in results if isinstance(result, StepOutput))
+            self.gate.observe(len(batch), speculate, committed, 1000.0 * (clock() - step_started))
         return results
 
     def _each(self, plans: dict[int, _Plan], results: list, work) -> None:
@@ -181,6 +191,9 @@ class SpeculativeDecoder:
 
     def _propose(self, plan: _Plan) -> None:
         state = plan.sequence.state
+        if plan.plain:
+            state.lookahead_rows = 0
+            return
         mark = clock()
         plan.proposals = [proposer.propose(state) for proposer in self.proposers]
         plan.seconds["propose"] = clock() - mark
@@ -192,8 +205,33 @@ class SpeculativeDecoder:
 
     def _build_trees(self, plans: dict[int, _Plan], results: list) -> None:
         """Each sequence's tree, priced against the rest of the batch as it stands when the tree is built (the
-        others' plain rows, or the trees they have built already)."""
-        order = sorted(plans)
+        others' plain rows, or the trees they have built already). Where the tree builder grows drafters for the
+        whole batch at once (`build_many`: one draft forward per level for all sequences), every tree is priced
+        against the others' plain rows, and `_trim` chooses among the nodes afterwards."""
+        building = [index for index, plan in plans.items()
+                    if self.tree_builder is not None and not plan.plain and (plan.proposals or self.drafters)]
+        for plan in plans.values():
+            plan.seconds["tree"] = 0.0
+        build_many = getattr(self.tree_builder, "build_many", None)
+        if build_many is not None and self.drafters and len(building) > 1:
+            for index in building:
+                self._set_budget(plans, index)
+            mark = clock()
+            try:
+                trees = build_many([plans[i].sequence.state for i in building], [plans[i].proposals for i in building],
+                                   self.drafters)
+            except Exception:  # noqa: BLE001 - find whose build fails: each alone
+                trees = None
+            finally:
+                for index in building:
+                    plans[index].sequence.state.budget = NO_BUDGET
+            if trees is not None:
+                share = (clock() - mark) / len(building)
+                for index, tree in zip(building, trees):
+                    plans[index].tree = tree
+                    plans[index].seconds["tree"] = share
+                return
+        order = sorted(building)
         if order:
             self._rotation = (self._rotation + 1) % len(order)
             order = order[self._rotation:] + order[:self._rotation]
@@ -201,26 +239,27 @@ class SpeculativeDecoder:
             plan = plans.get(index)
             if plan is None:
                 continue
-            others = [other for key, other in plans.items() if key != index]
-            state = plan.sequence.state
-            # a sampled request's tree is sized as if it were alone: a tree of another shape would draw other
-            # numbers from its generator, and its seed would no longer give the same tokens in any batch
-            state.budget = NO_BUDGET if not others or not state.sampling.greedy else StepBudget(
-                rows=sum(other.rows for other in others),
-                tokens=sum(other.tree.expected_tokens for other in others),
-                milliseconds=sum(other.tree.drafting_ms for other in others)
-                + len(others) * self._overhead_ms.value)
+            self._set_budget(plans, index)
             try:
                 mark = clock()
-                built = self.tree_builder is not None and bool(plan.proposals or self.drafters)
-                plan.tree = self.tree_builder.build(state, plan.proposals, self.drafters) if built \
-                    else DraftTree.empty()
+                plan.tree = self.tree_builder.build(plan.sequence.state, plan.proposals, self.drafters)
                 plan.seconds["tree"] = clock() - mark
             except Exception as error:  # noqa: BLE001
                 self._fail(plan.sequence, results, index, error)
                 del plans[index]
             finally:
-                state.budget = NO_BUDGET
+                plan.sequence.state.budget = NO_BUDGET
+
+    def _set_budget(self, plans: dict[int, _Plan], index: int) -> None:
+        """What the rest of the batch puts in the step, for sequence `index`'s tree builder (DecodeState.budget)."""
+        others = [other for key, other in plans.items() if key != index]
+        state = plans[index].sequence.state
+        # a sampled request's tree is sized as if it were alone: a tree of another shape would draw other
+        # numbers from its generator, and its seed would no longer give the same tokens in any batch
+        state.budget = NO_BUDGET if not others or not state.sampling.greedy else StepBudget(
+            rows=sum(other.rows for other in others),
+            tokens=sum(other.tree.expected_tokens for other in others),
+            milliseconds=sum(other.tree.drafting_ms for other in others) + len(others) * self._sequence_ms.value)
 
     def _trim(self, plans: dict[int, _Plan]) -> None:
         """The batch's nodes chosen together: every tree's scored nodes ranked by their chance of acceptance, and
@@ -232,7 +271,7 @@ class SpeculativeDecoder:
             return
         fixed_rows, fixed_tokens, candidates = 0, 0.0, []
         milliseconds = sum(plan.tree.drafting_ms for plan in plans.values()) + \
-            (len(plans) - 1) * self._overhead_ms.value
+            (len(plans) - 1) * self._sequence_ms.value
         for index, plan in plans.items():
             tree = plan.tree
             fixed_rows += 1 + plan.sequence.state.lookahead_rows
@@ -327,26 +366,30 @@ class SpeculativeDecoder:
                           batch_size=batch_size)
         return StepOutput(emitted, drafted, stats, finished)
 
-    def _learn_step_cost(self, plans: dict[int, _Plan], step_started: float, forward_seconds: float,
-                         total_rows: int) -> None:
-        """Teaches the online cost curve what the step cost. Trees are sized for expected tokens per millisecond
-        of the whole step, which costs more than its verify forward: the proposers, a drafter's first forward
-        (feeding the committed rows), verify, commit. Priced at the forward alone, those fixed costs would be
-        missing from every tree's price, so extra rows would look dearer, against the step, than they are. The
-        draft levels are left out: the builder prices them itself, with the drafters' own curves. In a batch the
-        curve learns the forward plus ONE sequence's share of the rest; the others' shares are the
-        `StepBudget.milliseconds` their trees are priced with."""
+    def _learn_step_cost(self, plans: dict[int, _Plan], step_started: float, total_rows: int) -> None:
+        """Learns what a step costs. Trees are sized for expected tokens per millisecond of the whole step, which
+        costs more than its verify forward: the proposers, a drafter's first forward (feeding the committed rows),
+        verify, commit. Priced at the forward alone, those fixed costs would be missing from every tree's price,
+        so extra rows would look dearer, against the step, than they are. The draft levels are left out: the
+        builder prices them itself, with the drafters' own curves.
+
+        A step of one sequence teaches the online cost curve (its rows, the step's milliseconds). A batched step
+        teaches what each further sequence adds beyond its rows on the curve (its attention over its own cache,
+        its proposers, verify and commit): `StepBudget.milliseconds` prices a tree's batch with it."""
         if not plans:
             return
         drafting_ms = sum(plan.tree.drafting_ms for plan in plans.values())
         step_ms = 1000.0 * (clock() - step_started) - drafting_ms
-        forward_ms = 1000.0 * forward_seconds
-        per_sequence_ms = (step_ms - forward_ms) / len(plans)  # < 0 where the levels took less than priced
-        self._overhead_ms.add(max(per_sequence_ms, 0.0))
+        if len(plans) > 1:
+            curve = self.forward_costs or getattr(self.tree_builder, "cost_curve", None)
+            if curve is not None:
+                self._sequence_ms.add(max(step_ms - curve(total_rows), 0.0) / (len(plans) - 1))
+            return
         # The first step after a prefill finds the caches full of the prompt's work, and would price one
         # row as if all were so
-        if self.forward_costs is not None and all(plan.sequence.steps > 1 for plan in plans.values()):
-            self.forward_costs.observe(total_rows, forward_ms + per_sequence_ms)  # one sequence alone: step_ms
+        (plan,) = plans.values()
+        if self.forward_costs is not None and plan.sequence.steps > 1:
+            self.forward_costs.observe(total_rows, step_ms)
 
     # ---- the end of a sequence --------------------------------------------------------------------------
     def _fail(self, sequence: Sequence, results: list, index: int, error: BaseException) -> None:

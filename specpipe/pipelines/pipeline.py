@@ -1,9 +1,9 @@
 """The application API: `generate` and `stream` over a built decoder."""
 from __future__ import annotations
 
-import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -268,11 +268,11 @@ class Pipeline:
             steps = self.decoder.decode(request.prompt_ids, request.stop, request.sampling, request.document_ids)
         else:
             steps = self.scheduler.submit(request).steps()
-        return self._generation(request, steps, started)
+        return self._generation(steps, started, lambda: request)
 
     def result(self, handle: RequestHandle, timeout: float | None = None) -> Generation:
         """A submitted request's answer, once it is complete (its errors raised here)."""
-        return self._generation(handle.request, handle.steps(timeout), handle.submitted)
+        return self._generation(handle.steps(timeout), handle.submitted, lambda: handle.request)
 
     def generate_many(self, prompts: Sequence[PromptLike | list[int]], max_new_tokens: int = 128,
                       stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
@@ -285,7 +285,7 @@ class Pipeline:
         try:
             for request in requests:
                 handles.append(self.scheduler.submit(request))
-            return [self._generation(handle.request, handle.steps(), started) for handle in handles]
+            return [self._generation(handle.steps(), started, lambda: handle.request) for handle in handles]
         finally:
             for handle in handles:
                 if not handle.done:
@@ -306,7 +306,7 @@ class Pipeline:
         decoded by the batch engine; the event loop is never blocked."""
         started = time.perf_counter()
         handle = await self.asubmit(prompt, max_new_tokens, stop, sampling, chat_template, documents)
-        return self._generation(handle.request, [step async for step in handle.asteps()], started)
+        return self._generation([step async for step in handle.asteps()], started, lambda: handle.request)
 
     async def astream(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
                       stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
@@ -325,10 +325,10 @@ class Pipeline:
     async def asubmit(self, prompt: PromptLike | list[int] | PreparedPrompt, max_new_tokens: int = 128,
                       stop: Sequence[str] | str | None = (), sampling: SamplingConfig | Mapping | None = None,
                       chat_template: bool | None = None, documents: Documents = None) -> RequestHandle:
-        """`submit` for asyncio (read the handle with `asteps()`)."""
-        request = await asyncio.to_thread(self.request, prompt, max_new_tokens, stop, sampling, chat_template,
-                                          documents)
-        return self.scheduler.submit(request)
+        """`submit` for asyncio (read the handle with `asteps()`). The request is checked and prepared by the
+        engine's thread (retrieval runs torch, which belongs there): its errors come from the handle."""
+        return self.scheduler.submit(functools.partial(self.request, prompt, max_new_tokens, stop, sampling,
+                                                       chat_template, documents))
 
     def _text_chunks(self, steps: Iterable[StepOutput]) -> Iterator[str]:
         text = IncrementalText(self)
@@ -340,13 +340,16 @@ class Pipeline:
         if tail:
             yield tail
 
-    def _generation(self, request: DecodeRequest, steps: Iterable[StepOutput], started: float) -> Generation:
+    def _generation(self, steps: Iterable[StepOutput], started: float, request_of: Callable[[], DecodeRequest]
+                    ) -> Generation:
+        """The Generation of `steps` (all of them read here); `request_of` gives the request once they are."""
         stats = GenerationStats()
         tokens: list[int] = []
         for step in steps:
             tokens.extend(step.tokens)
             stats.add(step)
         stats.seconds = time.perf_counter() - started
+        request = request_of()
         return Generation(self.decode_text(tokens), tokens, list(request.prompt_ids), stats, list(request.retrieved),
                           finish_reason=request.stop.reason)
 

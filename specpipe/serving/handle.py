@@ -5,7 +5,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from specpipe.errors import SpecpipeError
@@ -43,12 +43,16 @@ class _Finished:
 
 
 class RequestHandle:
-    """What `submit` returns. The scheduler thread pushes the request's committed steps; the caller reads
-    them with `steps()` (blocking), `stream()`/`result()` (through the pipeline), or `asteps()` in asyncio, and
-    may `cancel()` it at any time (a stream closed early cancels it too). One reader per handle."""
+    """What `submit` returns. The engine pushes the request's committed steps; the caller reads them with
+    `steps()` (blocking: while nobody else drives the engine, the reading thread runs it), through the
+    pipeline's `result`/`stream`, or with `asteps()` in asyncio, and may `cancel()` it at any time (a reader
+    that stops early cancels it too). One reader per handle."""
 
-    def __init__(self, request: DecodeRequest) -> None:
-        self.request = request
+    def __init__(self, request: DecodeRequest | None, prepare: Callable[[], DecodeRequest] | None = None,
+                 scheduler=None) -> None:
+        self.request = request  # None until the engine has called `prepare`
+        self.prepare = prepare
+        self._scheduler = scheduler  # the BatchScheduler it was submitted to: readers drive it
         self.submitted = time.perf_counter()
         self.first_token: float | None = None  # perf_counter() when the first step was pushed
         self.finished: float | None = None
@@ -74,9 +78,14 @@ class RequestHandle:
         self.error = error
         self._put(_Finished(error))
 
+    def poke(self) -> None:
+        """Wakes a waiting reader without an event (the engine's driver role is free to take)."""
+        self._put(None)
+
     def _put(self, event) -> None:
         with self._condition:
-            self._events.append(event)
+            if event is not None:
+                self._events.append(event)
             self._condition.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, ready in waiters:
@@ -99,14 +108,7 @@ class RequestHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                with self._condition:
-                    while not self._events:
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            raise TimeoutError("the request did not finish in time")
-                        # short waits keep the reading thread responsive to KeyboardInterrupt
-                        self._condition.wait(0.25 if left is None else min(left, 0.25))
-                    event = self._events.popleft()
+                event = self._next_event(deadline)
                 if isinstance(event, _Finished):
                     if event.error is not None:
                         raise event.error
@@ -115,6 +117,25 @@ class RequestHandle:
         except GeneratorExit:
             self.cancel()  # a reader that stops early does not want the rest
             raise
+        finally:
+            if self._scheduler is not None:
+                self._scheduler.release()  # where this thread drove the engine: another reader may
+
+    def _next_event(self, deadline: float | None):
+        while True:
+            with self._condition:
+                if self._events:
+                    return self._events.popleft()
+            if self._scheduler is not None and self._scheduler.drive(self):
+                continue  # this thread ran an iteration of the engine: its events may be there now
+            with self._condition:
+                if self._events:
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("the request did not finish in time")
+                # short waits keep the reading thread responsive to KeyboardInterrupt
+                self._condition.wait(0.25 if left is None else min(left, 0.25))
 
     async def asteps(self) -> AsyncIterator[StepOutput]:
         """`steps` for asyncio: awaits each step without blocking the event loop."""
@@ -127,6 +148,8 @@ class RequestHandle:
                         ready = asyncio.Event()
                         self._waiters.append((loop, ready))
                 if event is None:
+                    if self._scheduler is not None:
+                        self._scheduler.ensure_driver()  # an event loop must not run the engine itself
                     await ready.wait()
                     continue
                 if isinstance(event, _Finished):

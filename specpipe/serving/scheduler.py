@@ -1,11 +1,23 @@
-"""Continuous batching: one thread owns the target and advances every running request by one step at a time,
-all of them verified in one forward; requests join between steps and leave as soon as they end."""
+"""Continuous batching: the engine advances every running request by one step at a time, all of them verified in
+one forward; requests join between steps and leave as soon as they end.
+
+Who runs the engine. One thread at a time holds the driver's role and runs the engine's iterations (admit, then
+one step of the batch); every torch op of the engine runs there. A thread reading its request's steps takes the
+role where nobody holds it and keeps it until its own request ends (`Pipeline.generate` from the main thread
+drives the engine itself); `run` gives the role to one thread until told to stop (the server and the load
+benchmark run it in the main thread); asyncio readers with nobody driving start a background thread that drives
+while there is work. Why not always a thread of the engine's own: OpenMP shortens its workers' spinning to
+almost nothing once more threads have OpenMP teams than the process has CPUs, and the main thread keeps the team
+it made while the model loaded; a forward of the embedded model then took 27 ms in a second thread against 15.5
+ms in the main thread (bf16, 2 CPUs). So torch runs in as few threads as possible, the main thread first.
+"""
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpipe.errors import ConfigError, InvalidRequest, SpecpipeError
@@ -49,33 +61,37 @@ class SchedulerObserver:
 
 
 class BatchScheduler:
-    """Owns a decoder; `submit` queues a checked request from any thread and returns its handle.
+    """Owns a decoder; `submit` queues a request from any thread and returns its handle.
 
-    Its thread admits queued requests while the limits allow (each prefilled in a forward of its own, its first
-    token pushed at once), then runs one `SpeculativeDecoder.step` over every running request, pushes each its
-    step, and drops those that finished, failed or were cancelled (their caches go with them). The thread
-    starts with the first request and ends after `idle_seconds` without any."""
+    An iteration of the engine admits queued requests while the limits allow (each prefilled in a forward of its
+    own, its first token pushed at once), then runs one `SpeculativeDecoder.step` over every running request,
+    pushes each its step, and drops those that finished, failed or were cancelled (their caches go with them).
+    See the module's doc for which thread runs the iterations."""
 
     def __init__(self, decoder: SpeculativeDecoder, limits: SchedulerLimits = SchedulerLimits(),
                  observer: SchedulerObserver | None = None, idle_seconds: float = 2.0) -> None:
         self.decoder = decoder
         self.limits = limits
         self.observer = observer or SchedulerObserver()
-        self.idle_seconds = idle_seconds
+        self.idle_seconds = idle_seconds  # how long a background driver waits for work before it ends
         self._queue: deque[RequestHandle] = deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._condition = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._driver: threading.Thread | None = None  # the thread that holds the role
+        self._held = False  # `run` holds the role until stopped
         self._accepting = True
         self.steps = 0  # batched steps run, for reports
 
     # ---- any thread ------------------------------------------------------------------------------------
-    def submit(self, request: DecodeRequest) -> RequestHandle:
-        if request.tokens_reserved > self.limits.max_tokens_in_flight:
-            raise InvalidRequest(f"the request may hold {request.tokens_reserved} tokens (prompt + max_new_tokens), "
-                                 f"more than this engine's scheduler.max_tokens_in_flight "
-                                 f"({self.limits.max_tokens_in_flight}); shorten it")
-        handle = RequestHandle(request)
+    def submit(self, request: DecodeRequest | Callable[[], DecodeRequest]) -> RequestHandle:
+        """Queues a checked request, or a function that makes one: it is called by the engine's thread when the
+        request's turn comes (retrieval runs torch, which belongs in that thread), and what it raises fails the
+        request."""
+        if isinstance(request, DecodeRequest):
+            self._check_size(request)
+            handle = RequestHandle(request, scheduler=self)
+        else:
+            handle = RequestHandle(None, prepare=request, scheduler=self)
         with self._condition:
             if not self._accepting:
                 raise Overloaded("the engine is shutting down and takes no new requests")
@@ -83,9 +99,6 @@ class BatchScheduler:
                 raise Overloaded(f"the engine's queue is full ({self.limits.max_queued} requests wait, "
                                  f"scheduler.max_queued); retry later")
             self._queue.append(handle)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="specpipe-scheduler", daemon=True)
-                self._thread.start()
             self._condition.notify_all()
             self.observer.on_queue(len(self._queue), len(self._running))
         return handle
@@ -105,59 +118,159 @@ class BatchScheduler:
             self._accepting = False
             self._condition.notify_all()
         deadline = time.monotonic() + grace_seconds
-        while time.monotonic() < deadline:
-            with self._condition:
-                if not self._queue and not self._running:
-                    return True
-            time.sleep(0.05)
+        while time.monotonic() < deadline and self._has_work():
+            self.ensure_driver()
+            time.sleep(0.02)
+        if not self._has_work():
+            return True
         with self._condition:
             handles = list(self._queue) + [handle for _, handle in self._running]
         for handle in handles:
             handle.cancel()
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and (self._queue or self._running):
-            time.sleep(0.05)
+        while time.monotonic() < deadline and self._has_work():
+            self.ensure_driver()  # someone must drop the cancelled requests
+            time.sleep(0.02)
         return False
 
-    # ---- the scheduler's thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
+    # ---- driving ----------------------------------------------------------------------------------------
+    def drive(self, reader: RequestHandle) -> bool:
+        """For a thread waiting for `reader`'s next step: runs one iteration of the engine in this thread where no
+        other thread drives, keeping the role until `reader` ends; False where another thread drives."""
+        me = threading.current_thread()
+        with self._condition:
+            if self._driver is None and not reader.done:
+                self._driver = me
+            if self._driver is not me:
+                return False
+        try:
+            self._iterate()
+        except BaseException:
+            self.release()
+            raise
+        if reader.done or not self._has_work():
+            self.release()
+        return True
+
+    def release(self) -> None:
+        """The calling thread gives up the driver's role (a reader whose request ended, or that stopped reading)."""
+        with self._condition:
+            if self._driver is threading.current_thread() and not self._held:
+                self._driver = None
+                waiting = list(self._queue) + [handle for _, handle in self._running]
+            else:
+                waiting = []
+        for handle in waiting:  # another reader may take the role
+            handle.poke()
+
+    def hold(self) -> None:
+        """Makes the calling thread the engine's driver (once the thread that drives now lets go), for `run`:
+        taken before the threads that submit and read start, they never drive."""
+        me = threading.current_thread()
+        with self._condition:
+            while self._driver not in (None, me):
+                self._condition.wait(0.05)
+            self._driver, self._held = me, True
+
+    def run(self, stop: threading.Event) -> None:
+        """Runs the engine in the calling thread until `stop` is set, waiting for work when there is none; then
+        gives the driver's role up."""
+        self.hold()
+        try:
+            while not stop.is_set():
+                if self._has_work():
+                    self._iterate()
+                else:
+                    with self._condition:
+                        self._condition.wait(0.05)
+        finally:
             with self._condition:
-                while not self._queue and not self._running:
-                    if not self._condition.wait(self.idle_seconds) and not self._queue:
-                        self._thread = None  # a later submit starts a new thread
-                        return
-                admitted = self._admit()
-            try:
-                for handle in admitted:
-                    self._start(handle)
-                if self._running:
-                    self._step()
-            except BaseException as error:  # noqa: BLE001 - a bug here must not strand the callers
-                log.exception("the batch scheduler failed; failing its running requests")
-                for _, handle in self._running:
-                    self._end(handle, error)
+                self._held = False
+            self.release()
+
+    def ensure_driver(self) -> None:
+        """Starts a background thread to drive where no thread does and there is work (for asyncio readers)."""
+        with self._condition:
+            if self._driver is not None or not (self._queue or self._running):
+                return
+            thread = threading.Thread(target=self._drive_in_background, name="specpipe-engine", daemon=True)
+            self._driver = thread
+        thread.start()
+
+    def _drive_in_background(self) -> None:
+        idle_since = time.monotonic()
+        try:
+            while True:
+                if self._has_work():
+                    self._iterate()
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.idle_seconds:
+                    return
+                else:
+                    with self._condition:
+                        self._condition.wait(0.05)
+        except BaseException:  # noqa: BLE001 - logged; the readers get their errors from _iterate
+            log.exception("the batch engine's background driver failed")
+        finally:
+            with self._condition:
+                self._driver = None
+                waiting = list(self._queue) + [handle for _, handle in self._running]
+            for handle in waiting:
+                handle.poke()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._running)
+
+    # ---- one iteration (the driver's thread) -------------------------------------------------------------
+    def _iterate(self) -> None:
+        try:
+            for handle in self._admit():
+                self._start(handle)
+            if self._running:
+                self._step()
+        except Exception as error:  # noqa: BLE001 - a bug here must not strand the readers
+            log.exception("the batch engine failed; failing its running requests")
+            for _, handle in self._running:
+                self._end(handle, error)
+            with self._condition:
                 self._running = []
-                if not isinstance(error, Exception):
-                    raise
 
     def _admit(self) -> list[RequestHandle]:
-        """Requests to start now, first come first served (called holding the lock)."""
-        admitted = []
+        """Requests to start now, first come first served; a queued function is made into its request here."""
+        admitted: list[RequestHandle] = []
         in_flight = sum(handle.request.tokens_reserved for _, handle in self._running)
-        while self._queue and len(self._running) + len(admitted) < self.limits.max_sequences:
-            handle = self._queue[0]
-            if handle.cancelled:
-                self._queue.popleft()
-                self._end(handle, Cancelled("the request was cancelled before it started"))
-                continue
-            if in_flight + handle.request.tokens_reserved > self.limits.max_tokens_in_flight:
-                break  # it waits for running requests to free their tokens
-            self._queue.popleft()
-            in_flight += handle.request.tokens_reserved
-            admitted.append(handle)
-        self.observer.on_queue(len(self._queue), len(self._running) + len(admitted))
+        while True:
+            with self._condition:
+                if not self._queue or len(self._running) + len(admitted) >= self.limits.max_sequences:
+                    break
+                handle = self._queue[0]
+                if handle.cancelled:
+                    self._queue.popleft()
+                    self._end(handle, Cancelled("the request was cancelled before it started"))
+                    continue
+                if handle.request is not None:
+                    if in_flight + handle.request.tokens_reserved > self.limits.max_tokens_in_flight:
+                        break  # it waits for running requests to free their tokens
+                    self._queue.popleft()
+                    in_flight += handle.request.tokens_reserved
+                    admitted.append(handle)
+                    continue
+            try:  # outside the lock: preparing a request may take a while (retrieval)
+                handle.request = handle.prepare()
+                self._check_size(handle.request)
+            except Exception as error:  # noqa: BLE001 - this request's failure only
+                with self._condition:
+                    self._queue.remove(handle)
+                self._end(handle, error)
+        with self._condition:
+            self.observer.on_queue(len(self._queue), len(self._running) + len(admitted))
         return admitted
+
+    def _check_size(self, request: DecodeRequest) -> None:
+        if request.tokens_reserved > self.limits.max_tokens_in_flight:
+            raise InvalidRequest(f"the request may hold {request.tokens_reserved} tokens (prompt + max_new_tokens), "
+                                 f"more than this engine's scheduler.max_tokens_in_flight "
+                                 f"({self.limits.max_tokens_in_flight}); shorten it")
 
     def _start(self, handle: RequestHandle) -> None:
         request = handle.request
@@ -181,7 +294,8 @@ class BatchScheduler:
                 self._end(handle, Cancelled("the request was cancelled"))
             else:
                 running.append((sequence, handle))
-        self._running = running
+        with self._condition:
+            self._running = running
         if not running:
             return
         outputs = self.decoder.step([sequence for sequence, _ in running])
@@ -207,4 +321,3 @@ class BatchScheduler:
         handle.close(error)
         status = "finished" if error is None else "cancelled" if isinstance(error, Cancelled) else "failed"
         self.observer.on_end(handle, status)
-

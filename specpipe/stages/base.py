@@ -37,6 +37,11 @@ class StepDrafter(Proposer, Protocol):
     Per step the builder calls `start` once, then `step` once per depth with the tree grown so
     far; nodes only ever get appended to that tree within a step.
 
+    A drafter that drafts for the sequences of a batch in one forward has `start_many(states)` and
+    `step_many(calls)` (calls: (state, tokens, parents, frontier) per sequence), giving per sequence what `start`
+    and `step` give; the tree builder calls them through `start_each` / `step_each`. Without them each sequence
+    drafts in its own forwards.
+
     A drafter that scores only part of the vocabulary may have a `draft_vocab` attribute: a tensor
     [k] of target token ids. Its `start` and `step` then return log-probs over those tokens only
     ([k], [m, k]; column j is token draft_vocab[j]), sparing the builder a top-k over the whole
@@ -50,6 +55,24 @@ class StepDrafter(Proposer, Protocol):
         """tokens, parents [n]: the tree so far (-1 = child of the root); frontier [m]: node ids to
         expand (-1 = the root). Returns the draft's next-token log-probs [m, vocab] after each
         frontier node; the tree builder takes the top children or samples them."""
+
+
+def start_each(drafter: StepDrafter, states: list[DecodeState]) -> list[Tensor]:
+    """`drafter.start` for the sequences of a batch: in one draft forward where the drafter batches
+    (`start_many(states)`, same results as one `start` each), else one call each."""
+    start_many = getattr(drafter, "start_many", None)
+    if start_many is not None and len(states) > 1:
+        return start_many(states)
+    return [drafter.start(state) for state in states]
+
+
+def step_each(drafter: StepDrafter, calls: list[tuple[DecodeState, list[int], list[int], list[int]]]) -> list[Tensor]:
+    """`drafter.step(state, tokens, parents, frontier)` for each call of a batch (one per sequence): in one draft
+    forward where the drafter batches (`step_many(calls)`), else one call each."""
+    step_many = getattr(drafter, "step_many", None)
+    if step_many is not None and len(calls) > 1:
+        return step_many(calls)
+    return [drafter.step(*call) for call in calls]
 
 
 def draft_token_ids(columns: Tensor, draft_vocab: Tensor | None) -> Tensor:

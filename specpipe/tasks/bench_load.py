@@ -119,7 +119,11 @@ def run_closed_loop(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], clien
             with lock:
                 records.append(record)
 
-    _run_threads([threading.Thread(target=client) for _ in range(clients)])
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    pipeline.scheduler.hold()  # this thread runs the engine, before any client could
+    for thread in threads:
+        thread.start()
+    _drive_until_done(pipeline, threads)
     return records, time.perf_counter() - started
 
 
@@ -137,24 +141,40 @@ def run_poisson(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], rate: flo
         with lock:
             records.append(record)
 
-    arrival = 0.0
-    for index in range(requests):
-        arrival += rng.expovariate(rate)
-        delay = started + arrival - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        threads.append(threading.Thread(target=client, args=(index,)))
-        threads[-1].start()
-    _run_threads(threads, started=True)
+    def arrivals() -> None:
+        arrival = 0.0
+        for index in range(requests):
+            arrival += rng.expovariate(rate)
+            delay = started + arrival - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            threads.append(threading.Thread(target=client, args=(index,)))
+            threads[-1].start()
+
+    dispatcher = threading.Thread(target=arrivals)
+    pipeline.scheduler.hold()
+    dispatcher.start()
+    _drive_until_done(pipeline, [dispatcher], threads)
     return records, time.perf_counter() - started
 
 
-def _run_threads(threads: list[threading.Thread], started: bool = False) -> None:
-    if not started:
-        for thread in threads:
-            thread.start()
-    for thread in threads:
-        thread.join()
+def _drive_until_done(pipeline: Pipeline, *thread_lists: list[threading.Thread]) -> None:
+    """Runs the pipeline's engine in this (the main) thread until every thread of the lists has ended (a list may
+    grow while the threads before it run): the clients only submit and read."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        for threads in thread_lists:
+            index = 0
+            while index < len(threads):
+                threads[index].join()
+                index += 1
+        stop.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    pipeline.scheduler.run(stop)
+    watcher.join()
 
 
 def _consume(handle: RequestHandle, origin: float) -> RequestRecord:

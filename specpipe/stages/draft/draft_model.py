@@ -284,22 +284,30 @@ class DraftModelDrafter:
     # ---- StepDrafter ------------------------------------------------------------------------
     def start(self, state: DecodeState) -> Tensor:
         """Syncs the draft cache with the committed tokens; returns log-probs [vocab] after the root."""
-        session: DraftSession = state.stage_state[self]
-        tokens = state.tokens
-        if session.synced == len(tokens) and session.root_logprobs is not None:
-            session.cache.crop(session.synced)  # only this step's tree entries go
-        else:
-            shared = min(session.synced, len(tokens) - 1)  # the root is always fed again: its log-probs are needed
-            session.cache.crop(shared)
-            new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
-            q = int(new.shape[0])
-            # only the root's row is read: a prompt's rows through the output layer would cost a third of
-            # the draft's prefill
-            session.root_logprobs = self._forward_logprobs(new, torch.arange(shared, shared + q), causal_rows(shared, q),
-                                                           session.cache, rows=1)[-1]
-        session.synced = len(tokens)
-        session.slots, session.logprobs = {}, {}
-        return session.root_logprobs
+        return self.start_many([state])[0]
+
+    def start_many(self, states: list[DecodeState]) -> list[Tensor]:
+        """`start` for the sequences of a batch: their new committed tokens fed in one forward of the draft."""
+        feeds = []
+        for state in states:
+            session: DraftSession = state.stage_state[self]
+            tokens = state.tokens
+            if session.synced == len(tokens) and session.root_logprobs is not None:
+                session.cache.crop(session.synced)  # only this step's tree entries go
+            else:
+                shared = min(session.synced, len(tokens) - 1)  # the root is always fed again: its log-probs are needed
+                session.cache.crop(shared)
+                new = torch.tensor(tokens[shared:], dtype=torch.long)  # [q]
+                q = int(new.shape[0])
+                # only the root's row is read: a prompt's rows through the output layer would cost a third of
+                # the draft's prefill
+                feeds.append((session, (new, torch.arange(shared, shared + q), causal_rows(shared, q),
+                                        session.cache, 1)))
+            session.synced = len(tokens)
+            session.slots, session.logprobs = {}, {}
+        for (session, _), logprobs in zip(feeds, self._levels([feed for _, feed in feeds])):
+            session.root_logprobs = logprobs[-1]
+        return [state.stage_state[self].root_logprobs for state in states]
 
     def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
         """The draft's next-token log-probs [m, vocab] after each frontier node.
@@ -309,26 +317,62 @@ class DraftModelDrafter:
         have run this step; nodes are fed to the draft cache once, when first expanded (their
         ancestors too, if the builder never expanded them).
         """
-        session: DraftSession = state.stage_state[self]
-        self._feed(state, tokens, parents, [node for node in frontier if node != ROOT])
-        return torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
-                            for node in frontier])  # [m, vocab]
+        return self.step_many([(state, tokens, parents, frontier)])[0]
+
+    def step_many(self, calls: list[tuple[DecodeState, list[int], list[int], list[int]]]) -> list[Tensor]:
+        """`step` for the sequences of a batch: every sequence's unfed nodes in one forward of the draft."""
+        sessions, feeds = [], []
+        for state, tokens, parents, frontier in calls:
+            session: DraftSession = state.stage_state[self]
+            sessions.append(session)
+            order, feed = self._rows_to_feed(session, tokens, parents, [node for node in frontier if node != ROOT])
+            if order:
+                feeds.append((session, order, feed))
+        for (session, order, _), logprobs in zip(feeds, self._levels([feed for _, _, feed in feeds])):
+            for row, node in enumerate(order):
+                session.logprobs[node] = logprobs[row]
+        return [torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node] for node in frontier])
+                for session, (_, _, _, frontier) in zip(sessions, calls)]  # [m, vocab] each
 
     def _feed(self, state: DecodeState, tokens: list[int], parents: list[int], nodes: list[int]) -> None:
         """Feeds every node of `nodes` not fed yet this step, and its unfed ancestors, through the
         draft in one forward: each row attends to the committed text, its ancestors and itself."""
         session: DraftSession = state.stage_state[self]
+        order, feed = self._rows_to_feed(session, tokens, parents, nodes)
+        if order:
+            logprobs = self._forward_logprobs(*feed)  # [q, vocab or k]
+            for row, node in enumerate(order):
+                session.logprobs[node] = logprobs[row]
+
+    @staticmethod
+    def _rows_to_feed(session: DraftSession, tokens: list[int], parents: list[int], nodes: list[int]
+                      ) -> tuple[list[int], tuple | None]:
+        """The nodes of `nodes` not fed yet this step, with their unfed ancestors first, given their cache rows;
+        and their forward's arguments (input_ids, positions, mask, cache, rows) as `_forward_logprobs` takes them."""
         order = unfed_ancestors_first(nodes, parents, session.slots)
         if not order:
-            return
+            return order, None
         cached = session.cache.get_seq_length()
         for row, node in enumerate(order):
             session.slots[node] = cached + row
         mask, positions = tree_rows(order, parents, session.slots, session.synced, cached)  # [q, kv], [q]
         input_ids = torch.tensor([tokens[node] for node in order], dtype=torch.long)  # [q]
-        logprobs = self._forward_logprobs(input_ids, positions, mask, session.cache, rows=len(order))  # [q, vocab or k]
-        for row, node in enumerate(order):
-            session.logprobs[node] = logprobs[row]
+        return order, (input_ids, positions, mask, session.cache, len(order))
+
+    def _levels(self, feeds: list[tuple[Tensor, Tensor, Tensor, PositionIndexedCache, int]]) -> list[Tensor]:
+        """`_forward_logprobs` of each feed; several feeds over plain caches in one forward of the draft, each row
+        attending its own cache (TargetModel.forward_rows)."""
+        if len(feeds) <= 1 or any(type(feed[3]) is not PositionIndexedCache for feed in feeds):
+            return [self._forward_logprobs(*feed) for feed in feeds]  # a layer subset's cache lays rows out its way
+        reduced = self._reduced_head()
+        wanted, start = [], 0
+        for input_ids, _, _, _, rows in feeds:  # each feed's last `rows` rows
+            q = int(input_ids.shape[0])
+            wanted.extend(range(start + q - rows, start + q))
+            start += q
+        outputs = self.runner.forward_rows([(ids, positions, mask, cache) for ids, positions, mask, cache, _ in feeds],
+                                           logits_rows=self._logits_rows(reduced, wanted))
+        return [self._logprobs(out, reduced, int(feed[0].shape[0]) - feed[4]) for out, feed in zip(outputs, feeds)]
 
     def _forward_logprobs(self, input_ids: Tensor, positions: Tensor, mask: Tensor, cache: PositionIndexedCache,
                           rows: int) -> Tensor:

@@ -25,6 +25,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +47,7 @@ from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, he
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
-from specpipe.target import SDPA_ATTENTION, TargetModel
+from specpipe.target import SDPA_ATTENTION, RaggedBatch, TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class EagleNet(nn.Module):
     accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the six below
     norm_kernel = None
     attention_kernel = None
+    ragged_attention_kernel = None  # its attention over several requests' rows (a batch's draft level)
     attention_max_rows = LeanLlamaModel.attention_max_rows
     # the kernel's whole decoder layer over column blocks (bf16 on AVX512_BF16 CPUs), run through BlockLayers
     layer_kernel = None
@@ -92,22 +94,25 @@ class EagleNet(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def rows(self, embeds: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor | None, cache=None) -> Tensor:
+    def rows(self, embeds: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor | None, cache=None,
+             ragged_batch: RaggedBatch | None = None) -> Tensor:
         """Batched rows (training, its rollouts): embeds, features [b, q, hidden]; position_ids [b, q];
         mask [b, 1, q, kv] bool over the cached rows then these, or None for causal rows without a
-        cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]."""
+        cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]. With `ragged_batch`
+        (b = 1, no mask, no cache) the rows are several requests', each attending its own cache."""
         hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
         rotary = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids)
         if self.lean:
             block_layers = self._block_layers()
-            if block_layers is not None and block_layers.serves(hidden, mask, cache):
+            if ragged_batch is None and block_layers is not None and block_layers.serves(hidden, mask, cache):
                 return block_layers(hidden, mask, rotary, cache)
             normalize = norm_function(self.norm_kernel, self.layers[0].post_attention_layernorm.weight, hidden)
             return lean_decoder_layers(self, self.layers, hidden, normalize, mask, position_ids, cache,
-                                       cache is not None, rotary)
+                                       cache is not None, rotary, ragged_batch=ragged_batch)
+        extra = {"ragged_batch": ragged_batch} if ragged_batch is not None else {}
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary)
+                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary, **extra)
         return hidden
 
     def _block_layers(self) -> BlockLayers | None:
@@ -151,6 +156,17 @@ class EagleSession:
     slots: dict[int, int] = field(default_factory=dict)  # tree node id -> cache row, this step
     features: dict[int, Tensor] = field(default_factory=dict)  # node -> predicted feature at it [hidden]
     logprobs: dict[int, Tensor] = field(default_factory=dict)  # node -> [vocab] after it
+
+
+class _Rows(NamedTuple):
+    """One request's rows of a draft level, as `EagleDrafter._level` takes them."""
+
+    features: Tensor  # [q, hidden]
+    tokens: Tensor  # [q] int64
+    positions: Tensor  # [q] int64
+    mask: Tensor  # [q, kv] bool over the cache's rows then these
+    cache: PositionIndexedCache
+    logprob_rows: int  # log-probs of the last rows wanted
 
 
 class EagleDrafter:
@@ -236,23 +252,31 @@ class EagleDrafter:
     def start(self, state: DecodeState) -> Tensor:
         """Feeds the committed rows not fed yet; returns the draft's log-probs [vocab] after the root
         ([k] over `draft_vocab` where the head scores a reduced vocabulary, as `step`'s rows)."""
-        session: EagleSession = state.stage_state[self]
-        committed_rows = session.synced - session.unfed
-        session.cache.crop(committed_rows)  # this step's tree rows go
-        if session.pending_tokens:
-            q = len(session.pending_tokens)
-            unfed = q - min(q, self.context_rows or q)  # the oldest pending rows, beyond `context_rows`
-            features = torch.cat(session.pending_features)[unfed:].to(self.target.dtype)  # [q - unfed, hidden]
-            tokens = torch.tensor(session.pending_tokens[unfed:], dtype=torch.long)  # [q - unfed]
-            predicted, logprobs = self._level(features, tokens, torch.arange(session.synced + unfed, session.synced + q),
-                                              causal_rows(committed_rows, q - unfed), session.cache, logprob_rows=1)
+        return self.start_many([state])[0]
+
+    def start_many(self, states: list[DecodeState]) -> list[Tensor]:
+        """`start` for the sequences of a batch: their committed rows fed in one forward of the head."""
+        sessions: list[EagleSession] = [state.stage_state[self] for state in states]
+        feeds, fed = [], []
+        for session in sessions:
+            committed_rows = session.synced - session.unfed
+            session.cache.crop(committed_rows)  # this step's tree rows go
+            if session.pending_tokens:
+                q = len(session.pending_tokens)
+                unfed = q - min(q, self.context_rows or q)  # the oldest pending rows, beyond `context_rows`
+                features = torch.cat(session.pending_features)[unfed:].to(self.target.dtype)  # [q - unfed, hidden]
+                tokens = torch.tensor(session.pending_tokens[unfed:], dtype=torch.long)  # [q - unfed]
+                feeds.append(_Rows(features, tokens, torch.arange(session.synced + unfed, session.synced + q),
+                                   causal_rows(committed_rows, q - unfed), session.cache, 1))
+                fed.append((session, q, unfed))
+            session.slots, session.features, session.logprobs = {}, {}, {}
+        for (session, q, unfed), (predicted, logprobs) in zip(fed, self._levels(feeds)):
             session.root_feature = predicted[-1]
             session.root_logprobs = logprobs[0]
             session.synced += q
             session.unfed += unfed
             session.pending_features, session.pending_tokens = [], []
-        session.slots, session.features, session.logprobs = {}, {}, {}
-        return session.root_logprobs
+        return [session.root_logprobs for session in sessions]
 
     def step(self, state: DecodeState, tokens: list[int], parents: list[int], frontier: list[int]) -> Tensor:
         """The draft's log-probs [m, vocab] after each frontier node (ROOT = the root). Nodes are fed
@@ -261,28 +285,75 @@ class EagleDrafter:
         unfed = unfed_ancestors_first(frontier, parents, session.slots)
         while unfed:  # a node's input is its parent's predicted feature: feed level by level
             ready = [node for node in unfed if parents[node] == ROOT or parents[node] in session.features]
-            fed = self._feed(session, tokens, parents, ready)
+            fed = self._feed([(session, tokens, parents, ready)])[0]
             if ready == frontier:  # the usual level: the frontier is the nodes just fed, in their order
                 return fed
             unfed = [node for node in unfed if node not in session.features]
         return torch.stack([session.root_logprobs if node == ROOT else session.logprobs[node]
                             for node in frontier])  # [m, vocab]
 
-    def _feed(self, session: EagleSession, tokens: list[int], parents: list[int], nodes: list[int]) -> Tensor:
-        """Feeds `nodes` (their parents fed) as one forward; returns their log-probs [len(nodes), vocab]."""
-        cached = session.cache.get_seq_length()
-        for row, node in enumerate(nodes):
-            session.slots[node] = cached + row
-        mask, positions = tree_rows(nodes, parents, session.slots, session.synced - session.unfed, cached,
-                                    session.unfed)  # [q, kv], [q]
-        features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
-                                for node in nodes])  # [q, hidden]
-        ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
-        predicted, logprobs = self._level(features, ids, positions, mask, session.cache, len(nodes))  # [q, hidden], [q, vocab]
-        for row, node in enumerate(nodes):
-            session.features[node] = predicted[row]
-            session.logprobs[node] = logprobs[row]
-        return logprobs
+    def step_many(self, calls: list[tuple[DecodeState, list[int], list[int], list[int]]]) -> list[Tensor]:
+        """`step` for the sequences of a batch: where each call's frontier is the nodes to feed next (the usual
+        level), one forward of the head for all of them; any other call alone."""
+        results: list[Tensor | None] = [None] * len(calls)
+        together = []
+        for index, (state, tokens, parents, frontier) in enumerate(calls):
+            session: EagleSession = state.stage_state[self]
+            unfed = unfed_ancestors_first(frontier, parents, session.slots)
+            if unfed and unfed == frontier and all(parents[node] == ROOT or parents[node] in session.features
+                                                   for node in frontier):
+                together.append((index, (session, tokens, parents, frontier)))
+            else:
+                results[index] = self.step(state, tokens, parents, frontier)
+        for (index, _), logprobs in zip(together, self._feed([call for _, call in together])):
+            results[index] = logprobs
+        return results
+
+    def _feed(self, calls: list[tuple[EagleSession, list[int], list[int], list[int]]]) -> list[Tensor]:
+        """Feeds each call's `nodes` (their parents fed) as one level of the head, all calls in one forward;
+        returns their log-probs [len(nodes), vocab] per call."""
+        feeds = []
+        for session, tokens, parents, nodes in calls:
+            cached = session.cache.get_seq_length()
+            for row, node in enumerate(nodes):
+                session.slots[node] = cached + row
+            mask, positions = tree_rows(nodes, parents, session.slots, session.synced - session.unfed, cached,
+                                        session.unfed)  # [q, kv], [q]
+            features = torch.stack([session.root_feature if parents[node] == ROOT else session.features[parents[node]]
+                                    for node in nodes])  # [q, hidden]
+            ids = torch.tensor([tokens[node] for node in nodes], dtype=torch.long)  # [q]
+            feeds.append(_Rows(features, ids, positions, mask, session.cache, len(nodes)))
+        out = []
+        for (session, _, _, nodes), (predicted, logprobs) in zip(calls, self._levels(feeds)):
+            for row, node in enumerate(nodes):  # [q, hidden], [q, vocab]
+                session.features[node] = predicted[row]
+                session.logprobs[node] = logprobs[row]
+            out.append(logprobs)
+        return out
+
+    @torch.inference_mode()
+    def _levels(self, feeds: list["_Rows"]) -> list[tuple[Tensor, Tensor]]:
+        """One draft level of each feed's rows (one request's, over its own cache): (predicted features [q, hidden],
+        log-probs [logprob_rows, vocab] of its last rows) each. A lone feed runs as `_level`; several, in one
+        forward of the head whose rows attend each its own cache (specpipe.target.RaggedBatch)."""
+        if len(feeds) <= 1:
+            return [self._level(*feed) for feed in feeds]
+        device = self.target.device
+        ragged = RaggedBatch([feed.cache for feed in feeds], [len(feed.tokens) for feed in feeds],
+                             [feed.mask for feed in feeds])
+        embeds = self.embed(torch.cat([feed.tokens for feed in feeds]).to(device))  # [R, hidden]
+        features = torch.cat([feed.features for feed in feeds]).to(device)  # [R, hidden]
+        positions = torch.cat([feed.positions for feed in feeds]).to(device)  # [R]
+        predicted = self.net.rows(embeds[None], features[None], positions[None], None, None,
+                                  ragged_batch=ragged)[0]  # [R, hidden]
+        last = torch.cat([torch.arange(end - feed.logprob_rows, end)
+                          for feed, end in zip(feeds, ragged.starts[1:])])  # each feed's last rows
+        logprobs = self._logprobs(predicted[last.to(device)])
+        out, row = [], 0
+        for feed, start, end in zip(feeds, ragged.starts, ragged.starts[1:]):
+            out.append((predicted[start:end], logprobs[row:row + feed.logprob_rows]))
+            row += feed.logprob_rows
+        return out
 
     @torch.inference_mode()
     def _level(self, features: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor, cache: PositionIndexedCache,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.sampling import draw_without_replacement, target_probs
-from specpipe.stages.base import StepDrafter, draft_token_ids, to_full_vocab
+from specpipe.stages.base import StepDrafter, draft_token_ids, start_each, step_each, to_full_vocab
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, Proposal, StepBudget
@@ -94,75 +95,115 @@ class Eagle2TreeBuilder:
         return self.cost_curve(budget.rows + queries) + budget.milliseconds
 
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter] = ()) -> DraftTree:
-        # the other sources' node scores, best first: the cut the drafters' nodes must improve on (only
-        # drafters read them, and a step with none skips the sort)
-        other_scores = sorted((score for proposal in proposals for score in proposal.scores.tolist()),
-                              reverse=True)[: self.selector.max_nodes] if drafters else []
-        # greedy steps only: a sampled tree keeps the drafter's nodes beside equal ones of other sources,
-        # so the committed tokens do not tell whose node was accepted
-        gated = self.gate is not None and bool(other_scores) and state.sampling.greedy
-        # the step before this one only: the drafters grown in it fed all but its own committed rows
-        grown_before = self.gate.learn_last_step(state) if self.gate is not None else frozenset()
-        if gated:
-            bucket = self.gate.bucket(other_scores[0])  # the other sources' best node score
-            other_rate = self.selector.best_cut(other_scores, budget=state.budget)[2]
-        grown, drafting_ms, timed = [], 0.0, {}
+        return self.build_many([state], [proposals], drafters)[0]
+
+    def build_many(self, states: list[DecodeState], proposals: list[list[Proposal]],
+                   drafters: list[StepDrafter] = ()) -> list[DraftTree]:
+        """`build` for the sequences of a batch at once: each drafter's levels run for every greedy sequence that
+        grows it in one draft forward per level (StepDrafter.start_many / step_many), each sequence's tree still
+        chosen on its own (its `state.budget`). Sampled sequences grow one at a time, as alone."""
+        plans = [_GrowthPlan.of(self, state, state_proposals, bool(drafters))
+                 for state, state_proposals in zip(states, proposals)]
+        grown: list[list[Proposal]] = [[] for _ in states]
+        drafting_ms = [0.0] * len(states)
         for drafter in drafters:
             name = getattr(drafter, "name", "draft")
-            if gated and not self.gate.should_grow(name, bucket, other_rate):
+            members = [i for i, plan in enumerate(plans) if plan.grows(self, name)]
+            together = [i for i in members if states[i].sampling.greedy]
+            for index in (i for i in members if not states[i].sampling.greedy):
+                started = time.perf_counter()
+                root_logprobs = drafter.start(states[index])
+                synced = time.perf_counter()
+                proposal, milliseconds = self._grow_sampled(states[index], drafter, root_logprobs,
+                                                            plans[index].other_scores)
+                plans[index].charge(self, name, synced - started, time.perf_counter() - synced)
+                grown[index].append(proposal)
+                drafting_ms[index] += milliseconds
+            if not together:
                 continue
             started = time.perf_counter()
-            root_logprobs = drafter.start(state)
+            start_each(drafter, [states[i] for i in together])
             synced = time.perf_counter()
-            proposal, milliseconds = self._grow_from(state, drafter, root_logprobs, other_scores)
-            if gated:
-                timed[name] = (bucket, self.gate.charge(name, sync_ms=1000.0 * (synced - started),
-                                                        levels_ms=1000.0 * (time.perf_counter() - synced),
-                                                        caught_up=name not in grown_before))
-            grown.append(proposal)
-            drafting_ms += milliseconds
-        tree = dataclasses.replace(self.selector.build(state, [*proposals, *grown], overhead_ms=drafting_ms),
-                                   drafting_ms=drafting_ms)
-        if gated:
-            self.gate.remember_step(state, tree.tokens.tolist(), tree.parents.tolist(), list(tree.sources), timed)
-        return tree
+            results = self._grow_top_together(drafter, [states[i] for i in together],
+                                              [plans[i].other_scores for i in together])
+            levels = time.perf_counter() - synced
+            for index, (proposal, milliseconds) in zip(together, results):
+                # a batched forward is shared: each sequence is charged its share
+                plans[index].charge(self, name, (synced - started) / len(together), levels / len(together))
+                grown[index].append(proposal)
+                drafting_ms[index] += milliseconds
+        trees = []
+        for state, state_proposals, plan, mine, milliseconds in zip(states, proposals, plans, grown, drafting_ms):
+            tree = dataclasses.replace(self.selector.build(state, [*state_proposals, *mine], overhead_ms=milliseconds),
+                                       drafting_ms=milliseconds)
+            plan.remember(self, state, tree)
+            trees.append(tree)
+        return trees
 
     def grow(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float] = ()
              ) -> tuple[Proposal, float]:
         """The drafter's expanded tree as one proposal (scores: cumulative draft probability), and the
         estimated milliseconds its draft forwards took. `other_scores`: the other sources' node scores,
         which the tree will hold too (whether one more level pays depends on them)."""
-        return self._grow_from(state, drafter, drafter.start(state), other_scores)
-
-    def _grow_from(self, state: DecodeState, drafter: StepDrafter, root_logprobs: Tensor,
-                   other_scores: list[float]) -> tuple[Proposal, float]:
-        """`grow` after `drafter.start(state)` returned `root_logprobs` ([vocab], or [k] over its draft_vocab)."""
+        root_logprobs = drafter.start(state)
         if state.sampling.greedy:
-            return self._grow_top(state, drafter, other_scores)
-        return self._grow_sampled(state, drafter, root_logprobs, other_scores)
+            return self._grow_top_together(drafter, [state], [list(other_scores)])[0]
+        return self._grow_sampled(state, drafter, root_logprobs, list(other_scores))
 
-    def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float]) -> tuple[Proposal, float]:
+    def _grow_top_together(self, drafter: StepDrafter, states: list[DecodeState], other_scores: list[list[float]]
+                           ) -> list[tuple[Proposal, float]]:
+        """Greedy growth of each state's tree (`_grow_top`), every level one `step_each` call for all the states that
+        expand at it; a level's time teaches the drafter's curve, at all the rows it fed."""
         draft_cost = None if self.fixed_size else getattr(drafter, "cost_curve", None)
+        growers = {index: self._grow_top(state, drafter, others, draft_cost)
+                   for index, (state, others) in enumerate(zip(states, other_scores))}
+        results: list = [None] * len(states)
+        levels: dict[int, tuple] = {}
+        for index, grower in list(growers.items()):
+            try:
+                levels[index] = next(grower)
+            except StopIteration as done:
+                results[index] = done.value
+        while levels:
+            order = list(levels)
+            calls = [(states[index], *levels[index][1:]) for index in order]
+            started = time.perf_counter()
+            outputs = step_each(drafter, calls)
+            rows = {index: len(levels[index][3]) for index in order if levels[index][0] > 0}
+            if rows:  # the root's log-probs came with `start`: a deeper level is a draft forward
+                learn_level_cost(draft_cost, sum(rows.values()), started)
+            fed = sum(rows.values())
+            for index, logprobs in zip(order, outputs):
+                try:  # what the others fed at this level prices this sequence's next one as a share of a forward
+                    levels[index] = growers[index].send((logprobs, fed - rows.get(index, 0)))
+                except StopIteration as done:
+                    results[index] = done.value
+                    del levels[index]
+        return results
+
+    def _grow_top(self, state: DecodeState, drafter: StepDrafter, other_scores: list[float],
+                  draft_cost: CostCurve | None):
+        """EAGLE-2's greedy growth of one tree, as a generator: it yields each level it wants drafted as (depth,
+        tokens, parents, frontier) and is sent (the drafter's log-probs [m, vocab] or [m, k] after each frontier node,
+        the rows the batch's other sequences fed at that level); it returns (the proposal, the priced ms)."""
         draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
         tokens: list[int] = []
         parents: list[int] = []
         log_scores: list[float] = []
         frontier, frontier_scores = [ROOT], [0.0]
-        drafting_ms = 0.0
+        drafting_ms, other_rows = 0.0, 0
         for depth in range(self.depth):
             if depth > 0:
+                level_cost = shared_level_cost(draft_cost, other_rows)
                 expand, step_ms = self._frontier_to_expand([*other_scores, *(math.exp(s) for s in log_scores)],
-                                                           [math.exp(s) for s in frontier_scores], drafting_ms, draft_cost,
-                                                           child_rate, state.budget)
+                                                           [math.exp(s) for s in frontier_scores], drafting_ms,
+                                                           level_cost, child_rate, state.budget)
                 if not expand:
                     break
                 frontier, frontier_scores = frontier[:expand], frontier_scores[:expand]
                 drafting_ms += step_ms
-            level_started = time.perf_counter()
-            logprobs = drafter.step(state, tokens, parents, frontier)  # [m, vocab] or [m, k]
+            logprobs, other_rows = yield depth, tokens, parents, frontier  # [m, vocab] or [m, k]
             top = logprobs.float().topk(min(self.children, logprobs.shape[-1]), dim=-1)  # [m, c] each
-            if depth > 0:  # the root's log-probs came with `start`: a deeper level is a draft forward, priced above
-                learn_level_cost(draft_cost, len(frontier), level_started)
             best_children = top.values[:, 0].tolist()  # [m]
             child_rate = sum(map(math.exp, best_children)) / len(best_children)  # how sure the draft was at this level
             chosen = draft_token_ids(top.indices, draft_vocab)  # [m, c]
@@ -290,3 +331,57 @@ class Eagle2TreeBuilder:
     def _draw(probs: Tensor, count: int, rng: torch.Generator | None) -> tuple[list[int], Tensor]:
         """`count` children from probs [vocab], and the distribution each was drawn from [count, vocab]."""
         return draw_without_replacement(probs, count, rng)
+
+
+def shared_level_cost(draft_cost: CostCurve | None, other_rows: int) -> CostCurve | None:
+    """What a draft level of `count` rows adds to a forward that already feeds `other_rows` rows of the batch's
+    other sequences (the whole level's cost where there are none); None where the drafter has no curve."""
+    if draft_cost is None or other_rows <= 0:
+        return draft_cost
+    base = draft_cost(other_rows)
+    return lambda count: draft_cost(other_rows + count) - base
+
+
+@dataclass
+class _GrowthPlan:
+    """One sequence's part of `build_many`: the other sources' node scores, and what the drafter gate decided
+    and must learn for it."""
+
+    other_scores: list[float]
+    gated: bool = False
+    bucket: int = 0
+    other_rate: float = 0.0
+    grown_before: frozenset = frozenset()
+    timed: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, builder: "Eagle2TreeBuilder", state: DecodeState, proposals: list[Proposal],
+           any_drafter: bool) -> "_GrowthPlan":
+        # the other sources' node scores, best first: the cut the drafters' nodes must improve on (only
+        # drafters read them, and a step with none skips the sort)
+        other_scores = sorted((score for proposal in proposals for score in proposal.scores.tolist()),
+                              reverse=True)[: builder.selector.max_nodes] if any_drafter else []
+        gate = builder.gate
+        # greedy steps only: a sampled tree keeps the drafter's nodes beside equal ones of other sources,
+        # so the committed tokens do not tell whose node was accepted
+        plan = cls(other_scores, gated=gate is not None and bool(other_scores) and state.sampling.greedy)
+        # the step before this one only: the drafters grown in it fed all but its own committed rows
+        plan.grown_before = gate.learn_last_step(state) if gate is not None else frozenset()
+        if plan.gated:
+            plan.bucket = gate.bucket(other_scores[0])  # the other sources' best node score
+            plan.other_rate = builder.selector.best_cut(other_scores, budget=state.budget)[2]
+        return plan
+
+    def grows(self, builder: "Eagle2TreeBuilder", name: str) -> bool:
+        return not self.gated or builder.gate.should_grow(name, self.bucket, self.other_rate)
+
+    def charge(self, builder: "Eagle2TreeBuilder", name: str, sync_seconds: float, level_seconds: float) -> None:
+        if self.gated:
+            self.timed[name] = (self.bucket, builder.gate.charge(name, sync_ms=1000.0 * sync_seconds,
+                                                                 levels_ms=1000.0 * level_seconds,
+                                                                 caught_up=name not in self.grown_before))
+
+    def remember(self, builder: "Eagle2TreeBuilder", state: DecodeState, tree: DraftTree) -> None:
+        if self.gated:
+            builder.gate.remember_step(state, tree.tokens.tolist(), tree.parents.tolist(), list(tree.sources),
+                                       self.timed)

@@ -1,0 +1,44 @@
+"""The speculation gate: a batch speculates unless plain steps of its size commit more tokens per ms."""
+import pytest
+
+from specpipe.pipelines.speculation_gate import SpeculationGate
+
+
+def run(gate: SpeculationGate, batch: int, speculating_rate: float, plain_rate: float, steps: int) -> list[bool]:
+    chosen = []
+    for _ in range(steps):
+        speculate = gate.speculate(batch)
+        chosen.append(speculate)
+        gate.observe(batch, speculate, 10, 10 / (speculating_rate if speculate else plain_rate))
+    return chosen
+
+
+def test_a_batch_stops_speculating_where_plain_steps_are_faster_and_explores_now_and_then():
+    gate = SpeculationGate(explore_every=8, first_steps=2)
+    chosen = run(gate, 4, speculating_rate=0.8, plain_rate=1.0, steps=200)
+    assert chosen[:2] == [True, True] and chosen[2:4] == [False, False]  # a first measure of each kind
+    later = chosen[20:]
+    assert 0 < sum(later) <= len(later) / 8 + 1  # mostly plain, speculating now and then to look again
+    assert gate.rates(4) == pytest.approx((0.8, 1.0), rel=1e-6)
+
+
+def test_a_batch_keeps_speculating_where_it_pays_and_a_batch_of_one_always_does():
+    gate = SpeculationGate()
+    chosen = run(gate, 3, speculating_rate=1.5, plain_rate=1.0, steps=200)
+    assert sum(not speculate for speculate in chosen[20:]) <= 180 / 64 + 1  # 1.5x ahead: plain every 64th step
+    assert all(run(gate, 1, speculating_rate=0.1, plain_rate=1.0, steps=50))  # the cost curve decides alone
+
+
+def test_the_gate_follows_a_change_of_load_and_keeps_batch_sizes_apart():
+    gate = SpeculationGate(explore_every=4, memory=8.0)
+    run(gate, 8, speculating_rate=0.5, plain_rate=1.0, steps=100)
+    assert not gate.speculate(8) or not gate.speculate(8)  # plain at 8 (a speculating step may be exploring)
+    assert run(gate, 2, speculating_rate=2.0, plain_rate=1.0, steps=30)[-1]  # size 2 has its own measure
+    chosen = run(gate, 8, speculating_rate=2.0, plain_rate=1.0, steps=200)  # the text became easy to draft
+    assert all(chosen[-20:]) or sum(chosen[-40:]) >= 36
+
+
+@pytest.mark.parametrize("settings", [dict(explore_every=1), dict(first_steps=0), dict(memory=0.5), dict(margin=1.0)])
+def test_bad_gate_settings_are_refused(settings):
+    with pytest.raises(ValueError, match="speculation gate"):
+        SpeculationGate(**settings)
