@@ -389,3 +389,39 @@ def test_batched_drafters_draft_in_one_forward_what_each_drafts_alone(tiny_mixed
     assert len(forwards) == 3
     for level, state, (tokens, parents) in zip(last, theirs, deeper):
         assert torch.allclose(level, solo.step(state, tokens, parents, [2]), atol=1e-5)
+
+
+class Alternating:
+    """A SpeculationGate stand-in: batches speculate every other step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.steps += 1
+        return self.steps % 2 == 0
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_plain_steps_between_speculating_ones_keep_every_stage_in_step(tiny_mixed, pipeline):
+    """Where a batch takes a plain step, nothing is proposed or drafted, yet every stage learns what was
+    committed (an n-gram index indexes each token once, a Jacobi window does not shift twice): still lossless,
+    and the stages' own record of the text is the text."""
+    pipe = tiny_mixed.pipeline(pipeline, fresh=True)
+    pipe.decoder.gate = Alternating()
+    prompts = random_prompts(6, seed=54)
+    lengths = [LENGTHS[i % len(LENGTHS)] for i in range(len(prompts))]
+    results = decode_with_schedule(pipe, prompts, lengths, seed=6)
+    for index, (tokens, _) in results.items():
+        assert tokens == tiny_mixed.greedy_hf(prompts[index], lengths[index]), f"{pipeline}, prompt {index}"
+    sequence, _ = pipe.decoder.start(prompts[0], pipe.request(prompts[0], 30).stop)
+    other, _ = pipe.decoder.start(prompts[1], pipe.request(prompts[1], 30).stop)
+    while not sequence.finished and not other.finished:
+        pipe.decoder.step([sequence, other])
+    for stage in pipe.decoder.proposers:
+        index = getattr(sequence.state.stage_state.get(stage), "index", None)
+        if index is not None and getattr(stage, "text", "context") == "context":
+            assert index.tokens == sequence.state.tokens

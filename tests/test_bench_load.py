@@ -28,7 +28,7 @@ def test_bench_load_reports_every_level_and_method(prompts_file, tmp_path, tiny_
     cfg = compose_config(["task=bench_load", "model=tiny_random", "cost_curve=flat", "pipeline=prompt_lookup",
                           f"bench_load.prompts={prompts_file}", "bench_load.per_category=2",
                           "bench_load.max_new_tokens=12", "bench_load.concurrency=[1,3]", "bench_load.warmup=1",
-                          "bench_load.compare=[lookahead_trie]", f"bench_load.out={tmp_path}"])
+                          "bench_load.compare=[lookahead_trie]", "bench_load.rounds=2", f"bench_load.out={tmp_path}"])
     summary = run_bench_load(cfg, loaded=tiny_mixed.loaded)
     assert json.loads((tmp_path / "summary.json").read_text())["levels"] == json.loads(json.dumps(summary["levels"]))
     assert (tmp_path / "summary.md").is_file() and (tmp_path / "load.png").stat().st_size > 1000
@@ -36,7 +36,8 @@ def test_bench_load_reports_every_level_and_method(prompts_file, tmp_path, tiny_
     assert {(row["method"], row["clients"]) for row in rows} == {
         (method, clients) for method in ("prompt_lookup", "vanilla", "lookahead_trie") for clients in (1, 3)}
     for row in rows:
-        assert row["requests"] == max(3, 2 * row["clients"])  # one per prompt, at least two per client
+        assert row["requests"] == 2 * max(3, 2 * row["clients"])  # one per prompt, at least two per client, 2 rounds
+        assert len(row["round_tok_s"]) == 2
         assert 0 < row["tokens"] <= 12 * row["requests"]
         assert row["ttft_p50_ms"] <= row["ttft_p90_ms"]
         assert row["batch_size"] <= row["clients"]

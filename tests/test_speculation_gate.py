@@ -42,3 +42,22 @@ def test_the_gate_follows_a_change_of_load_and_keeps_batch_sizes_apart():
 def test_bad_gate_settings_are_refused(settings):
     with pytest.raises(ValueError, match="speculation gate"):
         SpeculationGate(**settings)
+
+
+def test_a_speculating_step_right_after_plain_ones_is_not_measured_and_exploration_takes_two():
+    """The first speculating step after plain ones pays for its drafters' catch-up: measured, it would keep
+    speculation off where it pays."""
+    gate = SpeculationGate(explore_every=2, first_steps=1)
+    catch_up = []
+
+    def step() -> None:
+        speculate = gate.speculate(4)
+        after_plain = speculate and bool(catch_up) and not catch_up[-1]
+        catch_up.append(speculate)
+        # speculating pays (10 tokens in 5 ms), but a first step after plain ones takes 50 ms
+        gate.observe(4, speculate, 10, 50.0 if after_plain else 5.0 if speculate else 8.0)
+
+    for _ in range(40):
+        step()
+    assert gate.rates(4)[0] == pytest.approx(2.0)  # the 50 ms catch-ups were never measured
+    assert sum(catch_up[10:]) > len(catch_up[10:]) / 2  # so it speculates

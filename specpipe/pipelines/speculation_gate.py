@@ -28,6 +28,8 @@ class _Bucket:
     speculating: _Rate
     plain: _Rate
     steps: int = 0
+    last_speculated: bool = True
+    speculate_next: int = 0  # steps still to speculate in a row (an exploration)
 
 
 class SpeculationGate:
@@ -63,6 +65,9 @@ class SpeculationGate:
             return True
         state = self._buckets.setdefault(self.bucket(batch_size), _Bucket(_Rate(), _Rate()))
         state.steps += 1
+        if state.speculate_next > 0:
+            state.speculate_next -= 1
+            return True
         if state.speculating.count < self.first_steps:
             return True
         if state.plain.count < self.first_steps:
@@ -71,12 +76,23 @@ class SpeculationGate:
         better = speculating >= plain * (1.0 - self.margin)  # a tie speculates: the cost model chose so
         lead = max(speculating, plain) / max(min(speculating, plain), 1e-12)
         every = self.explore_every * (1 if lead < 1.05 else 4 if lead < 1.25 else 8)
-        return better != (state.steps % every == 0)
+        if state.steps % every != 0:
+            return better
+        if better:
+            return False  # a plain step, to look again
+        state.speculate_next = 1  # two speculating steps: only the second is measured (see `observe`)
+        return True
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, milliseconds: float) -> None:
         if batch_size < 2 or milliseconds <= 0:
             return
         state = self._buckets.setdefault(self.bucket(batch_size), _Bucket(_Rate(), _Rate()))
+        # A speculating step after a plain one pays for what the drafters skipped (an EAGLE head feeds the rows
+        # committed meanwhile): measured, it would price speculation by its catch-ups and keep it off
+        if speculated and not state.last_speculated:
+            state.last_speculated = True
+            return
+        state.last_speculated = speculated
         (state.speculating if speculated else state.plain).add(tokens, milliseconds, self._keep)
 
     def rates(self, batch_size: int) -> tuple[float, float]:

@@ -23,7 +23,9 @@ class Proposer(Protocol):
     def propose(self, state: DecodeState) -> Proposal: ...
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
-        """`state.tokens` now holds the newly committed tokens."""
+        """`state.tokens` now holds the newly committed tokens. A step may have skipped this stage's `propose`
+        (and a lookahead branch's rows): a plain step of a batch under load (SpeculationGate); the stage must
+        still learn what was committed, and nothing from a proposal it did not make."""
 
     def on_finish(self, state: DecodeState) -> None:
         """The sequence is complete (`state.generated` is the whole answer). Optional: the decoder

@@ -3,7 +3,7 @@
     python run.py task=bench_load pipeline=lookahead_trie 'bench_load.compare=[eagle_mix]' \
         'bench_load.concurrency=[1,2,4,8]' bench_load.dtype=bf16
 
-For each concurrency level, N clients each submit a request, read its steps to the end and submit the next
+For each concurrency level (in `bench_load.rounds` rounds), N clients each submit a request, read its steps to the end and submit the next
 (closed loop), over the first turns of the prompt file's questions; with `bench_load.rates`, requests instead
 arrive at a Poisson rate (requests per second), each read by its own client. The methods of a level run one
 after another, their order rotated from level to level, all on one target: the configured pipeline, `vanilla`
@@ -50,6 +50,7 @@ class LoadSettings:
     warmup: int
     seed: int
     out: Path
+    rounds: int = 1  # every level and method this many times, in turns
 
 
 @dataclass
@@ -89,6 +90,9 @@ def read_settings(cfg: DictConfig) -> LoadSettings:
         value = bench.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise InvalidRequest(f"bench_load.{key} must be a positive integer, got {value!r}")
+    rounds = bench.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise InvalidRequest(f"bench_load.rounds must be a positive integer, got {rounds!r}")
     for key in ("requests", "warmup", "seed"):
         value = bench.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -98,7 +102,8 @@ def read_settings(cfg: DictConfig) -> LoadSettings:
     return LoadSettings(resolve_prompts_path(str(bench.prompts)), bench.per_category, bench.max_new_tokens,
                         str(bench.dtype), positive_ints("concurrency"), tuple(float(r) for r in rates),
                         bench.requests, tuple(compare), bench.warmup, bench.seed, output_dir(bench.get("out"),
-                                                                                             "bench_load.out"))
+                                                                                             "bench_load.out"),
+                        rounds)
 
 
 def run_closed_loop(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], clients: int, requests: int,
@@ -253,22 +258,31 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
     print(f"bench_load: {len(questions)} prompts x {len(names)} methods ({', '.join(names)}) x "
           f"{len(levels)} levels on {pipeline.target.name} {settings.dtype}, max_new_tokens={settings.max_new_tokens}",
           file=sys.stderr)
+    runs: dict[tuple[str, float], list[tuple[list[RequestRecord], float]]] = {}
+    with OtherProcessesLoad() as others, tqdm(total=settings.rounds * len(levels) * len(names), desc="bench_load",
+                                              unit="run", file=sys.stderr) as bar:
+        for round_index in range(settings.rounds):  # rounds of every level and method: a drift hits all alike
+            for level_index, (kind, value) in enumerate(levels):
+                shift = (round_index + level_index) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    requests = settings.requests or max(len(questions), 2 * int(value) if kind == "clients" else 0)
+                    bar.set_postfix_str(f"{kind}={value} {name}", refresh=False)
+                    if kind == "clients":
+                        run = run_closed_loop(methods[name], prompts[name], int(value), requests,
+                                              settings.max_new_tokens)
+                    else:
+                        run = run_poisson(methods[name], prompts[name], value, requests, settings.max_new_tokens,
+                                          settings.seed + level_index)
+                    runs.setdefault((name, value), []).append(run)
+                    bar.update()
     results: list[dict] = []
-    with OtherProcessesLoad() as others, tqdm(total=len(levels) * len(names), desc="bench_load", unit="run",
-                                              file=sys.stderr) as bar:
-        for level_index, (kind, value) in enumerate(levels):
-            order = names[level_index % len(names):] + names[:level_index % len(names)]
-            for name in order:
-                requests = settings.requests or max(len(questions), 2 * int(value) if kind == "clients" else 0)
-                bar.set_postfix_str(f"{kind}={value} {name}", refresh=False)
-                if kind == "clients":
-                    records, wall = run_closed_loop(methods[name], prompts[name], int(value), requests,
-                                                    settings.max_new_tokens)
-                else:
-                    records, wall = run_poisson(methods[name], prompts[name], value, requests,
-                                                settings.max_new_tokens, settings.seed + level_index)
-                results.append({"method": name, kind: value, **level_metrics(records, wall)})
-                bar.update()
+    for kind, value in levels:
+        for name in names:
+            measured = runs[(name, value)]
+            records = [record for run_records, _ in measured for record in run_records]
+            row = {"method": name, kind: value, **level_metrics(records, sum(wall for _, wall in measured))}
+            row["round_tok_s"] = [sum(r.tokens for r in run_records) / wall for run_records, wall in measured]
+            results.append(row)
     single = next((row for row in results if row["method"] == VANILLA and row.get("clients") == 1), None)
     for row in results:
         same_level = next(other for other in results if other["method"] == VANILLA
@@ -293,17 +307,23 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
 def load_table(summary: dict) -> str:
     rows = summary["levels"]
     kind = "rate" if any("rate" in row for row in rows) else "clients"
-    header = [kind, "method", "tok/s", "vs batched vanilla", "vs 1 vanilla", "req tok/s", "TTFT p50 ms",
+    header = [kind, "method", "tok/s (rounds)", "vs batched vanilla", "vs 1 vanilla", "req tok/s", "TTFT p50 ms",
               "TTFT p90 ms", "accepted", "rows/req", "batch"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in sorted(rows, key=lambda r: (r.get(kind), r["method"])):
         single = row.get("vs_single_vanilla")
         lines.append("| " + " | ".join([
-            f"{row[kind]:g}", f"`{row['method']}`", f"{row['throughput_tok_s']:.1f}",
+            f"{row[kind]:g}", f"`{row['method']}`", f"{row['throughput_tok_s']:.1f}" + _spread(row),
             f"{row['vs_batched_vanilla']:.2f}x", f"{single:.2f}x" if single else "-", f"{row['request_tok_s']:.1f}",
             f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p90_ms']:.0f}", f"{row['mean_accepted']:.2f}",
             f"{row['rows_per_request']:.1f}", f"{row['batch_size']:.1f}"]) + " |")
     return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+    """The lowest and highest of the rounds' throughputs, where there were several."""
+    rounds = row.get("round_tok_s") or []
+    return f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
 
 
 def write_report(summary: dict, out: Path) -> None:

@@ -124,6 +124,7 @@ class JacobiDrafter:
             return
         moved = len(state.tokens) - sequence.rows_at  # tokens committed this step, >= 1
         self._shift(sequence, moved)
+        sequence.update = None  # used: a step without the window's rows (a plain step of a batch) shifts nothing
 
     def on_finish(self, state: DecodeState) -> None:
         pass

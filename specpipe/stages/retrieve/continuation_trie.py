@@ -106,7 +106,7 @@ class TrieSequence:
 
     calibration: AcceptanceCalibration
     tries: list[ContinuationTrie] = field(default_factory=list)
-    proposed_at: int = 0  # len(state.tokens) when the tries were proposed
+    proposed_at: int = 0  # len(state.tokens) when the tries were proposed, or when `learn` last ran
 
     def propose(self, trie: ContinuationTrie, committed: int, source: str) -> Proposal:
         return self.propose_merged([trie], committed, source)
@@ -125,8 +125,11 @@ class TrieSequence:
                         scores=torch.tensor(scores, dtype=torch.float32), source=source)
 
     def learn(self, tokens: list[int]) -> list[int]:
-        """Teaches the calibration what was committed since the proposal; returns those tokens."""
+        """Teaches the calibration what was committed since the proposal (once: a step that did not propose, a
+        plain step of a batch, teaches nothing); returns the tokens committed since the last call (or since the
+        sequence started: `proposed_at` is set to its length then)."""
         emitted = tokens[self.proposed_at:]
         for trie in self.tries:
             trie.teach(emitted, self.calibration)
+        self.tries, self.proposed_at = [], len(tokens)
         return emitted

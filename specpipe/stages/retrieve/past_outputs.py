@@ -41,7 +41,7 @@ class PastOutputsRetriever:
             self.store = PastOutputs(max_tokens, min_ngram, max_ngram, fingerprint)
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(self.calibration.for_request())
+        state.stage_state[self] = TrieSequence(self.calibration.for_request(), proposed_at=len(state.tokens))
 
     def propose(self, state: DecodeState) -> Proposal:
         trie = ContinuationTrie()

@@ -51,7 +51,8 @@ class PromptNgram:
         else:  # the documents, then the context's last tokens: the suffix to look up, and the output after it
             index.reset([t for document in state.documents for t in (*document, SEPARATOR)]
                         + list(state.tokens[-self.max_ngram:]))
-        state.stage_state[self] = NgramSequence(self.calibration.for_request(), index=index)
+        state.stage_state[self] = NgramSequence(self.calibration.for_request(), proposed_at=len(state.tokens),
+                                                index=index)
 
     def propose(self, state: DecodeState) -> Proposal:
         sequence: NgramSequence = state.stage_state[self]

@@ -68,7 +68,7 @@ class RestRetriever:
         self.calibration = CalibrationPolicy(prior, memory, shared_calibration)
 
     def reset(self, state: DecodeState) -> None:
-        state.stage_state[self] = TrieSequence(self.calibration.for_request())
+        state.stage_state[self] = TrieSequence(self.calibration.for_request(), proposed_at=len(state.tokens))
 
     def propose(self, state: DecodeState) -> Proposal:
         context = state.tokens[-self.max_span:]
