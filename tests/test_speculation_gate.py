@@ -61,3 +61,13 @@ def test_a_speculating_step_right_after_plain_ones_is_not_measured_and_explorati
         step()
     assert gate.rates(4)[0] == pytest.approx(2.0)  # the 50 ms catch-ups were never measured
     assert sum(catch_up[10:]) > len(catch_up[10:]) / 2  # so it speculates
+
+
+def test_neighbouring_batch_sizes_share_a_measure():
+    """A batch under load moves between sizes as requests end and join: 5 to 8 are measured together."""
+    assert [SpeculationGate.bucket(size) for size in (2, 3, 4, 5, 7, 8, 9, 16, 17)] == [2, 4, 4, 8, 8, 8, 16, 16, 32]
+    gate = SpeculationGate(explore_every=8, first_steps=2)
+    chosen = [gate.speculate(size) for size in (6, 7)]  # the bucket's first measures
+    for size, speculate in zip((6, 7), chosen):
+        gate.observe(size, speculate, 10, 20.0)
+    assert gate.speculate(8) is False  # plain's first measure, wherever in the bucket it is taken

@@ -289,7 +289,8 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
                           and other.get("clients") == row.get("clients") and other.get("rate") == row.get("rate"))
         row["vs_batched_vanilla"] = row["throughput_tok_s"] / same_level["throughput_tok_s"]
         row["vs_single_vanilla"] = row["throughput_tok_s"] / single["throughput_tok_s"] if single else None
-    meta = {"pipeline": pipeline.name, "methods": names, "model": pipeline.target.name, "engine": pipeline.target.engine,
+    gates = {name: gate_measures(method) for name, method in methods.items()}
+    meta = {"pipeline": pipeline.name, "methods": names, "speculation_gate": gates, "model": pipeline.target.name, "engine": pipeline.target.engine,
             "dtype": settings.dtype, "settings": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in asdict(settings).items()},
             "prompts": len(questions), **hydra_job_info(),
@@ -302,6 +303,28 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
               file=sys.stderr)
     print(f"bench_load: report written to {settings.out}", file=sys.stderr)
     return summary
+
+
+def gate_measures(pipeline: Pipeline) -> dict[int, dict[str, float]]:
+    """What a pipeline's speculation gate measured per batch size: tokens per ms speculating and plain."""
+    gate = pipeline.decoder.gate
+    if gate is None:
+        return {}
+    measured = {}
+    for size in range(2, pipeline.limits.max_sequences + 1):
+        speculating, plain = gate.rates(size)
+        if speculating or plain:
+            measured[gate.bucket(size)] = {"speculating": speculating, "plain": plain}  # the sizes up to it
+    return measured
+
+
+def gate_lines(gates: dict) -> str:
+    """The speculation gates' measures as text: per method, tokens/ms speculating / plain at each batch size."""
+    lines = [f"- `{name}`: " + ", ".join(f"{size}: {m['speculating']:.3f} / {m['plain']:.3f}"
+                                        for size, m in sorted(measured.items(), key=lambda item: int(item[0])))
+             for name, measured in gates.items() if measured]
+    return ("\nSpeculation gate, tokens per ms speculating / plain by batch size (plain wins where it is larger):\n"
+            + "\n".join(lines) + "\n") if lines else ""
 
 
 def load_table(summary: dict) -> str:
@@ -331,7 +354,8 @@ def write_report(summary: dict, out: Path) -> None:
     write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))
     meta = summary["meta"]
     text = (f"# Load benchmark: {meta['pipeline']} on {meta['model']} ({meta['dtype']}, engine={meta['engine']})\n\n"
-            f"{machine_line(meta['machine'])}\n\n`{meta.get('command', '')}`\n\n{load_table(summary)}\n")
+            f"{machine_line(meta['machine'])}\n\n`{meta.get('command', '')}`\n\n{load_table(summary)}\n"
+            f"{gate_lines(meta.get('speculation_gate') or {})}")
     write_text(out / "summary.md", text)
     plot_load(summary, out / "load.png")
 
