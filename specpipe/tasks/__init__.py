@@ -28,6 +28,7 @@ TASKS: dict[str, tuple[str, str]] = {
     "train_heads": ("specpipe.tasks.train_heads", "run_train_heads"),
     "calibrate_tree": ("specpipe.tasks.calibrate_tree", "run_calibrate_tree"),
     "plan": ("specpipe.tasks.plan", "run_plan"),
+    "serve": ("specpipe.tasks.serve", "run_serve"),
 }
 
 
