@@ -369,12 +369,13 @@ def plot_load(summary: dict, path: Path) -> None:
     rows = summary["levels"]
     kind = "rate" if any("rate" in row for row in rows) else "clients"
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for method in summary["meta"]["methods"]:
+    for index, method in enumerate(summary["meta"]["methods"]):
         mine = sorted((row for row in rows if row["method"] == method), key=lambda row: row[kind])
-        xs = [row[kind] for row in mine]
-        left.plot(xs, [row["throughput_tok_s"] for row in mine], marker="o", label=method)
-        right.plot(xs, [row["ttft_p50_ms"] for row in mine], marker="o", label=f"{method} p50")
-        right.plot(xs, [row["ttft_p90_ms"] for row in mine], marker="x", linestyle="--", label=f"{method} p90")
+        xs, color = [row[kind] for row in mine], f"C{index}"  # a method's colour in both panels
+        left.plot(xs, [row["throughput_tok_s"] for row in mine], marker="o", color=color, label=method)
+        right.plot(xs, [row["ttft_p50_ms"] for row in mine], marker="o", color=color, label=f"{method} p50")
+        right.plot(xs, [row["ttft_p90_ms"] for row in mine], marker="x", linestyle="--", color=color,
+                   label=f"{method} p90")
     xlabel = "Poisson arrivals per second" if kind == "rate" else "concurrent requests"
     left.set(xlabel=xlabel, ylabel="output tokens/s (all requests)", title="throughput")
     right.set(xlabel=xlabel, ylabel="ms", title="time to first token")
