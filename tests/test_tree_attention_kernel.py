@@ -421,3 +421,29 @@ def test_kernel_compiles_for_gpus(kernel, tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
                             timeout=300, cwd=REPO)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_batch_through_the_triton_kernel_equals_each_sequence_alone(kernel, tiny_mixed):
+    """`attention=triton` in a batched forward: each sequence's rows through the kernel over its own cache (the
+    ragged batch's attention per sequence), its logits and greedy tokens those of the sequence alone."""
+    from conftest import random_prompts
+    from specpipe.target import VerifyRows
+
+    pipe = tiny_mixed.pipeline("lookahead_trie", "attention=triton", fresh=True)
+    target = pipe.decoder.target
+    generator = torch.Generator().manual_seed(8)
+    items, alone = [], []
+    for length, nodes in ((20, 3), (9, 0), (31, 5)):
+        prompt = torch.randint(300, 1300, (length,), generator=generator).tolist()
+        tree = DraftTree.from_parents(torch.randint(300, 1300, (nodes,), generator=generator),
+                                      torch.arange(-1, nodes - 1) if nodes else torch.empty(0, dtype=torch.long))
+        caches = [target.new_cache(), target.new_cache()]
+        for cache in caches:
+            target.prefill(prompt[:-1], cache)
+        items.append(VerifyRows(prompt[-1], tree, caches[0]))
+        alone.append(target.forward_tree(prompt[-1], tree, caches[1]))
+    for out, expected in zip(target.forward_trees(items), alone):
+        torch.testing.assert_close(out.logits, expected.logits, atol=1e-4, rtol=0)
+    prompts = random_prompts(4, seed=12)
+    answers = pipe.generate_many(prompts, max_new_tokens=8)
+    assert [answer.token_ids for answer in answers] == [tiny_mixed.greedy_hf(prompt, 8) for prompt in prompts]

@@ -49,7 +49,13 @@ def make_attention_forward(tree_attention: TreeAttentionFn) -> Callable:
                           attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                           **kwargs) -> tuple[Tensor, None]:
         """query [B, H, q, D], key/value [B, KVH, kv, D] (cache then the q new keys),
-        attention_mask [B, 1, q, kv] bool or None -> ([B, q, H, D], None) as sdpa_attention_forward returns."""
+        attention_mask [B, 1, q, kv] bool or None -> ([B, q, H, D], None) as sdpa_attention_forward returns.
+        With `ragged_batch` (specpipe.target.RaggedBatch) the rows are several sequences', each attending its own
+        cache: the kernel runs per sequence."""
+        ragged_batch = kwargs.pop("ragged_batch", None)
+        if ragged_batch is not None:
+            return ragged_batch.attend(attention_forward, module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, **kwargs)
         if dropout:
             raise ValueError("tree attention is for inference: dropout must be 0 (call model.eval())")
         for unsupported in ("softcap", "sliding_window", "s_aux", "position_bias"):
