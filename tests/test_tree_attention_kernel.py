@@ -423,13 +423,20 @@ def test_kernel_compiles_for_gpus(kernel, tmp_path):
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
-def test_a_batch_through_the_triton_kernel_equals_each_sequence_alone(kernel, tiny_mixed):
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_a_batch_through_the_triton_kernel_equals_each_sequence_alone(kernel, tiny_mixed, engine):
     """`attention=triton` in a batched forward: each sequence's rows through the kernel over its own cache (the
-    ragged batch's attention per sequence), its logits and greedy tokens those of the sequence alone."""
+    ragged batch's attention per sequence), its logits and greedy tokens those of the sequence alone; under
+    engine=hf through transformers' own forward, which hands the kernel's adapter the batch."""
     from conftest import random_prompts
     from specpipe.target import VerifyRows
 
-    pipe = tiny_mixed.pipeline("lookahead_trie", "attention=triton", fresh=True)
+    if engine == "fast":
+        pipe = tiny_mixed.pipeline("lookahead_trie", "attention=triton", fresh=True)
+    else:  # a model of its own: the shared one runs the lean forward
+        pipe = build_pipeline(compose_config([*tiny_mixed.overrides, "pipeline=lookahead_trie", "engine=hf",
+                                              "attention=triton", "cost_curve=flat"]))
+        pipe.target.model.load_state_dict(tiny_mixed.reference.state_dict())  # the same weights, stock keys
     target = pipe.decoder.target
     generator = torch.Generator().manual_seed(8)
     items, alone = [], []
