@@ -42,6 +42,8 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    # module name -> its weight in the GGUF blocks the model was converted from (engine.target_weights=native)
+    native: dict | None = None
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -383,7 +385,18 @@ class EmbeddedGGUFModel(Placement):
 
     def load(self) -> LoadedModel:
         model, tokenizer = _load_pretrained_dir(self._folder(), parse_dtype(self.dtype), self, self.name)
-        return LoadedModel(model, tokenizer, self.name)
+        return LoadedModel(model, tokenizer, self.name, native=self._native_weights(model) if not self.path else None)
+
+    def _native_weights(self, model: PreTrainedModel) -> dict | None:
+        """The linears' GGUF blocks of the packaged file the model was converted from (a model placed by a device
+        map, quantized or sharded is multiplied as placed)."""
+        if not self.placed_in_memory():
+            return None
+        from specpipe.engine.gguf_weights import read_native_weights
+
+        config = model.config
+        return read_native_weights(self.package_folder() / self.gguf_file, config.num_attention_heads,
+                                   config.num_key_value_heads, bool(getattr(config, "tie_word_embeddings", False)))
 
     def hf_config(self) -> PretrainedConfig:
         return AutoConfig.from_pretrained(self._folder(), local_files_only=True)

@@ -28,7 +28,10 @@ class Engine(Protocol):
     # quantize: None, "int8" or "auto" for a drafter's weights (specpipe.engine.quantize); an engine that
     # cannot leaves them in the model's dtype (with a warning for "int8"). drafter: the model only drafts (the
     # target verifies what it computes), so the engine may run it in ways that are not bitwise transformers'
-    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False) -> nn.Module: ...
+    # native: the model's linears in GGUF blocks by module name (LoadedModel.native), for an engine that multiplies
+    # weights as the model file holds them; others ignore it
+    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False,
+              native: dict | None = None) -> nn.Module: ...
 
 
 def claim_model(model: nn.Module, engine: str) -> bool:

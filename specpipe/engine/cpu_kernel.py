@@ -580,6 +580,215 @@ torch::Tensor quantized_product(torch::Tensor x, torch::Tensor weight, torch::Te
   return out;
 }
 
+// ---- weights in GGUF blocks (Q4_0, Q4_1, Q8_0), as the file ships them ----
+// A block holds 32 consecutive weights of a row: an fp16 step d (Q4_1: and an fp16 minimum m), then the codes
+// (Q4_0 and Q4_1: 16 bytes, weight j < 16 the low nibble of byte j, weight 16 + j its high nibble; Q8_0: 32 int8).
+// A weight is widened in registers with the arithmetic gguf-py's dequantize uses (and so transformers' loader):
+// Q4_0 d * (q - 8), Q4_1 d * q + m (a product, then a sum: -ffp-contract=off keeps them apart), Q8_0 q * d, each
+// rounded to fp32 as numpy rounds it. The fp32 weights are bitwise those the dense model holds.
+//
+// A row's dot product runs block by block in the order of k, each block's kBlockVectors vectors into their own
+// accumulators, which are added in order at the end: the same sums, in the same order, whatever rows come with it
+// (a row's output does not depend on the rows beside it, nor on how many there are).
+
+namespace {
+
+constexpr int kGgufValues = 32;  // weights per block
+constexpr int kBlockVectors = kGgufValues / kLanes;  // 2 (AVX-512) or 4 (AVX2)
+constexpr int kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8;  // ggml's type ids
+
+inline int64_t gguf_block_bytes(int format) {
+  return format == kGgufQ4_0 ? 18 : format == kGgufQ4_1 ? 20 : format == kGgufQ8_0 ? 34 : 0;
+}
+
+inline float half_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);  // exact: every fp16 is an fp32
+}
+
+// kLanes codes widened to fp32: 4-bit codes (the low or the high nibbles of `count` = kLanes bytes), or int8 codes.
+#ifdef __AVX512F__
+inline Lanes nibbles(const uint8_t* p, bool high) {
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (high) bytes = _mm_srli_epi16(bytes, 4);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+}
+inline Lanes signed_bytes(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Lanes lanes_from_int(__m512i v) { return _mm512_cvtepi32_ps(v); }
+#else
+inline Lanes nibbles(const uint8_t* p, bool high) {
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (high) bytes = _mm_srli_epi16(bytes, 4);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+}
+inline Lanes signed_bytes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// The block's 32 weights as kBlockVectors fp32 vectors, weight order.
+template <int Format>
+inline void widen_block(const uint8_t* block, Lanes* out) {
+  const Lanes d = lanes_set(half_float(block));
+  if constexpr (Format == kGgufQ8_0) {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block + 2);
+#pragma GCC unroll 4
+    for (int v = 0; v < kBlockVectors; ++v) out[v] = lanes_mul(signed_bytes(codes + kLanes * v), d);
+  } else {
+    const uint8_t* codes = block + (Format == kGgufQ4_1 ? 4 : 2);
+    constexpr int kHalf = kBlockVectors / 2;  // vectors of low nibbles, then as many of high ones
+#pragma GCC unroll 4
+    for (int v = 0; v < kBlockVectors; ++v) {
+      Lanes q = nibbles(codes + kLanes * (v % kHalf), v >= kHalf);
+      if constexpr (Format == kGgufQ4_0) {
+        out[v] = lanes_mul(d, lanes_sub(q, lanes_set(8.0f)));  // q - 8 is exact in fp32
+      } else {
+        out[v] = lanes_add(lanes_mul(d, q), lanes_set(half_float(block + 2)));
+      }
+    }
+  }
+}
+
+// R rows of x [R, in] fp32 times weight rows [begin, end) of blocks [out, in / 32 blocks], into out (stride out_stride).
+template <int Format, int R, typename Out>
+void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* out, int64_t in, int64_t out_stride,
+               int64_t begin, int64_t end) {
+  constexpr int64_t kBytes = Format == kGgufQ4_0 ? 18 : Format == kGgufQ4_1 ? 20 : 34;
+  const int64_t count = in / kGgufValues, row_bytes = count * kBytes;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = blocks + o * row_bytes;
+    const char* ahead = reinterpret_cast<const char*>(row + 2 * row_bytes);  // two rows on: never faults
+    Lanes acc[kBlockVectors][R];
+#pragma GCC unroll 16
+    for (int v = 0; v < kBlockVectors; ++v)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[v][r] = lanes_zero();
+    for (int64_t b = 0; b < count; ++b) {
+      if ((b * kBytes) % 64 < kBytes) _mm_prefetch(ahead + b * kBytes, SPECPIPE_WEIGHT_HINT);
+      Lanes weights[kBlockVectors];
+      widen_block<Format>(row + b * kBytes, weights);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int v = 0; v < kBlockVectors; ++v)
+          acc[v][r] = lanes_fma(weights[v], lanes_load(x + r * in + b * kGgufValues + kLanes * v), acc[v][r]);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      Lanes total = acc[0][r];
+#pragma GCC unroll 16
+      for (int v = 1; v < kBlockVectors; ++v) total = lanes_add(total, acc[v][r]);
+      float sum = lanes_sum(total);
+      if (bias != nullptr) sum += bias[o];
+      out[r * out_stride + o] = static_cast<Out>(sum);
+    }
+  }
+}
+
+// The most rows one pass over a tile of blocks takes: their accumulators and a block's vectors in the registers.
+constexpr int64_t kGgufMaxRows = kRegisters == 32 ? 8 : 2;
+
+template <int Format, int R = 1, typename Out>
+void gguf_group(int64_t rows, const float* x, const uint8_t* blocks, const float* bias, Out* out, int64_t in,
+                int64_t out_stride, int64_t begin, int64_t end) {
+  if constexpr (R < kGgufMaxRows) {
+    if (rows != R) return gguf_group<Format, R + 1>(rows, x, blocks, bias, out, in, out_stride, begin, end);
+  }
+  gguf_rows<Format, R>(x, blocks, bias, out, in, out_stride, begin, end);
+}
+
+// Every row group over each tile of ~32 KB of blocks while it is in L1/L2, the tiles spread over the threads.
+template <int Format, typename Out>
+void gguf_product_all(const float* xs, const uint8_t* blocks, const float* bias, Out* os, int64_t rows, int64_t in,
+                      int64_t out_features) {
+  const int64_t row_bytes = in / kGgufValues * gguf_block_bytes(Format);
+  const int64_t tile = std::max<int64_t>(4, kTileBytes / row_bytes);
+  const int64_t grain = std::max<int64_t>(16, out_features / (4 * at::get_num_threads()));
+  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
+      const int64_t tile_end = std::min(end, tile_begin + tile);
+      for (int64_t first = 0, count = 0; first < rows; first += count) {
+        const int64_t left = rows - first, groups = (left + kGgufMaxRows - 1) / kGgufMaxRows;
+        count = (left + groups - 1) / groups;
+        gguf_group<Format>(count, xs + first * in, blocks, bias, os + first * out_features, in, out_features,
+                           tile_begin, tile_end);
+      }
+    }
+  });
+}
+
+template <typename Out>
+void gguf_dispatch(int format, const float* xs, const uint8_t* blocks, const float* bias, Out* os, int64_t rows,
+                   int64_t in, int64_t out_features) {
+  switch (format) {
+    case kGgufQ4_0: return gguf_product_all<kGgufQ4_0>(xs, blocks, bias, os, rows, in, out_features);
+    case kGgufQ4_1: return gguf_product_all<kGgufQ4_1>(xs, blocks, bias, os, rows, in, out_features);
+    default: return gguf_product_all<kGgufQ8_0>(xs, blocks, bias, os, rows, in, out_features);
+  }
+}
+
+template <int Format>
+void gguf_widen_rows(const uint8_t* blocks, float* out, int64_t in, int64_t begin, int64_t end) {
+  constexpr int64_t kBytes = Format == kGgufQ4_0 ? 18 : Format == kGgufQ4_1 ? 20 : 34;
+  const int64_t count = in / kGgufValues;
+  for (int64_t o = begin; o < end; ++o)
+    for (int64_t b = 0; b < count; ++b) {
+      Lanes weights[kBlockVectors];
+      widen_block<Format>(blocks + (o * count + b) * kBytes, weights);
+      for (int v = 0; v < kBlockVectors; ++v) lanes_store(out + o * in + b * kGgufValues + kLanes * v, weights[v]);
+    }
+}
+
+int64_t checked_gguf(const torch::Tensor& blocks, int64_t format, int64_t in_features) {
+  TORCH_CHECK(gguf_block_bytes(static_cast<int>(format)) > 0, "format: a GGUF type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(in_features > 0 && in_features % kGgufValues == 0, "in_features: a multiple of 32");
+  TORCH_CHECK(blocks.scalar_type() == torch::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == in_features / kGgufValues * gguf_block_bytes(static_cast<int>(format)),
+              "blocks: contiguous uint8 [out, in / 32 * block bytes]");
+  return blocks.size(0);
+}
+
+}  // namespace
+
+// x [..., in] fp32 or bf16, blocks [out, in / 32 * block bytes] uint8 in GGUF format `format` (2 = Q4_0, 3 = Q4_1,
+// 8 = Q8_0), bias [out] fp32 or None -> [..., out] in x's dtype: each weight widened to fp32 in registers (as gguf-py
+// dequantizes it), each row summed in fp32 in the same order whatever rows come with it.
+torch::Tensor gguf_product(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in_features,
+                           c10::optional<torch::Tensor> bias) {
+  const int64_t out_features = checked_gguf(blocks, format, in_features);
+  auto out = checked_output(x, in_features, out_features);
+  const int64_t rows = x.numel() / in_features;
+  const float* bias_data = checked_fp32(bias, out_features, "bias");
+  torch::Tensor widened;
+  const float* xs = widened_rows(x, widened);
+  if (out.scalar_type() == torch::kBFloat16)
+    gguf_dispatch(static_cast<int>(format), xs, blocks.data_ptr<uint8_t>(), bias_data, out.data_ptr<at::BFloat16>(),
+                  rows, in_features, out_features);
+  else
+    gguf_dispatch(static_cast<int>(format), xs, blocks.data_ptr<uint8_t>(), bias_data, out.data_ptr<float>(), rows,
+                  in_features, out_features);
+  return out;
+}
+
+// blocks as gguf_product takes them -> the fp32 weights [out, in] they hold (what the product multiplies).
+torch::Tensor gguf_widen(torch::Tensor blocks, int64_t format, int64_t in_features) {
+  const int64_t out_features = checked_gguf(blocks, format, in_features);
+  auto out = torch::empty({out_features, in_features}, blocks.options().dtype(torch::kFloat32));
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  float* weights = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    switch (format) {
+      case kGgufQ4_0: return gguf_widen_rows<kGgufQ4_0>(data, weights, in_features, begin, end);
+      case kGgufQ4_1: return gguf_widen_rows<kGgufQ4_1>(data, weights, in_features, begin, end);
+      default: return gguf_widen_rows<kGgufQ8_0>(data, weights, in_features, begin, end);
+    }
+  });
+  return out;
+}
+
 // ---- bf16 weights in column blocks (AVX512_BF16): the product without horizontal sums ----
 // weight_product multiplies each weight row by each x row along k and sums the 16 lanes at the end. With
 // SmolLM2-135M's 576 inputs that sum, the epilogue and the load of x for every row and feature made its
@@ -2004,8 +2213,8 @@ NORM_DTYPES = (torch.float32, torch.bfloat16)
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 # The instruction sets the product is built for: 16-lane vectors where ATen itself runs AVX-512, else
 # 8-lane AVX2 (ATEN_CPU_CAPABILITY=avx2 holds both back, so one variable tests the AVX2 build on any CPU).
-ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"), "avx512": ("-mavx2", "-mfma", "-mavx512f"),
-             "avx512_bf16": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")}
+ISA_FLAGS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f"),
+             "avx512_bf16": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512bf16")}
 # engine.weight_prefetch: the cache hint of the product's software prefetch of the weights (see the source)
 WEIGHT_PREFETCH_HINTS = {"nta": "_MM_HINT_NTA", "t0": "_MM_HINT_T0"}
 # engine.block_lookahead_kb: at most half of a Zen 5 core's 1 MiB L2 ahead of the line it reads
@@ -2108,6 +2317,11 @@ class CpuKernel:
                  attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS,
                  amx_rows: int = 0) -> None:
         self.product = None
+        # gguf_product(x [..., in], blocks [out, in / 32 * block bytes] uint8, format, in, bias [out] fp32 or None) ->
+        # [..., out]: the product over weights in GGUF blocks (Q4_0, Q4_1, Q8_0), widened in registers as gguf-py
+        # dequantizes them; gguf_widen(blocks, format, in) -> the fp32 weights [out, in]. Set and cleared with `product`
+        self.gguf_product = None
+        self.gguf_widen = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
         self.quantized_product = None
@@ -2144,10 +2358,12 @@ class CpuKernel:
             module = _build(build_dir, self.isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                             block_lookahead_rows)
             self.product, self.quantized_product = module.weight_product, module.quantized_product
+            self.gguf_product, self.gguf_widen = module.gguf_product, module.gguf_widen
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
                                            module.block_decoder_layer, module.block_draft_level)
             _self_check(self.product, self.quantized_product, self.blocks)
+            _gguf_check(self.gguf_product, self.gguf_widen)
             if amx_rows > 0:
                 self._take_amx(module, amx_rows)
         except native_cache.UnsafeFolder as error:  # said whole: the folder and the fix
@@ -2155,7 +2371,7 @@ class CpuKernel:
             self.reason = f"specpipe's CPU kernel is not built or loaded: {error}"
             return
         except Exception as error:  # a missing compiler or ninja, a failed build: engine=fast goes on without it
-            self.product = self.quantized_product = self.blocks = None
+            self.product = self.quantized_product = self.blocks = self.gguf_product = self.gguf_widen = None
             self.reason = f"specpipe's CPU kernel could not be built or run ({_first_line(error)[:300]})"
             return
         # The norm repeats torch's order of sums (ATen's AVX2 cascade sum): where this torch sums in
@@ -2280,7 +2496,7 @@ def _build(build_dir: Path | None, isa: str, weight_prefetch: str = "nta", block
             os.environ["PATH"] = bin_folder + os.pathsep + path if path else bin_folder
         try:
             module = cpp_extension.load_inline(
-                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "ragged_tree_attention", "silu_gate",
+                name=name, cpp_sources=[_SOURCE], functions=["weight_product", "quantized_product", "pair_blocks", "int8_pair_blocks", "block_product", "rms_norm", "tree_attention", "ragged_tree_attention", "silu_gate", "gguf_product", "gguf_widen",
                            "block_decoder_layer", "block_draft_level", "amx_block_product", "amx_request"],
                 build_directory=str(folder), extra_cflags=build_flags(isa, weight_prefetch, block_lookahead_kb, attention_pairs,
                                                                       block_lookahead_rows), extra_ldflags=["-fopenmp"],
@@ -2375,6 +2591,31 @@ def _self_check(product, quantized_product, blocks: BlockProduct | None = None) 
             if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-4):
                 raise RuntimeError(f"the kernel's column blocks disagree with an fp32 product for {rows} bf16 rows")
 
+
+
+def _gguf_check(gguf_product, gguf_widen) -> None:
+    """The GGUF product's weights bitwise gguf-py's dequantization (Q4_0, Q4_1, Q8_0), its sums near an fp32 product
+    of them, and each row's output the same with any rows beside it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    generator = torch.Generator().manual_seed(3)
+    for kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+        weight = (torch.randn(37, 96, generator=generator) * 0.05).numpy()  # [out, in]
+        raw = quants.quantize(weight, kind)  # [out, in / 32 * block bytes] uint8
+        blocks = torch.from_numpy(np.ascontiguousarray(raw))
+        expected = torch.from_numpy(quants.dequantize(raw, kind))
+        widened = gguf_widen(blocks, int(kind), 96)
+        if not torch.equal(widened, expected):
+            raise RuntimeError(f"the kernel widens {kind.name} blocks otherwise than gguf-py dequantizes them")
+        bias = torch.randn(37, generator=generator)
+        x = torch.randn(11, 96, generator=generator)
+        out = gguf_product(x, blocks, int(kind), 96, bias)
+        if not torch.allclose(out, x @ expected.t() + bias, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"the kernel's product over {kind.name} blocks disagrees with an fp32 product")
+        alone = torch.cat([gguf_product(x[row:row + 1], blocks, int(kind), 96, bias) for row in range(11)])
+        if not torch.equal(out, alone):
+            raise RuntimeError(f"the kernel's product over {kind.name} blocks gives a row other sums beside others")
 
 
 def _amx_mismatch(amx_product, blocks: BlockProduct) -> str:

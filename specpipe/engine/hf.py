@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 class HFEngine:
     name: str = "hf"
 
-    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False) -> nn.Module:
+    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False,
+              native: dict | None = None) -> nn.Module:
         claim_model(model, self.name)  # refuses a model another engine rewrote
         if checked_quantization(quantize, f"engine={self.name}") == "int8":  # "auto" asks for int8 only where an engine's kernel serves it
             log.warning("engine=hf runs transformers' own forward: %s draft weights need engine=fast (specpipe's "

@@ -35,12 +35,15 @@ from specpipe.engine.quantize import checked_quantization, dequantize_rows, quan
 
 if TYPE_CHECKING:
     from specpipe.engine.cpu_kernel import BlockProduct, CpuKernel
+    from specpipe.engine.gguf_weights import GgufWeight
 
 log = logging.getLogger(__name__)
 
 # Children of one module that always read the same input in transformers' model families.
 DEFAULT_FUSE_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 BF16_COMPUTE_CHOICES = ("auto", "fp32")
+TARGET_WEIGHTS = ("auto", "native", "dense")
+AUTO_NATIVE_ROWS = 64
 
 
 class PackedWeight(nn.Module):
@@ -51,9 +54,20 @@ class PackedWeight(nn.Module):
                  small_rows: int = 0, split_rows: int = 0,
                  kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0,
                  quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None,
-                 block_kernel: BlockProduct | None = None) -> None:
+                 block_kernel: BlockProduct | None = None, native: Sequence[GgufWeight] | None = None,
+                 native_kernel: Callable | None = None, native_rows: int = 0) -> None:
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
+        # The weights as the model's GGUF file holds them (the members' blocks, one format): products of up to
+        # `native_rows` rows run `native_kernel` (CpuKernel.gguf_product) over them, widened in registers to the very
+        # fp32 weights `weight` holds; larger products (prefills) run the dense paths below.
+        self.native_blocks: Tensor | None = None  # [sum out, in / 32 * block bytes] uint8
+        self.native_format = 0  # ggml's type id
+        self.native_rows = 0
+        if native and native_kernel is not None and native_rows > 0:
+            self.native_blocks = torch.cat([member.blocks for member in native]) if len(native) > 1 else native[0].blocks
+            self.native_format, self.native_rows = native[0].type_id, native_rows
+        self.native_kernel = native_kernel if self.native_blocks is not None else None
         # int8 weights (a drafter's, specpipe.engine.quantize): products of up to `kernel_rows` rows run
         # `quantized_kernel` over the int8 codes; every other path multiplies the weight they stand for, rounded
         # to the model's dtype, so all paths compute with the same weights up to that rounding.
@@ -103,13 +117,17 @@ class PackedWeight(nn.Module):
                                    for bias, linear in zip(biases, linears)]).to(self.compute_dtype)  # [sum out]
         self.small_bias = self.bias.to(weight.dtype) if self.small_rows and self.bias is not None else None
         # the kernel adds an fp32 bias to its fp32 sums (a bf16 packing's bias is bf16: widened exactly)
-        self.kernel_bias = self.bias.float() if self.kernel is not None and self.bias is not None else None
+        self.kernel_bias = (self.bias.float() if (self.kernel is not None or self.native_kernel is not None)
+                            and self.bias is not None else None)
         # The last input's shared product, per thread: requests decoded in parallel threads each
         # run their own forwards through the same modules.
         self._last = threading.local()
 
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
+        if (self.native_kernel is not None and x.numel() <= self.native_rows * self.in_features
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            return self.native_kernel(x, self.native_blocks, self.native_format, self.in_features, self.kernel_bias)
         if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
             # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias
             # added to the fp32 sums, and they are rounded to bf16
@@ -137,6 +155,8 @@ class PackedWeight(nn.Module):
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a product of `rows` rows streams."""
+        if self.native_blocks is not None and rows <= self.native_rows:
+            return sum(t.numel() * t.element_size() for t in (self.native_blocks, self.kernel_bias) if t is not None)
         if rows <= self.kernel_rows and self.codes is not None:
             codes = self.blocks if self.blocks is not None else self.codes
             return sum(t.numel() * t.element_size() for t in (codes, self.scale, self.kernel_bias) if t is not None)
@@ -257,6 +277,13 @@ class OneDNNEngine:
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
     # faster; false = fp32 weights, one value row per multiply-add
     attention_pairs: bool = True
+    # The target's linear weights: "native" = as its GGUF file holds them (Q4_0, Q4_1 or Q8_0 blocks widened in
+    # registers to the very fp32 weights transformers dequantized from the file; a model loaded from a GGUF file, like
+    # the embedded one), "dense" = as loaded (fp32 or bf16), "auto" = native where the model has them
+    target_weights: str = "auto"
+    # With native weights: products of up to this many rows run over the blocks (larger ones, prompts, over the dense
+    # weights); "auto" = 64
+    native_rows: int | str = "auto"
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -288,15 +315,22 @@ class OneDNNEngine:
             raise ConfigError(f"engine.amx_rows must be 'auto' or a row count >= 0 (0 = never), got {self.amx_rows!r}")
         if type(self.attention_pairs) is not bool:
             raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
+        if self.target_weights not in TARGET_WEIGHTS:
+            raise ConfigError(f"engine.target_weights must be one of {', '.join(TARGET_WEIGHTS)}, got "
+                              f"{self.target_weights!r}")
+        if self.native_rows != "auto" and not (type(self.native_rows) is int and self.native_rows >= 0):
+            raise ConfigError(f"engine.native_rows must be 'auto' or a row count >= 0, got {self.native_rows!r}")
         if self.fp32_split_rows != "auto" and not (isinstance(self.fp32_split_rows, int) and self.fp32_split_rows >= 0):
             raise ConfigError(f"engine.fp32_split_rows must be 'auto' or a row count >= 0, got {self.fp32_split_rows!r}")
 
-    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False) -> nn.Module:
+    def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False,
+              native: dict[str, GgufWeight] | None = None) -> nn.Module:
         """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
         says why and the weights stay in the model's dtype. "auto": the same without the warning. `drafter`: a
         draft model, whose drafter may run its whole level in one kernel call (lean_model.KernelDraftLevel; its
-        layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not)."""
+        layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not). `native`: the
+        model's linears in GGUF blocks by module name (LoadedModel.native), used as `target_weights` says."""
         checked_quantization(quantize, f"engine={self.name}")
         path = self._linear_path(model)
         if isinstance(path, str):
@@ -312,9 +346,11 @@ class OneDNNEngine:
         if quantize == "int8" and quantized is None:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
+        native, native_kernel, native_rows = self._native(native, kernel, path)
         try:
-            swaps = [(module, name, replacement) for module in model.modules()
-                     for name, replacement in self._replacements(module, path, product, quantized, blocks)]
+            swaps = [(module, name, replacement) for prefix, module in model.named_modules()
+                     for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
+                                                                 native, native_kernel, native_rows)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -355,7 +391,17 @@ class OneDNNEngine:
             layers += ", its whole draft level one call where the head's other products serve"
         elif drafter and lean_models and level is not None:
             layers = "; a draft model's whole level one kernel call where its products serve"
-        rewrite = (f"{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
+        native_formats = sorted({replacement.packed.native_format for _, _, replacement in swaps
+                                 if replacement.packed.native_blocks is not None})
+        if native_formats:
+            from specpipe.engine.gguf_weights import NATIVE_FORMATS
+
+            names = [name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats]
+            natives = (f"native {'/'.join(names)} weights (the model file's GGUF blocks, widened in registers) for up "
+                       f"to {native_rows} rows, then ")
+        else:
+            natives = ""
+        rewrite = (f"{natives}{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
                    f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         whys += [gate_why] if lean and gate_why else []
@@ -463,10 +509,34 @@ class OneDNNEngine:
             return None, f"{instead}: {getattr(kernel, part + '_reason')}"
         return function, served
 
+    def _native(self, native: dict[str, GgufWeight] | None, kernel: CpuKernel | None, path: LinearPath
+                ) -> tuple[dict, Callable | None, int]:
+        """The native weights to use, the kernel's product over them and up to how many rows, as `target_weights`
+        asks; where "native" was asked and cannot be served, ConfigError says why."""
+        from specpipe.errors import ConfigError
+
+        if self.target_weights == "dense" or (self.target_weights == "auto" and not native):
+            return {}, None, 0
+        if not native:
+            raise ConfigError("engine.target_weights=native: this model has no weights in GGUF blocks (a model loaded "
+                              "from a GGUF file has them: model=smollm2_135m); use target_weights=dense or auto")
+        kernel = kernel if kernel is not None else self._extension(path)  # the kernel's products may be off for `path`
+        product = getattr(kernel, "gguf_product", None) if kernel is not None else None
+        if product is None:
+            if self.target_weights == "native":
+                raise ConfigError(f"engine.target_weights=native needs specpipe's CPU kernel, which does not serve here "
+                                  f"({self._no_kernel_reason(path)})")
+            log.info("engine=%s: native weights need specpipe's CPU kernel (%s): the dense weights serve", self.name,
+                     self._no_kernel_reason(path))
+            return {}, None, 0
+        return native, product, AUTO_NATIVE_ROWS if self.native_rows == "auto" else self.native_rows
+
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
-                      quantized_kernel: Callable | None = None,
-                      block_kernel: BlockProduct | None = None) -> list[tuple[str, nn.Module]]:
-        """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing."""
+                      quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
+                      prefix: str = "", native: dict[str, GgufWeight] | None = None,
+                      native_kernel: Callable | None = None, native_rows: int = 0) -> list[tuple[str, nn.Module]]:
+        """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. A group whose
+        members all have native blocks of one format (`native`, by module name) multiplies them."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
             return []
@@ -480,7 +550,10 @@ class OneDNNEngine:
         groups += [(name,) for name in linears if name not in fused]
         replacements = []
         for group in groups:
+            members = [(native or {}).get(f"{prefix}.{name}" if prefix else name) for name in group]
+            members = members if all(members) and len({member.format for member in members}) == 1 else None
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
-                                  path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel)
+                                  path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel,
+                                  members, native_kernel, native_rows)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements

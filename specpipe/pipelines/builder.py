@@ -81,7 +81,7 @@ def build_target(cfg: DictConfig, loaded: LoadedModel) -> tuple[TargetModel, Eng
             raise ConfigError(f"threads must be a positive integer (or null for torch's default), got {threads!r}")
         torch.set_num_threads(threads)  # before the engine: its GEMM splits follow the threads
     engine = build_engine(cfg)
-    engine.apply(loaded.model)
+    engine.apply(loaded.model, native=loaded.native)
     target = TargetModel(loaded.model, name=loaded.name, attention=str(cfg.get("attention", "auto")),
                          engine=engine.name)
     return target, engine
