@@ -9,7 +9,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,8 +42,9 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
-    # module name -> its weight in the GGUF blocks the model was converted from (engine.target_weights=native)
-    native: dict | None = None
+    # module name -> its weight in the GGUF blocks the model was converted from (engine.target_weights); empty for a
+    # model from another format
+    native: dict = field(default_factory=dict)
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -340,6 +341,33 @@ class LocalModel(Placement):
         return folder
 
 
+def convert_gguf(file: Path, target: Path) -> Path:
+    """The model in the GGUF `file` dequantized by transformers and saved as the model directory `target`."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    except Exception as error:  # not a GGUF file, a truncated one, an architecture transformers cannot read
+        raise ModelNotAvailable(f"transformers cannot load the GGUF file {file}: {_first_line(error)}") from None
+    # The dequantized weights are plain fp32: drop the GGUF quantizer so save_pretrained writes them as such.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return save_model_folder(target, model, tokenizer)
+
+
+def gguf_native_weights(model: PreTrainedModel, file: Path, placement: Placement) -> dict:
+    """The linears' GGUF blocks of the file `model` was converted from (none for a model placed by a device map,
+    quantized or sharded: it is multiplied as placed)."""
+    if not placement.placed_in_memory():
+        return {}
+    from specpipe.engine.gguf_weights import read_native_weights
+
+    config = model.config
+    return read_native_weights(file, config.num_attention_heads, config.num_key_value_heads,
+                               bool(getattr(config, "tie_word_embeddings", False)))
+
+
 @dataclass
 class EmbeddedGGUFModel(Placement):
     """A GGUF model shipped inside a pip package, converted once to a safetensors cache.
@@ -374,29 +402,12 @@ class EmbeddedGGUFModel(Placement):
         source = self.package_folder()
         if not (source / self.gguf_file).is_file():
             raise ModelNotAvailable(f"{source / self.gguf_file} is missing from package {self.package!r}")
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=self.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=self.gguf_file, dtype=torch.float32)
-        # The dequantized weights are plain fp32: drop the GGUF quantizer so save_pretrained writes them as such.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        return save_model_folder(target, model, tokenizer)
+        return convert_gguf(source / self.gguf_file, target)
 
     def load(self) -> LoadedModel:
         model, tokenizer = _load_pretrained_dir(self._folder(), parse_dtype(self.dtype), self, self.name)
-        return LoadedModel(model, tokenizer, self.name, native=self._native_weights(model) if not self.path else None)
-
-    def _native_weights(self, model: PreTrainedModel) -> dict | None:
-        """The linears' GGUF blocks of the packaged file the model was converted from (a model placed by a device
-        map, quantized or sharded is multiplied as placed)."""
-        if not self.placed_in_memory():
-            return None
-        from specpipe.engine.gguf_weights import read_native_weights
-
-        config = model.config
-        return read_native_weights(self.package_folder() / self.gguf_file, config.num_attention_heads,
-                                   config.num_key_value_heads, bool(getattr(config, "tie_word_embeddings", False)))
+        native = gguf_native_weights(model, self.package_folder() / self.gguf_file, self) if not self.path else {}
+        return LoadedModel(model, tokenizer, self.name, native=native)
 
     def hf_config(self) -> PretrainedConfig:
         return AutoConfig.from_pretrained(self._folder(), local_files_only=True)
@@ -404,6 +415,47 @@ class EmbeddedGGUFModel(Placement):
     def _folder(self) -> Path:
         """The converted cache, or `path` (checked as any local model directory)."""
         return LocalModel(self.name, self.path)._folder() if self.path else self.convert()
+
+
+@dataclass
+class GGUFFileModel(Placement):
+    """A model in one GGUF file on this machine (`model=gguf model.path=/path/model.Q4_K_M.gguf`): dequantized once
+    by transformers to a safetensors cache its modules load from, its linears kept in the file's blocks for
+    engine=fast (engine.target_weights)."""
+
+    name: str
+    path: str | None = None
+    dtype: str = "fp32"
+
+    def file(self) -> Path:
+        if not self.path:
+            raise ModelNotAvailable(f"model {self.name!r}: give model.path=/path/to/model.gguf, a GGUF file on this "
+                                    f"machine (specpipe never downloads weights at run time)")
+        file = Path(self.path).expanduser().resolve()
+        if not file.is_file():
+            raise ModelNotAvailable(f"model {self.name!r}: model.path={self.path} "
+                                    f"{'is a directory' if file.is_dir() else 'does not exist'}; give a GGUF file "
+                                    f"(model=local model.path=DIR loads a Hugging Face model directory)")
+        return file
+
+    def converted_folder(self) -> Path:
+        """The cache of this file's conversion, named after its path, size and modification time (a file replaced
+        in place is converted again)."""
+        file = self.file()
+        stat = file.stat()
+        key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        return cache_root() / "models" / f"gguf-{file.stem}-{key}"
+
+    def convert(self) -> Path:
+        target = self.converted_folder()
+        return target if (target / "config.json").is_file() else convert_gguf(self.file(), target)
+
+    def load(self) -> LoadedModel:
+        model, tokenizer = _load_pretrained_dir(self.convert(), parse_dtype(self.dtype), self, self.name)
+        return LoadedModel(model, tokenizer, self.name, native=gguf_native_weights(model, self.file(), self))
+
+    def hf_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(self.convert(), local_files_only=True)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from conftest import CONF_DIR, config_groups, config_options, draft_overrides, e
 from specpipe.cost import CostCurve
 from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
-from specpipe.models import EmbeddedGGUFModel, LocalModel, TinyRandomLlama
+from specpipe.models import EmbeddedGGUFModel, GGUFFileModel, LocalModel, TinyRandomLlama
 from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.base import Augmenter, Proposer, TreeBuilder, Verifier
 from specpipe.target import TREE_ATTENTION, TargetModel
@@ -77,6 +77,9 @@ def test_model_options_instantiate(option, tiny):
     elif isinstance(source, EmbeddedGGUFModel):
         assert (source.package_folder() / source.gguf_file).is_file()
         assert (source.convert() / "config.json").is_file()  # converted once, then cached
+    elif isinstance(source, GGUFFileModel):  # a user's file: nothing to load without model.path
+        with pytest.raises(ModelNotAvailable, match="model.path="):
+            source.load()
     else:
         pytest.fail(f"model option {option!r}: unknown model source {type(source).__name__}")
 

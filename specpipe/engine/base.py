@@ -28,8 +28,9 @@ class Engine(Protocol):
     # quantize: None, "int8" or "auto" for a drafter's weights (specpipe.engine.quantize); an engine that
     # cannot leaves them in the model's dtype (with a warning for "int8"). drafter: the model only drafts (the
     # target verifies what it computes), so the engine may run it in ways that are not bitwise transformers'
-    # native: the model's linears in GGUF blocks by module name (LoadedModel.native), for an engine that multiplies
-    # weights as the model file holds them; others ignore it
+    # native: given for the target only (None for a drafter or a stage's modules): its linears in the GGUF blocks of
+    # its file by module name (LoadedModel.native, maybe empty), for an engine that multiplies weights as the file
+    # holds them or quantizes the target at load; others ignore it
     def apply(self, model: nn.Module, quantize: str | None = None, drafter: bool = False,
               native: dict | None = None) -> nn.Module: ...
 

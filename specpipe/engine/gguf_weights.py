@@ -1,10 +1,12 @@
-"""A model's linear weights as its GGUF file holds them (Q4_0, Q4_1, Q8_0 blocks), for `engine=fast` to multiply
-in place of the dense weights transformers dequantized from the same file (`engine.target_weights=native`).
+"""A model's linear weights as its GGUF file holds them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks of 32 weights, Q4_K,
+Q5_K, Q6_K super-blocks of 256), for `engine=fast` to multiply in place of the dense weights transformers dequantized
+from the same file (`engine.target_weights=native`); and a dense model's weights quantized to such blocks at load
+(`engine.target_weights=int8|int4`).
 
-The blocks are read as they are (a memory map of the file) and only reordered where transformers reorders the
-dense weight: Llama's q and k projections, whose rows llama.cpp's converter permuted for its rotary layout and
-transformers' loader permutes back. A block is 32 weights of one row, so rows move whole. Formats the CPU kernel
-does not read (F32, F16, the K-quants) are left out: those linears keep their dense weights.
+The blocks are read as they are and only reordered where transformers reorders the dense weight: Llama's q and k
+projections, whose rows llama.cpp's converter permuted for its rotary layout and transformers' loader permutes back.
+A block holds consecutive weights of one row, so rows move whole. Formats the CPU kernel does not read (F32, F16,
+BF16, Q2_K, Q3_K, the IQ formats) are left out: those linears keep their dense weights.
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specpipe.errors import ModelNotAvailable
 
-# The block formats specpipe's CPU kernel multiplies (ggml's type ids, which gguf_product takes)
-NATIVE_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK_VALUES = 32
+# The block formats specpipe's CPU kernel multiplies: ggml's type id (what gguf_product takes), weights per block
+NATIVE_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# engine.target_weights: a dense model's weights quantized at load to these formats (gguf-py's quantizers, which
+# reproduce ggml's): int8 = Q8_0 (an fp16 step per 32 weights), int4 = Q4_1 (an fp16 step and minimum per 32)
+QUANTIZE_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
 # GGUF tensor names of a Llama-family model -> the module names transformers gives the same weights
 LLAMA_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -31,10 +36,10 @@ _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 
 @dataclass(frozen=True)
 class GgufWeight:
-    """One linear's weight in GGUF blocks: [out_features, in_features / 32 blocks] as uint8 rows."""
+    """One linear's weight in GGUF blocks: [out_features, in_features / block values * block bytes] uint8."""
 
-    blocks: Tensor  # [out, in / 32 * block bytes] uint8, contiguous
-    format: str  # "Q4_0", "Q4_1" or "Q8_0"
+    blocks: Tensor  # [out, row bytes] uint8, contiguous
+    format: str  # a key of NATIVE_FORMATS
     in_features: int
 
     @property
@@ -63,12 +68,13 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
     architecture = bytes(field.parts[-1]).decode() if field is not None else ""
     if architecture not in LLAMA_ARCHITECTURES:
         return {}  # other families: their tensor names and layouts are not mapped here
+    has_output = any(tensor.name == "output.weight" for tensor in reader.tensors)
     weights: dict[str, GgufWeight] = {}
     for tensor in reader.tensors:
         format_name = tensor.tensor_type.name
         if format_name not in NATIVE_FORMATS:
             continue
-        name = _module_name(tensor.name, tied_embeddings)
+        name = _module_name(tensor.name, tied_embeddings or not has_output)
         if name is None:
             continue
         blocks = np.asarray(tensor.data)  # [out, row bytes] uint8
@@ -81,14 +87,14 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
     return weights
 
 
-def _module_name(tensor: str, tied_embeddings: bool) -> str | None:
+def _module_name(tensor: str, output_from_embedding: bool) -> str | None:
     found = _BLOCK_TENSOR.match(tensor)
     if found:
         member = LLAMA_LINEARS.get(found.group(2))
         return f"model.layers.{found.group(1)}.{member}" if member else None
     if tensor == "output.weight":
         return "lm_head"
-    if tensor == "token_embd.weight" and tied_embeddings:
+    if tensor == "token_embd.weight" and output_from_embedding:
         return "lm_head"  # the output layer multiplies the embedding's rows
     return None
 
@@ -98,3 +104,43 @@ def rotary_rows(rows: int, heads: int) -> np.ndarray:
     each head, the file's pairs of rows (2i, 2i + 1) become rows i and dim + i."""
     dim = rows // heads // 2
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+def quantize_linears(model: nn.Module, kind: str) -> dict[str, GgufWeight]:
+    """Every nn.Linear of `model` whose inputs fill whole blocks quantized to QUANTIZE_AT_LOAD[kind], by module name;
+    each linear's dense weight is replaced by the weights its blocks hold (rounded to its dtype), so every path of the
+    engine multiplies the same quantized model. A tied output layer quantizes the embedding with it."""
+    from gguf import GGMLQuantizationType, quants
+
+    format_name = QUANTIZE_AT_LOAD[kind]
+    quant_type = GGMLQuantizationType[format_name]
+    weights: dict[str, GgufWeight] = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or module.in_features % BLOCK_VALUES[format_name]:
+            continue
+        dense = module.weight.detach()
+        blocks = quants.quantize(dense.float().cpu().numpy(), quant_type)  # [out, row bytes] uint8
+        with torch.no_grad():
+            module.weight.copy_(torch.from_numpy(quants.dequantize(blocks, quant_type)).to(dense.dtype))
+        weights[name] = GgufWeight(torch.from_numpy(np.ascontiguousarray(blocks)), format_name, module.in_features)
+    return weights
+
+
+# Where each format's fp16 steps lie in a block (byte offsets): random_blocks sets them to moderate values.
+_STEP_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,)}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def random_blocks(format_name: str, rows: int, in_features: int, generator: np.random.Generator,
+                  step: float = 0.01) -> np.ndarray:
+    """Blocks of random codes and scales with fp16 steps of about `step` (whatever a file may hold, for checks):
+    [rows, in_features / block values * block bytes] uint8."""
+    count = in_features // BLOCK_VALUES[format_name]
+    blocks = generator.integers(0, 256, size=(rows, count, _BLOCK_BYTES[format_name]), dtype=np.uint8)
+    for offset in _STEP_OFFSETS[format_name]:
+        steps = (generator.uniform(0.25, 1.0, size=(rows, count)) * step).astype(np.float16)
+        if offset == 2 and format_name in ("Q4_1", "Q5_1"):
+            steps = -steps * 8  # a block's minimum
+        blocks[:, :, offset:offset + 2] = steps[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)

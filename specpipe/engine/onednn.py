@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, claim_model, spread_description
 from specpipe.engine.cpu import (LinearPath, auto_kernel_rows, pack_weight, packed_linear, probe_linear_path,
                                  row_blocks, split_linear)
+from specpipe.errors import ConfigError
 from specpipe.engine.quantize import checked_quantization, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # Children of one module that always read the same input in transformers' model families.
 DEFAULT_FUSE_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 BF16_COMPUTE_CHOICES = ("auto", "fp32")
-TARGET_WEIGHTS = ("auto", "native", "dense")
+TARGET_WEIGHTS = ("auto", "native", "dense", "int8", "int4")
 AUTO_NATIVE_ROWS = 64
 
 
@@ -287,8 +288,6 @@ class OneDNNEngine:
     name: str = "fast"
 
     def __post_init__(self) -> None:
-        from specpipe.errors import ConfigError
-
         if self.bf16_compute not in BF16_COMPUTE_CHOICES:
             raise ConfigError(f"engine.bf16_compute must be one of {BF16_COMPUTE_CHOICES}, got {self.bf16_compute!r}")
         for name in ("bf16_kernel_rows", "fp32_kernel_rows"):
@@ -329,11 +328,15 @@ class OneDNNEngine:
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
         says why and the weights stay in the model's dtype. "auto": the same without the warning. `drafter`: a
         draft model, whose drafter may run its whole level in one kernel call (lean_model.KernelDraftLevel; its
-        layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not). `native`: the
-        model's linears in GGUF blocks by module name (LoadedModel.native), used as `target_weights` says."""
+        layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not). `native`: given
+        for the target only (None for a drafter or a stage's modules): its linears in the GGUF blocks of the file it
+        was loaded from by module name (LoadedModel.native, maybe empty), used as `target_weights` says."""
         checked_quantization(quantize, f"engine={self.name}")
         path = self._linear_path(model)
         if isinstance(path, str):
+            if native is not None and self.target_weights not in ("auto", "dense"):
+                raise ConfigError(f"engine.target_weights={self.target_weights} needs engine=fast's own products, "
+                                  f"which do not serve this model ({path}); use target_weights=dense")
             kept = f" ({quantize} weights need specpipe's CPU kernel: they stay as loaded)" if quantize == "int8" else ""
             log.warning("engine=%s: %s; running transformers' own forward%s", self.name, path, kept)
             return model
@@ -346,7 +349,7 @@ class OneDNNEngine:
         if quantize == "int8" and quantized is None:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
-        native, native_kernel, native_rows = self._native(native, kernel, path)
+        native, native_kernel, native_rows = self._native(model, native, kernel, path)
         try:
             swaps = [(module, name, replacement) for prefix, module in model.named_modules()
                      for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
@@ -396,9 +399,10 @@ class OneDNNEngine:
         if native_formats:
             from specpipe.engine.gguf_weights import NATIVE_FORMATS
 
-            names = [name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats]
-            natives = (f"native {'/'.join(names)} weights (the model file's GGUF blocks, widened in registers) for up "
-                       f"to {native_rows} rows, then ")
+            names = "/".join(name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats)
+            source = ("the model file's GGUF blocks" if self.target_weights in ("auto", "native") else
+                      f"{self.target_weights}: quantized at load to GGUF blocks")
+            natives = f"native {names} weights ({source}, widened in registers) for up to {native_rows} rows, then "
         else:
             natives = ""
         rewrite = (f"{natives}{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
@@ -509,49 +513,63 @@ class OneDNNEngine:
             return None, f"{instead}: {getattr(kernel, part + '_reason')}"
         return function, served
 
-    def _native(self, native: dict[str, GgufWeight] | None, kernel: CpuKernel | None, path: LinearPath
-                ) -> tuple[dict, Callable | None, int]:
-        """The native weights to use, the kernel's product over them and up to how many rows, as `target_weights`
-        asks; where "native" was asked and cannot be served, ConfigError says why."""
-        from specpipe.errors import ConfigError
+    def _native(self, model: nn.Module, native: dict[str, GgufWeight] | None, kernel: CpuKernel | None,
+                path: LinearPath) -> tuple[dict, Callable | None, int]:
+        """The weights in GGUF blocks to use (the model file's, or the linears quantized now for int8/int4), the
+        kernel's product over them and up to how many rows, as `target_weights` asks; where native, int8 or int4 was
+        asked and cannot be served, ConfigError says why."""
+        from specpipe.engine.gguf_weights import QUANTIZE_AT_LOAD, quantize_linears
 
-        if self.target_weights == "dense" or (self.target_weights == "auto" and not native):
-            return {}, None, 0
-        if not native:
+
+        asked = self.target_weights
+        if native is None or asked == "dense" or (asked == "auto" and not native):
+            return {}, None, 0  # not the target (a drafter's weights follow its own `quantize`), or dense asked
+        if asked == "native" and not native:
             raise ConfigError("engine.target_weights=native: this model has no weights in GGUF blocks (a model loaded "
-                              "from a GGUF file has them: model=smollm2_135m); use target_weights=dense or auto")
+                              "from a GGUF file has them: model=smollm2_135m or model=gguf model.path=FILE); use "
+                              "target_weights=dense, int8, int4 or auto")
         kernel = kernel if kernel is not None else self._extension(path)  # the kernel's products may be off for `path`
         product = getattr(kernel, "gguf_product", None) if kernel is not None else None
         if product is None:
-            if self.target_weights == "native":
-                raise ConfigError(f"engine.target_weights=native needs specpipe's CPU kernel, which does not serve here "
-                                  f"({self._no_kernel_reason(path)})")
+            if asked != "auto":
+                raise ConfigError(f"engine.target_weights={asked} needs specpipe's CPU kernel, which does not serve "
+                                  f"here ({self._no_kernel_reason(path)})")
             log.info("engine=%s: native weights need specpipe's CPU kernel (%s): the dense weights serve", self.name,
                      self._no_kernel_reason(path))
             return {}, None, 0
+        if asked in QUANTIZE_AT_LOAD:
+            native = quantize_linears(model, asked)
         return native, product, AUTO_NATIVE_ROWS if self.native_rows == "auto" else self.native_rows
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
                       quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
                       prefix: str = "", native: dict[str, GgufWeight] | None = None,
                       native_kernel: Callable | None = None, native_rows: int = 0) -> list[tuple[str, nn.Module]]:
-        """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. A group whose
-        members all have native blocks of one format (`native`, by module name) multiplies them."""
+        """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. Linears with
+        native blocks (`native`, by module name) multiply them; a group fuses only where its members' blocks are of
+        one format (a K-quant file holds q and k in Q4_K, v in Q6_K)."""
         linears = {name: child for name, child in module.named_children() if type(child) is nn.Linear}
         if not linears:
             return []
+        native = native or {}
+
+        def native_format(name: str) -> str | None:
+            weight = native.get(f"{prefix}.{name}" if prefix else name)
+            return weight.format if weight is not None else None
+
         groups: list[tuple[str, ...]] = []
         if self.fuse:
             for group in DEFAULT_FUSE_GROUPS:
                 members = [linears.get(name) for name in group]
-                if all(members) and len({(m.in_features, m.weight.dtype) for m in members}) == 1:
+                if (all(members) and len({(m.in_features, m.weight.dtype) for m in members}) == 1
+                        and len({native_format(name) for name in group}) == 1):
                     groups.append(group)
         fused = {name for group in groups for name in group}
         groups += [(name,) for name in linears if name not in fused]
         replacements = []
         for group in groups:
-            members = [(native or {}).get(f"{prefix}.{name}" if prefix else name) for name in group]
-            members = members if all(members) and len({member.format for member in members}) == 1 else None
+            members = [native.get(f"{prefix}.{name}" if prefix else name) for name in group]
+            members = members if all(members) else None
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
                                   path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel,
                                   members, native_kernel, native_rows)

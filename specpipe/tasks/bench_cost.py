@@ -146,7 +146,7 @@ def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
     for name in engines:
         loaded = load_model(model_cfg)
         engine = build_engine_by_name(name)
-        engine.apply(loaded.model)
+        engine.apply(loaded.model, native=loaded.native)
         result[f"specpipe-{engine.name}"] = TargetModel(loaded.model, name=loaded.name, attention="sdpa",
                                                         engine=engine.name)
     return result
