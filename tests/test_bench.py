@@ -534,3 +534,70 @@ def test_sigterm_interrupts_the_benchmark_like_ctrl_c_and_only_while_it_runs():
         os.kill(os.getpid(), signal.SIGTERM)
         signal.pause()  # not reached: the handler raises first
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _LlamaServerStandIn:
+    """An HTTP server answering /health and /completion as llama-server does (its JSON fields), recording requests:
+    what the llama_cpp method sends and reads, without llama.cpp on the machine."""
+
+    def __init__(self, answer: list[int]) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[dict] = []
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._reply({"status": "ok"} if self.path == "/health" else {"error": "not found"},
+                            200 if self.path == "/health" else 404)
+
+            def do_POST(self):
+                stand_in.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self._reply({"content": "...", "tokens": answer, "stop": True, "tokens_predicted": len(answer)}, 200)
+
+            def _reply(self, body: dict, status: int) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_llama_cpp_method_asks_llama_server_for_greedy_tokens_of_the_same_ids():
+    from specpipe.tasks.bench import LlamaCppServer
+
+    stand_in = _LlamaServerStandIn([11, 12, 13])
+    try:
+        method = LlamaCppServer(stand_in.url + "/")
+        out = method(PreparedPrompt([1, 2, 3, 4]), 16)
+    finally:
+        stand_in.close()
+    assert out.tokens == [11, 12, 13] and out.forwards == 4 and out.accept_lengths == [1, 1, 1] and out.seconds > 0
+    (request,) = stand_in.requests
+    assert request["prompt"] == [1, 2, 3, 4] and request["n_predict"] == 16
+    assert request["temperature"] == 0 and request["top_k"] == 1 and request["cache_prompt"] is False
+
+
+def test_the_llama_cpp_method_needs_a_running_server():
+    from specpipe.tasks.bench import LlamaCppServer
+
+    with pytest.raises(InvalidRequest, match="bench.llama_cpp_url=http://HOST:PORT"):
+        LlamaCppServer(None)
+    stand_in = _LlamaServerStandIn([])
+    url = stand_in.url
+    stand_in.close()
+    with pytest.raises(InvalidRequest, match="no llama-server answers there"):
+        LlamaCppServer(url)

@@ -143,3 +143,13 @@ def test_the_stock_forward_verifies_a_branched_tree_as_the_target_does():
         target.prefill(context[:-1], target_cache)
         expected = target.forward_tree(context[-1], tree, target_cache).logits  # [7, vocab]
         assert torch.equal(stock.forward_tree(context[-1], tree, stock_cache)[0].float(), expected), shape.__name__
+
+
+def test_an_engine_entry_may_set_the_engines_fields():
+    from specpipe.tasks.bench_cost import build_engine_by_name
+
+    assert build_engine_by_name("fast").target_weights == "auto"
+    engine = build_engine_by_name("fast target_weights=dense native_rows=8")
+    assert (engine.name, engine.target_weights, engine.native_rows) == ("fast", "dense", 8)
+    with pytest.raises(ConfigError, match="unknown engine 'fastest'"):
+        build_engine_by_name("fastest target_weights=dense")

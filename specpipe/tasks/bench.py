@@ -12,6 +12,8 @@ every method of `bench.methods` over them:
 - `vanilla`: specpipe's own loop with no drafting, on the same target and engine (the
   baseline that isolates the gain of drafting from the gain of the engine),
 - `pipeline`: the configured specpipe pipeline (reported under its own name),
+- `llama_cpp`: llama.cpp's server at `bench.llama_cpp_url`, started beside the run on the target's GGUF file with
+  the same threads (the engine CPU users pick, on the file they run),
 - and each pipeline of `bench.compare` (conf/pipeline/ names, e.g. `[prompt_lookup,lookahead_trie]`),
   built on the same target and run on the same prompts, reported under its own name: a comparison of
   pipelines inside one run, question by question, where separate jobs would differ by the machine's drift.
@@ -36,6 +38,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,6 +61,8 @@ REFERENCE = "hf_generate"
 HF_PLD = "hf_pld"
 PIPELINE = "pipeline"  # in bench.methods: the configured pipeline, reported under its own name
 VANILLA = "vanilla"  # in bench.methods: specpipe's loop without drafting (same target and engine)
+# in bench.methods: llama.cpp's server (bench.llama_cpp_url) running the target's GGUF file, greedy on the same ids
+LLAMA_CPP = "llama_cpp"
 # Spec-Bench's evaluation reports its eight MT-bench categories as one task.
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 DEFAULT_GROUPS = {category: "mt_bench" for category in MT_BENCH_CATEGORIES}
@@ -278,8 +283,39 @@ class PipelineDecode:
         return TurnOutput(tokens, seconds, stats.steps, stats.accept_lengths, drafted, by_source)
 
 
+class LlamaCppServer:
+    """llama.cpp's own server (`llama-server -m MODEL.gguf -t THREADS`, started beside the benchmark on the target's
+    GGUF file): greedy completion of the very prompt ids through its /completion endpoint, timed from the request
+    to the answer (prefill included) as the other methods are. It decodes one token a forward."""
+
+    def __init__(self, url: str | None, timeout_s: float = 600.0) -> None:
+        if not url:
+            raise InvalidRequest(f"bench.methods has {LLAMA_CPP}: give bench.llama_cpp_url=http://HOST:PORT, a running "
+                                 f"llama-server on the target's GGUF file with the benchmark's threads (llama-server "
+                                 f"-m MODEL.gguf -t THREADS --port PORT)")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
+                response.read()
+        except (OSError, ValueError) as error:
+            raise InvalidRequest(f"bench.llama_cpp_url={url}: no llama-server answers there ({error})") from None
+
+    def __call__(self, prompt: PreparedPrompt, max_new_tokens: int) -> TurnOutput:
+        body = json.dumps({"prompt": list(prompt.token_ids), "n_predict": max_new_tokens, "temperature": 0.0,
+                           "top_k": 1, "cache_prompt": False, "return_tokens": True, "stream": False}).encode()
+        request = urllib.request.Request(f"{self.url}/completion", data=body,
+                                         headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            answer = json.loads(response.read())
+        seconds = time.perf_counter() - started
+        tokens = [int(token) for token in answer.get("tokens") or []]
+        return TurnOutput(tokens, seconds, len(tokens) + 1, [1] * len(tokens))
+
+
 def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int,
-                 hf_model: torch.nn.Module | None = None) -> dict[str, Method]:
+                 hf_model: torch.nn.Module | None = None, llama_cpp_url: str | None = None) -> dict[str, Method]:
     """Method name -> callable, in the order given; `pipeline` is reported under the pipeline's name.
 
     The HF methods run `hf_model` (default: the pipeline's own model, when its engine left it stock).
@@ -297,10 +333,13 @@ def make_methods(names: Sequence[str], pipeline: Pipeline, pld_tokens: int,
             methods[pipeline.name] = PipelineDecode(pipeline)
         elif name == VANILLA:  # the same as the pipeline when that is vanilla: run once
             methods[VANILLA] = PipelineDecode(pipeline.without_drafting(VANILLA))
+        elif name == LLAMA_CPP:
+            methods[LLAMA_CPP] = LlamaCppServer(llama_cpp_url)
         else:
             raise InvalidRequest(f"bench.methods: unknown method {name!r}; choose among {REFERENCE}, {HF_PLD}, "
                                  f"{VANILLA} (specpipe's loop without drafting), {PIPELINE} (the configured "
-                                 f"pipeline, here {pipeline.name!r})")
+                                 f"pipeline, here {pipeline.name!r}), {LLAMA_CPP} (a llama-server at "
+                                 f"bench.llama_cpp_url)")
     return methods
 
 
@@ -437,6 +476,7 @@ class BenchSettings:
     out: Path
     time_limit_s: float | None = None  # stop before a question that would end past it (warm-up included)
     relative_to: str | None = None  # a method the report gives every other's speed over, with an interval
+    llama_cpp_url: str | None = None  # the llama-server of method llama_cpp
 
 
 def read_settings(cfg: DictConfig) -> BenchSettings:
@@ -476,6 +516,7 @@ def read_settings(cfg: DictConfig) -> BenchSettings:
         out=output_dir(bench.get("out")),
         time_limit_s=float(time_limit_s) if time_limit_s is not None else None,
         relative_to=read_relative_to(bench.get("relative_to")),
+        llama_cpp_url=bench.get("llama_cpp_url"),
     )
 
 
@@ -566,9 +607,9 @@ def run_bench(cfg: DictConfig, loaded: LoadedModel | None = None, hf_model: torc
             raise ValueError("run_bench(loaded=...) with an engine that rewrites the model needs hf_model=, a "
                              "stock instance with the same weights for the HF methods")
         hf_model = load_model(cfg.model).model  # stock weights and forward for the HF methods
-    methods = make_methods(settings.methods, pipeline, settings.pld_tokens, hf_model)
+    methods = make_methods(settings.methods, pipeline, settings.pld_tokens, hf_model, settings.llama_cpp_url)
     for other in compared:
-        if other.name in methods or other.name in (REFERENCE, HF_PLD, VANILLA, PIPELINE):
+        if other.name in methods or other.name in (REFERENCE, HF_PLD, VANILLA, PIPELINE, LLAMA_CPP):
             raise InvalidRequest(f"bench.compare: {other.name!r} is already a method of this run "
                                  f"({', '.join(methods)}); compare other pipelines")
         methods[other.name] = PipelineDecode(other)

@@ -108,7 +108,7 @@ def read_settings(cfg: DictConfig) -> CostSettings:
         raise InvalidRequest(f"bench_cost.rounds must be >= 1, got {bench.rounds}")
     engines = tuple(str(name) for name in bench.engines)
     for name in engines:
-        engine_config_path(name)
+        engine_config_path(name.split()[0])
     profile_queries = tuple(int(q) for q in bench.get("profile_queries") or ())
     if profile_queries and min(profile_queries) < 1:
         raise InvalidRequest(f"bench_cost.profile_queries must be positive counts, got {list(profile_queries)}")
@@ -125,16 +125,19 @@ def engine_config_path(name: str) -> Path:
 
 
 def build_engine_by_name(name: str):
-    """The engine `engine=NAME` builds, composed as Hydra composes it (an engine config may extend another)."""
+    """The engine `engine=NAME` builds, composed as Hydra composes it (an engine config may extend another).
+    "NAME KEY=VALUE ..." sets the engine's fields too (`fast target_weights=dense`)."""
     from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
-    engine_config_path(name)  # a clear error for an unknown name
+    engine, *fields = name.split()
+    engine_config_path(engine)  # a clear error for an unknown name
+    overrides = [f"engine={engine}", *(f"engine.{field}" for field in fields)]
     if GlobalHydra.instance().is_initialized():  # inside run.py: compose with the app's own search path
-        engine_cfg = compose(config_name="config", overrides=[f"engine={name}"]).engine
+        engine_cfg = compose(config_name="config", overrides=overrides).engine
     else:
-        engine_cfg = compose_config([f"engine={name}"]).engine
+        engine_cfg = compose_config(overrides).engine
     return instantiate(engine_cfg)
 
 
@@ -147,7 +150,7 @@ def runners(cfg: DictConfig, dtype: str, engines: Sequence[str]) -> dict:
         loaded = load_model(model_cfg)
         engine = build_engine_by_name(name)
         engine.apply(loaded.model, native=loaded.native)
-        result[f"specpipe-{engine.name}"] = TargetModel(loaded.model, name=loaded.name, attention="sdpa",
+        result[f"specpipe-{name}"] = TargetModel(loaded.model, name=loaded.name, attention="sdpa",
                                                         engine=engine.name)
     return result
 
