@@ -588,14 +588,15 @@ torch::Tensor quantized_product(torch::Tensor x, torch::Tensor weight, torch::Te
 // to fp32 as numpy rounds it (-ffp-contract=off keeps them apart): the fp32 weights are bitwise those the dense model
 // holds.
 //
-// A row's dot product runs over chunks of 32 weights in the order of k, each chunk's kChunkVectors vectors into their
-// own accumulators, which are added in order at the end: the same sums, in the same order, whatever rows come with it
-// (a row's output does not depend on the rows beside it, nor on how many there are).
+// A row's dot product runs over chunks of 32 weights in the order of k, a chunk's vector v into accumulator v % 2, and
+// the two are added at the end: the same sums, in the same order, whatever rows come with it (a row's output does not
+// depend on the rows beside it, nor on how many there are).
 
 namespace {
 
 constexpr int kChunk = 32;  // weights a widening step yields
 constexpr int kChunkVectors = kChunk / kLanes;  // 2 (AVX-512) or 4 (AVX2)
+constexpr int kAccumulators = 2;  // per row: AVX2's 16 registers then hold 4 rows' sums and a chunk
 constexpr int kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ5_0 = 6, kGgufQ5_1 = 7, kGgufQ8_0 = 8, kGgufQ4_K = 12,
               kGgufQ5_K = 13, kGgufQ6_K = 14;
 
@@ -834,14 +835,14 @@ struct Widener<kGgufQ6_K> {
   }
 };
 
-// How many weight rows gguf_rows multiplies side by side for R rows of x: with few rows of x, one weight row's sums
-// are a chain of dependent FMAs (two to four accumulators), so several weight rows run together to keep the FMA
-// units busy. Each weight row's sums keep their order: the outputs are the same for any number side by side.
 constexpr int64_t kGgufLookahead = 16384;
 
+// How many weight rows gguf_rows multiplies side by side for R rows of x: with few rows of x, one weight row's sums
+// are two chains of dependent FMAs, so several weight rows run together to keep the FMA units busy. Each weight row's
+// sums keep their order: the outputs are the same for any number side by side.
 template <int R>
 constexpr int gguf_side_by_side() {
-  return std::max(1, 8 / (R * kChunkVectors));
+  return std::max(1, 8 / (R * kAccumulators));
 }
 
 // R rows of x [R, in] fp32 times weight rows [begin, end) of blocks [out, in / values * bytes], into out (stride
@@ -857,13 +858,13 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
     // Blocks are prefetched into L2, kGgufLookahead bytes ahead: a few-row product over blocks reads far more bytes a
     // cycle than the bf16 one, and prefetches into L1 (NTA) cap a core at its line-fill buffers' ~10 GB/s.
     const char* ahead = reinterpret_cast<const char*>(rows) + std::max<int64_t>(2 * O * row_bytes, kGgufLookahead);
-    Lanes acc[O][kChunkVectors][R];
+    Lanes acc[O][kAccumulators][R];
 #pragma GCC unroll 16
     for (int p = 0; p < O; ++p)
 #pragma GCC unroll 16
-      for (int v = 0; v < kChunkVectors; ++v)
+      for (int a = 0; a < kAccumulators; ++a)
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[p][v][r] = lanes_zero();
+        for (int r = 0; r < R; ++r) acc[p][a][r] = lanes_zero();
     for (int64_t b = 0; b < count; ++b) {
 #pragma GCC unroll 8
       for (int p = 0; p < O; ++p) {
@@ -883,7 +884,8 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
           for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
             for (int v = 0; v < kChunkVectors; ++v)
-              acc[p][v][r] = lanes_fma(weights[v], lanes_load(xk + r * in + kLanes * v), acc[p][v][r]);
+              acc[p][v % kAccumulators][r] =
+                  lanes_fma(weights[v], lanes_load(xk + r * in + kLanes * v), acc[p][v % kAccumulators][r]);
         }
       }
     }
@@ -891,10 +893,7 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
     for (int p = 0; p < O; ++p)
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        Lanes total = acc[p][0][r];
-#pragma GCC unroll 16
-        for (int v = 1; v < kChunkVectors; ++v) total = lanes_add(total, acc[p][v][r]);
-        float sum = lanes_sum(total);
+        float sum = lanes_sum(lanes_add(acc[p][0][r], acc[p][1][r]));
         if (bias != nullptr) sum += bias[o + p];
         out[r * out_stride + o + p] = static_cast<Out>(sum);
       }
@@ -905,7 +904,7 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
 }
 
 // The most rows one pass over a tile of blocks takes: their accumulators and a chunk's vectors in the registers.
-constexpr int64_t kGgufMaxRows = kRegisters == 32 ? 8 : 2;
+constexpr int64_t kGgufMaxRows = kRegisters == 32 ? 8 : 4;
 
 template <int Format, int R = 1, typename Out>
 void gguf_group(int64_t rows, const float* x, const uint8_t* blocks, const float* bias, Out* out, int64_t in,
@@ -2545,9 +2544,10 @@ class CpuKernel:
                  attention_pairs: bool = True, block_lookahead_rows: int = DEFAULT_BLOCK_LOOKAHEAD_ROWS,
                  amx_rows: int = 0) -> None:
         self.product = None
-        # gguf_product(x [..., in], blocks [out, in / 32 * block bytes] uint8, format, in, bias [out] fp32 or None) ->
-        # [..., out]: the product over weights in GGUF blocks (Q4_0, Q4_1, Q8_0), widened in registers as gguf-py
-        # dequantizes them; gguf_widen(blocks, format, in) -> the fp32 weights [out, in]. Set and cleared with `product`
+        # gguf_product(x [..., in], blocks [out, in / block values * block bytes] uint8, format, in, bias [out] fp32 or
+        # None) -> [..., out]: the product over weights in GGUF blocks (gguf_weights.NATIVE_FORMATS), widened in
+        # registers as gguf-py dequantizes them; gguf_widen(blocks, format, in) -> the fp32 weights [out, in]. Set and
+        # cleared with `product`
         self.gguf_product = None
         self.gguf_widen = None
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->

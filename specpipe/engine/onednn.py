@@ -278,9 +278,10 @@ class OneDNNEngine:
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
     # faster; false = fp32 weights, one value row per multiply-add
     attention_pairs: bool = True
-    # The target's linear weights: "native" = as its GGUF file holds them (Q4_0, Q4_1 or Q8_0 blocks widened in
+    # The target's linear weights: "native" = as its GGUF file holds them (gguf_weights.NATIVE_FORMATS, widened in
     # registers to the very fp32 weights transformers dequantized from the file; a model loaded from a GGUF file, like
-    # the embedded one), "dense" = as loaded (fp32 or bf16), "auto" = native where the model has them
+    # the embedded one), "dense" = as loaded (fp32 or bf16), "auto" = native where the model has them, "int8"/"int4" =
+    # a dense target quantized at load to Q8_0/Q4_1 blocks (gguf_weights.quantize_linears)
     target_weights: str = "auto"
     # With native weights: products of up to this many rows run over the blocks (larger ones, prompts, over the dense
     # weights); "auto" = 64
@@ -519,7 +520,6 @@ class OneDNNEngine:
         kernel's product over them and up to how many rows, as `target_weights` asks; where native, int8 or int4 was
         asked and cannot be served, ConfigError says why."""
         from specpipe.engine.gguf_weights import QUANTIZE_AT_LOAD, quantize_linears
-
 
         asked = self.target_weights
         if native is None or asked == "dense" or (asked == "auto" and not native):
