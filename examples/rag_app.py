@@ -3,12 +3,13 @@ asks a question, and prints the chunks it was answered from, the answer and the 
 
     .venv/bin/python examples/rag_app.py [--max-new-tokens N] [--store DIR]
 
-Without --store the documents below are embedded in memory; with it, a store built by
+Without --store the handbook in examples/handbook.json is embedded in memory; with it, a store built by
 `python run.py task=build_store store=documents store.sources=[...] store.out=DIR` is searched.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -16,16 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from specpipe import Pipeline  # noqa: E402
 
-HANDBOOK = [
-    "Expense reports are due on the fifth working day of the following month. Reports submitted later "
-    "are paid with the next payroll run.",
-    "Travel must be booked through the travel desk at least ten days before departure. Economy class is "
-    "the default for flights under six hours.",
-    "Remote work is possible up to three days a week after the probation period, with the agreement of "
-    "the team lead.",
-    "Laptops are replaced every four years. A broken laptop is repaired or replaced by the IT service desk "
-    "within two working days.",
-]
+# A small handbook to retrieve from, shared by the examples
+HANDBOOK = json.loads((Path(__file__).with_name("handbook.json")).read_text())
 
 
 def main() -> None:

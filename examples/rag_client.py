@@ -8,19 +8,13 @@ from and the request's speculation stats.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from openai import OpenAI
 
-HANDBOOK = [
-    "Expense reports are due on the fifth working day of the following month. Reports submitted later "
-    "are paid with the next payroll run.",
-    "Travel must be booked through the travel desk at least ten days before departure. Economy class is "
-    "the default for flights under six hours.",
-    "Remote work is possible up to three days a week after the probation period, with the agreement of "
-    "the team lead.",
-    "Laptops are replaced every four years. A broken laptop is repaired or replaced by the IT service desk "
-    "within two working days.",
-]
+# A small handbook to retrieve from, shared by the examples
+HANDBOOK = json.loads((Path(__file__).with_name("handbook.json")).read_text())
 
 
 def main() -> None:
