@@ -271,3 +271,23 @@ def test_a_target_quantized_at_load_is_one_model_for_every_pipeline(kernel, kind
         packed = [module for module in pipe.target.model.modules() if isinstance(module, PackedWeight)]
         assert packed and all(module.native_format == NATIVE_FORMATS[QUANTIZE_AT_LOAD[kind]] for module in packed)
         assert [pipe.generate(prompt, max_new_tokens=20).token_ids for prompt in prompts] == expected, pipeline
+
+
+def test_blocks_that_do_not_hold_the_loaded_weights_are_not_used(kernel, k_quant_file, caplog):
+    """A file whose names or row order were mapped otherwise than transformers' loader did (here: two linears' blocks
+    swapped) keeps those linears dense, with a warning, and answers as the dense model."""
+    overrides, source = k_quant_file
+    loaded = source.load()
+    gate, up = "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"
+    loaded.native[gate], loaded.native[up] = loaded.native[up], loaded.native[gate]
+    with caplog.at_level(logging.WARNING):
+        native = build_pipeline(compose_config([*overrides, "pipeline=vanilla", "cost_curve=flat"]), loaded=loaded)
+    assert "the GGUF blocks of 2 linears" in caplog.text and gate in caplog.text
+    packed = [module for module in native.target.model.modules() if isinstance(module, PackedWeight)]
+    dense_packed = [module for module in packed if module.native_blocks is None]
+    # the two, dense, fuse again into one gate|up product; the other 13 linears multiply their blocks
+    assert len(packed) == 14 and len(dense_packed) == 1 and dense_packed[0].out_features == 2 * 512
+    dense = build_pipeline(compose_config([*overrides, "pipeline=vanilla", "cost_curve=flat",
+                                           "engine.target_weights=dense"]), loaded=source.load())
+    question = "Write a haiku about the sea."
+    assert native.generate(question, max_new_tokens=24).token_ids == dense.generate(question, max_new_tokens=24).token_ids

@@ -3,8 +3,10 @@ Q5_K, Q6_K super-blocks of 256), for `engine=fast` to multiply in place of the d
 from the same file (`engine.target_weights=native`); and a dense model's weights quantized to such blocks at load
 (`engine.target_weights=int8|int4`).
 
-The blocks are read as they are and only reordered where transformers reorders the dense weight: Llama's q and k
-projections, whose rows llama.cpp's converter permuted for its rotary layout and transformers' loader permutes back.
+The blocks are read as they are and only reordered where transformers reorders the dense weight: the q and k
+projections of the "llama" architecture, whose rows llama.cpp's converter permuted for its rotary layout and
+transformers' loader permutes back. The engine checks the first rows of every linear against the weights transformers
+loaded (OneDNNEngine._matching_blocks) and keeps the dense weights where they differ.
 A block holds consecutive weights of one row, so rows move whole. Formats the CPU kernel does not read (F32, F16,
 BF16, Q2_K, Q3_K, the IQ formats) are left out: those linears keep their dense weights.
 """
@@ -68,6 +70,8 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
     architecture = bytes(field.parts[-1]).decode() if field is not None else ""
     if architecture not in LLAMA_ARCHITECTURES:
         return {}  # other families: their tensor names and layouts are not mapped here
+    # transformers' loader undoes llama.cpp's rotary permutation of q and k for the "llama" architecture only
+    permuted = architecture == "llama"
     has_output = any(tensor.name == "output.weight" for tensor in reader.tensors)
     weights: dict[str, GgufWeight] = {}
     for tensor in reader.tensors:
@@ -79,9 +83,9 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
             continue
         blocks = np.asarray(tensor.data)  # [out, row bytes] uint8
         in_features = int(tensor.shape[0])  # GGUF lists the fastest dimension first
-        if name.endswith("q_proj"):
+        if permuted and name.endswith("q_proj"):
             blocks = blocks[rotary_rows(blocks.shape[0], num_heads)]
-        elif name.endswith("k_proj"):
+        elif permuted and name.endswith("k_proj"):
             blocks = blocks[rotary_rows(blocks.shape[0], num_kv_heads)]
         weights[name] = GgufWeight(torch.from_numpy(np.array(blocks, copy=True)), format_name, in_features)
     return weights

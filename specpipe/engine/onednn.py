@@ -539,7 +539,31 @@ class OneDNNEngine:
             return {}, None, 0
         if asked in QUANTIZE_AT_LOAD:
             native = quantize_linears(model, asked)
+        else:
+            native = self._matching_blocks(model, native, kernel.gguf_widen)
         return native, product, AUTO_NATIVE_ROWS if self.native_rows == "auto" else self.native_rows
+
+    def _matching_blocks(self, model: nn.Module, native: dict[str, GgufWeight], widen: Callable) -> dict:
+        """The blocks whose first rows widen to the model's own weights (rounded to its dtype): a file whose tensor
+        names or row order this code maps otherwise than transformers' loader did keeps its dense weights, with a
+        warning, instead of answering with other weights."""
+        modules = dict(model.named_modules())
+        matching, mismatched = {}, []
+        for name, weight in native.items():
+            module = modules.get(name)
+            dense = getattr(module, "weight", None)
+            rows = min(64, weight.out_features)
+            if (dense is not None and tuple(dense.shape) == (weight.out_features, weight.in_features)
+                    and torch.equal(widen(weight.blocks[:rows], weight.type_id, weight.in_features).to(dense.dtype),
+                                    dense.detach()[:rows].cpu())):
+                matching[name] = weight
+            else:
+                mismatched.append(name)
+        if mismatched:
+            log.warning("engine=%s: the GGUF blocks of %d linears (%s) do not hold the weights transformers loaded "
+                        "from the file; they multiply their dense weights", self.name, len(mismatched),
+                        ", ".join(mismatched[:3]) + (", ..." if len(mismatched) > 3 else ""))
+        return matching
 
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
                       quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
