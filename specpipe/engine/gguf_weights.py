@@ -18,13 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
 from specpipe.errors import ModelNotAvailable
 
-# The block formats specpipe's CPU kernel multiplies: ggml's type id (what gguf_product takes), weights per block
-NATIVE_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# The block formats specpipe's CPU kernel multiplies: ggml's type id (what gguf_product takes); weights and bytes
+# per block (gguf-py's table)
+NATIVE_FORMATS = {name: int(GGMLQuantizationType[name])
+                  for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+BLOCK_VALUES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0] for name in NATIVE_FORMATS}
+BLOCK_BYTES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][1] for name in NATIVE_FORMATS}
 # engine.target_weights: a dense model's weights quantized at load to these formats (gguf-py's quantizers, which
 # reproduce ggml's): int8 = Q8_0 (an fp16 step per 32 weights), int4 = Q4_1 (an fp16 step and minimum per 32)
 QUANTIZE_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
@@ -133,7 +137,6 @@ def quantize_linears(model: nn.Module, kind: str) -> dict[str, GgufWeight]:
 # Where each format's fp16 steps lie in a block (byte offsets): random_blocks sets them to moderate values.
 _STEP_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
                  "Q5_K": (0, 2), "Q6_K": (208,)}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def random_blocks(format_name: str, rows: int, in_features: int, generator: np.random.Generator,
@@ -141,7 +144,7 @@ def random_blocks(format_name: str, rows: int, in_features: int, generator: np.r
     """Blocks of random codes and scales with fp16 steps of about `step` (whatever a file may hold, for checks):
     [rows, in_features / block values * block bytes] uint8."""
     count = in_features // BLOCK_VALUES[format_name]
-    blocks = generator.integers(0, 256, size=(rows, count, _BLOCK_BYTES[format_name]), dtype=np.uint8)
+    blocks = generator.integers(0, 256, size=(rows, count, BLOCK_BYTES[format_name]), dtype=np.uint8)
     for offset in _STEP_OFFSETS[format_name]:
         steps = (generator.uniform(0.25, 1.0, size=(rows, count)) * step).astype(np.float16)
         if offset == 2 and format_name in ("Q4_1", "Q5_1"):
