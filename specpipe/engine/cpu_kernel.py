@@ -695,72 +695,53 @@ template <>
 struct Widener<kGgufQ4_1> : NibbleTableWidener<kGgufQ4_1> {
   using NibbleTableWidener::NibbleTableWidener;
 };
-#else
-template <>
-struct Widener<kGgufQ4_0> {
-  static constexpr int kChunks = 1;
-  const uint8_t* block;
-  Lanes d;
-  explicit Widener(const uint8_t* b) : block(b), d(lanes_set(half_float(b))) {}
-  void chunk(int, Lanes* out) const {
-    constexpr int kHalf = kChunkVectors / 2;  // vectors of low nibbles, then as many of high ones
-    for (int v = 0; v < kChunkVectors; ++v)  // d * (q - 8), q - 8 exact
-      out[v] = lanes_mul(d, lanes_sub(unsigned_lanes(nibble_bytes(lane_bytes(block + 2 + kLanes * (v % kHalf)),
-                                                                  v >= kHalf)), lanes_set(8.0f)));
-  }
-};
-
-template <>
-struct Widener<kGgufQ4_1> {
-  static constexpr int kChunks = 1;
-  const uint8_t* block;
-  Lanes d, m;
-  explicit Widener(const uint8_t* b) : block(b), d(lanes_set(half_float(b))), m(lanes_set(half_float(b + 2))) {}
-  void chunk(int, Lanes* out) const {
-    constexpr int kHalf = kChunkVectors / 2;
-    for (int v = 0; v < kChunkVectors; ++v)  // d * q + m
-      out[v] = lanes_add(lanes_mul(d, unsigned_lanes(nibble_bytes(lane_bytes(block + 4 + kLanes * (v % kHalf)),
-                                                                  v >= kHalf))), m);
-  }
-};
-
 #endif
 
-// Q5_0 and Q5_1: a 32-bit word of fifth bits (bit i for weight i), then the low nibbles as Q4_0/Q4_1 hold them.
-template <>
-struct Widener<kGgufQ5_0> {
+// Q4_0, Q4_1, Q5_0, Q5_1: an fp16 step d, [Q4_1, Q5_1: an fp16 minimum m], [Q5_0, Q5_1: a 32-bit word of fifth bits,
+// bit i for weight i], then 16 bytes of low nibbles (weight j < 16 the low nibble of byte j, weight 16 + j its high
+// one). A weight is d * (q - 8) (Q4_0), d * (q - 16) (Q5_0), or d * q + m (Q4_1, Q5_1).
+template <int Format>
+struct NibbleWidener {
   static constexpr int kChunks = 1;
+  static constexpr bool kMinimum = Format == kGgufQ4_1 || Format == kGgufQ5_1;
+  static constexpr bool kFifthBit = Format == kGgufQ5_0 || Format == kGgufQ5_1;
+  static constexpr int kCodes = 2 + (kMinimum ? 2 : 0) + (kFifthBit ? 4 : 0);  // where the nibbles start
   const uint8_t* block;
-  Lanes d;
-  uint32_t high;
-  explicit Widener(const uint8_t* b) : block(b), d(lanes_set(half_float(b))) { std::memcpy(&high, b + 2, 4); }
+  Lanes d, m;
+  uint32_t high = 0;
+  explicit NibbleWidener(const uint8_t* b)
+      : block(b), d(lanes_set(half_float(b))), m(lanes_set(kMinimum ? half_float(b + 2) : 0.0f)) {
+    if constexpr (kFifthBit) std::memcpy(&high, b + kCodes - 4, 4);
+  }
   void chunk(int, Lanes* out) const {
-    constexpr int kHalf = kChunkVectors / 2;
-    for (int v = 0; v < kChunkVectors; ++v) {  // d * (q - 16)
-      const Lanes q = nibble_bit_lanes(nibble_bytes(lane_bytes(block + 6 + kLanes * (v % kHalf)), v >= kHalf),
-                                       bit_lanes(high, kLanes * v));
-      out[v] = lanes_mul(d, lanes_sub(q, lanes_set(16.0f)));
+    constexpr int kHalf = kChunkVectors / 2;  // vectors of low nibbles, then as many of high ones
+    for (int v = 0; v < kChunkVectors; ++v) {
+      const __m128i nibbles = nibble_bytes(lane_bytes(block + kCodes + kLanes * (v % kHalf)), v >= kHalf);
+      Lanes q;
+      if constexpr (kFifthBit) q = nibble_bit_lanes(nibbles, bit_lanes(high, kLanes * v));
+      else q = unsigned_lanes(nibbles);
+      if constexpr (kMinimum) out[v] = lanes_add(lanes_mul(d, q), m);
+      else out[v] = lanes_mul(d, lanes_sub(q, lanes_set(kFifthBit ? 16.0f : 8.0f)));  // q - 8, q - 16: exact
     }
   }
 };
-
+#ifndef __AVX512F__
 template <>
-struct Widener<kGgufQ5_1> {
-  static constexpr int kChunks = 1;
-  const uint8_t* block;
-  Lanes d, m;
-  uint32_t high;
-  explicit Widener(const uint8_t* b) : block(b), d(lanes_set(half_float(b))), m(lanes_set(half_float(b + 2))) {
-    std::memcpy(&high, b + 4, 4);
-  }
-  void chunk(int, Lanes* out) const {
-    constexpr int kHalf = kChunkVectors / 2;
-    for (int v = 0; v < kChunkVectors; ++v) {  // d * q + m
-      const Lanes q = nibble_bit_lanes(nibble_bytes(lane_bytes(block + 8 + kLanes * (v % kHalf)), v >= kHalf),
-                                       bit_lanes(high, kLanes * v));
-      out[v] = lanes_add(lanes_mul(d, q), m);
-    }
-  }
+struct Widener<kGgufQ4_0> : NibbleWidener<kGgufQ4_0> {
+  using NibbleWidener::NibbleWidener;
+};
+template <>
+struct Widener<kGgufQ4_1> : NibbleWidener<kGgufQ4_1> {
+  using NibbleWidener::NibbleWidener;
+};
+#endif
+template <>
+struct Widener<kGgufQ5_0> : NibbleWidener<kGgufQ5_0> {
+  using NibbleWidener::NibbleWidener;
+};
+template <>
+struct Widener<kGgufQ5_1> : NibbleWidener<kGgufQ5_1> {
+  using NibbleWidener::NibbleWidener;
 };
 
 template <>
