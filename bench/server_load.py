@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from specpipe.tasks.bench import read_questions, select_questions  # noqa: E402
-from specpipe.tasks.bench_load import RequestRecord, level_metrics  # noqa: E402
+from specpipe.tasks.bench_load import RequestRecord, closed_loop_clients, level_metrics  # noqa: E402
 
 
 class Served:
@@ -99,26 +99,15 @@ def stream_one(served: Served, question: str, max_tokens: int, origin: float) ->
 
 
 def run_level(served: Served, questions: list[str], clients: int, requests: int, max_tokens: int) -> dict:
-    records, accepted, lock, order = [], [], threading.Lock(), iter(range(requests))
     origin = time.perf_counter()
-
-    def client() -> None:
-        while True:
-            with lock:
-                index = next(order, None)
-            if index is None:
-                return
-            record, mean = stream_one(served, questions[index % len(questions)], max_tokens, origin)
-            with lock:
-                records.append(record)
-                if mean is not None:
-                    accepted.append(mean)
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads, results = closed_loop_clients(
+        clients, requests, lambda index: stream_one(served, questions[index % len(questions)], max_tokens, origin))
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    records = [record for record, _ in results]
+    accepted = [mean for _, mean in results if mean is not None]
     metrics = level_metrics(records, time.perf_counter() - origin)
     metrics.pop("mean_accepted"), metrics.pop("rows_per_request"), metrics.pop("batch_size")
     metrics["mean_accepted"] = sum(accepted) / len(accepted) if accepted else None

@@ -20,9 +20,10 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -36,6 +37,7 @@ from specpipe.serving import RequestHandle, SchedulerLimits
 from specpipe.tasks.bench import VANILLA, hydra_job_info, output_dir, read_questions, resolve_prompts_path, select_questions
 from specpipe.tasks.bench_report import machine_info, machine_line, write_text
 
+T = TypeVar("T")
 
 @dataclass(frozen=True)
 class LoadSettings:
@@ -106,13 +108,12 @@ def read_settings(cfg: DictConfig) -> LoadSettings:
                         rounds)
 
 
-def run_closed_loop(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], clients: int, requests: int,
-                    max_new_tokens: int) -> tuple[list[RequestRecord], float]:
-    """`clients` threads, each submitting the next prompt as soon as its previous request ended."""
+def closed_loop_clients(clients: int, requests: int, request: Callable[[int], T]) -> tuple[list[threading.Thread], list[T]]:
+    """`clients` threads (not started), each running `request(i)` for the next i < `requests` as soon as its previous
+    request ended, and the list their results land in."""
     next_index = iter(range(requests))
     lock = threading.Lock()
-    records: list[RequestRecord] = []
-    started = time.perf_counter()
+    results: list[T] = []
 
     def client() -> None:
         while True:
@@ -120,11 +121,20 @@ def run_closed_loop(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], clien
                 index = next(next_index, None)
             if index is None:
                 return
-            record = _consume(pipeline.submit(prompts[index % len(prompts)], max_new_tokens), started)
+            result = request(index)
             with lock:
-                records.append(record)
+                results.append(result)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    return [threading.Thread(target=client) for _ in range(clients)], results
+
+
+def run_closed_loop(pipeline: Pipeline, prompts: Sequence[PreparedPrompt], clients: int, requests: int,
+                    max_new_tokens: int) -> tuple[list[RequestRecord], float]:
+    """`clients` threads, each submitting the next prompt as soon as its previous request ended."""
+    started = time.perf_counter()
+    threads, records = closed_loop_clients(
+        clients, requests, lambda index: _consume(pipeline.submit(prompts[index % len(prompts)], max_new_tokens),
+                                                  started))
     pipeline.scheduler.hold()  # this thread runs the engine, before any client could
     for thread in threads:
         thread.start()
