@@ -3,8 +3,11 @@ resume where a run stopped, the merged file has the shipped schema, and the prom
 nothing with the dev prompt sets."""
 from __future__ import annotations
 
+import hashlib
 import json
+import platform
 import random
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,9 +17,11 @@ import torch
 
 from specpipe.distill.corpus import (BatchedGreedy, CorpusError, ShardFolder, chat_prompt_ids, distill,
                                      merge_shards, read_corpus, read_corpus_metadata)
-from specpipe.distill.prompts import (SOURCE_COUNTS, ChatPrompt, _fill_slots, _situated_request, build_prompt_source,
-                                      dev_prompt_files, find_overlaps, load_dev_turns, prompt_id)
+from specpipe.distill.prompts import (BUILDERS, DEFAULT_SEED, SOURCE_COUNTS, ChatPrompt, _fill_slots, _product_of,
+                                      _situated_request, build_prompt_source, dev_prompt_files, find_overlaps,
+                                      follow_up_prompts, load_dev_turns, prompt_id)
 from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
+from specpipe.distill.subjects import DATA_DIR, PromptData, load_prompt_data
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.stores.manifest import sha256_file
 
@@ -396,7 +401,7 @@ def test_prompt_source_is_large_varied_and_deterministic(source):
 
 
 def test_growing_the_source_keeps_every_prompt_already_answered(source):
-    """Session 31 raised some builders' counts and added `*_2` builders: a larger count extends a
+    """Raising builders' counts and adding the `*_2` builders grew the source: a larger count extends a
     builder's seeded draw, so the source before (its counts below) is a subset of today's, and every
     first turn the shipped corpus answered is still a prompt of the source (nothing answered is orphaned)."""
     import pyarrow.parquet as pq
@@ -412,6 +417,128 @@ def test_growing_the_source_keeps_every_prompt_already_answered(source):
                          columns=["prompt_id", "history"]).to_pylist()
     answered = {row["prompt_id"] for row in rows if not row["history"]}
     assert answered and answered <= now
+
+
+# ---- the pinned prompt source ---------------------------------------------------------------------
+# The shipped corpora, heads and drafts were built from this source, and their reproduction commands rebuild
+# it, so it is pinned: the prompts of the builders and counts below, in order, and their follow-ups.
+PINNED_COUNTS = {
+    "writing": 715, "review": 32, "email": 78, "advice": 90, "roleplay": 300, "roleplay_situation": 500,
+    "coding": 1770, "coding_concept": 150, "sql": 10, "stem": 600, "stem_compare": 40,
+    "humanities": 444, "humanities_question": 22, "math": 1600, "reasoning": 1200, "extraction": 1000,
+    "pydoc": 500, "stdlib_module": 400, "stdlib_function": 400,
+    "writing_2": 660, "roleplay_2": 240, "roleplay_situation_2": 400, "stem_2": 420, "humanities_2": 360,
+    "advice_2": 120,
+    "writing_situated": 120, "roleplay_situated": 120, "reasoning_situated": 120, "math_situated": 120,
+    "coding_situated": 120, "extraction_situated": 100, "stem_situated": 120, "humanities_situated": 120,
+    "advice_situated": 60,
+}
+PYTHON_TEXT_BUILDERS = ("pydoc", "stdlib_module", "stdlib_function")  # their text comes with the Python version
+# build_prompt_source(counts=PINNED_COUNTS), then a follow-up of each first turn (answer "answer"), on this Python:
+SOURCE_SHA256, SOURCE_PYTHON = "54a3f0e8b99d8ee55ce047d1b499eb3131890bea9dc36cad37019b1b747aa343", "3.11.7"
+# The raw seeded draw of every other builder, then a follow-up of each (any Python version):
+DRAWS_SHA256 = "51256dbeb1bf7c70b250fd01f77a315cc46174e24c1e64f113dba790f3ce22c9"
+CHANGED_SOURCE = ("the prompt source changed, and with it what the shipped corpora, heads and drafts were built from. "
+                  "Never edit, reorder or insert items of a generation already drawn: append new items with a new "
+                  "generation and give it a builder of its own (specpipe/distill/data/README.md).")
+
+
+def source_sha256(prompts) -> str:
+    digest = hashlib.sha256()
+    for p in prompts:
+        row = [p.prompt_id, p.category, p.source, p.text, list(p.history)]
+        digest.update(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def with_follow_ups(firsts: list[ChatPrompt], data: PromptData | None = None) -> list[ChatPrompt]:
+    return firsts + follow_up_prompts([(p, "answer") for p in firsts], data=data)
+
+
+def draws_sha256(data: PromptData) -> str:
+    firsts = []
+    for source, count in PINNED_COUNTS.items():
+        if source not in PYTHON_TEXT_BUILDERS:
+            category, build = BUILDERS[source]
+            texts = build(random.Random(f"{DEFAULT_SEED}:{source}"), count, data)
+            firsts += [ChatPrompt(prompt_id(text), category, source, text) for text in texts]
+    return source_sha256(with_follow_ups(firsts, data))
+
+
+def test_the_prompt_source_is_pinned(source):
+    assert all(SOURCE_COUNTS.get(name, 0) >= count for name, count in PINNED_COUNTS.items()), CHANGED_SOURCE
+    assert draws_sha256(load_prompt_data()) == DRAWS_SHA256, CHANGED_SOURCE
+    if platform.python_version() != SOURCE_PYTHON:
+        pytest.skip(f"the whole source is pinned on Python {SOURCE_PYTHON} (its docs and stdlib text)")
+    pinned = source if SOURCE_COUNTS == PINNED_COUNTS else build_prompt_source(counts=PINNED_COUNTS)
+    assert source_sha256(with_follow_ups(pinned.prompts)) == SOURCE_SHA256, CHANGED_SOURCE
+
+
+# How many items each pool held when the source was pinned: those items (ids, generations, texts) never change.
+PINNED_POOL_SIZES = {
+    "advice.templates": 3, "advice.topics": 70, "coding.languages": 10, "coding.tasks": 59, "coding.templates": 3,
+    "coding_concept.concepts": 50, "coding_concept.templates": 3, "constraints.advice": 5, "constraints.coding": 5,
+    "constraints.extraction": 5, "constraints.humanities": 5, "constraints.math": 5, "constraints.reasoning": 5,
+    "constraints.roleplay": 5, "constraints.stem": 5, "constraints.writing": 7, "email.subjects": 26,
+    "email.templates": 3, "follow_ups.advice": 6, "follow_ups.coding": 10, "follow_ups.extraction": 8,
+    "follow_ups.humanities": 8, "follow_ups.math": 8, "follow_ups.reasoning": 8, "follow_ups.roleplay": 10,
+    "follow_ups.stem": 8, "follow_ups.writing": 12, "humanities.templates": 6, "humanities.topics": 134,
+    "humanities_question.questions": 22, "pydoc.templates": 4, "review.subjects": 16, "review.templates": 2,
+    "roleplay.personas": 90, "roleplay.situations": 10, "roleplay.templates": 6, "situated.advice": 12,
+    "situated.coding": 20, "situated.extraction": 15, "situated.humanities": 20, "situated.math": 20,
+    "situated.reasoning": 20, "situated.roleplay": 20, "situated.stem": 20, "situated.writing": 22,
+    "slots.cities": 27, "slots.companies": 15, "slots.events": 10, "slots.first_names": 32, "slots.job_titles": 12,
+    "slots.last_names": 25, "slots.months": 12, "slots.products": 16, "sql.tasks": 10, "sql.templates": 1,
+    "stdlib_function.templates": 2, "stdlib_module.templates": 3, "stem.concepts": 170, "stem.templates": 6,
+    "stem_compare.pairs": 20, "stem_compare.templates": 2, "writing.subjects": 125, "writing.templates": 11,
+}
+PINNED_ITEMS_SHA256 = "f4e758d166da943f3e42d4b21c37bbe148d188e049e0d34b10fa1dd51a7fdb15"
+
+
+def test_prompt_data_items_are_append_only(tmp_path):
+    """Every item the pinned source could draw keeps its id, generation and text (a pool only grows at
+    its end), and the loader refuses a pool whose ids repeat or go down."""
+    pools = load_prompt_data().pools
+    digest = hashlib.sha256()
+    for name, size in PINNED_POOL_SIZES.items():
+        assert len(pools.get(name, ())) >= size, f"pool {name!r} lost items: {CHANGED_SOURCE}"
+        for item in pools[name][:size]:
+            digest.update(json.dumps([name, item.id, item.gen, item.value], ensure_ascii=False).encode() + b"\n")
+    assert digest.hexdigest() == PINNED_ITEMS_SHA256, CHANGED_SOURCE
+    (tmp_path / "pools.json").write_text(json.dumps({"pools": {"a.b": {"items": [
+        {"id": 2, "gen": 1, "text": "x"}, {"id": 1, "gen": 2, "text": "y"}]}}}))
+    with pytest.raises(ValueError, match="pool 'a.b'.* ids must be unique and increase"):
+        load_prompt_data(tmp_path)
+
+
+def test_adding_a_generation_keeps_every_earlier_prompt(source, tmp_path, monkeypatch):
+    """The rule of specpipe/distill/data/README.md, on a copy of the data: an item appended to every pool
+    in a new generation changes no builder's draw; a builder of that generation adds its prompts to the
+    source, which keeps every earlier one. The same item appended to generation 1 would reshuffle a draw."""
+    def copy_with_new_items(folder: Path, gen_of) -> Path:
+        shutil.copytree(DATA_DIR, folder)
+        for path in folder.glob("*.json"):
+            content = json.loads(path.read_text(encoding="utf-8"))
+            for name, pool in content["pools"].items():
+                last = pool["items"][-1]
+                text = "a subject of a new generation" if name == "writing.subjects" else last["text"]
+                pool["items"].append({"id": last["id"] + 1, "gen": gen_of(pool), "text": text})
+            path.write_text(json.dumps(content), encoding="utf-8")
+        return folder
+
+    grown = load_prompt_data(copy_with_new_items(tmp_path / "new_gen",
+                                                 lambda pool: max(item["gen"] for item in pool["items"]) + 1))
+    assert draws_sha256(grown) == DRAWS_SHA256
+    monkeypatch.setitem(BUILDERS, "writing_3", ("writing", _product_of("writing.templates", "writing.subjects", gen=3)))
+    larger = build_prompt_source(counts={**SOURCE_COUNTS, "writing_3": 50}, data=grown)
+    added = set(larger.prompts) - set(source.prompts)
+    assert set(source.prompts) <= set(larger.prompts)
+    assert len(added) == 11 and all(p.source == "writing_3" and "a new generation" in p.text for p in added)
+
+    appended = load_prompt_data(copy_with_new_items(tmp_path / "gen_1", lambda pool: 1))
+    writing = BUILDERS["writing"][1]
+    assert writing(random.Random(0), 715, appended) != writing(random.Random(0), 715, load_prompt_data())
+    assert draws_sha256(appended) != DRAWS_SHA256  # and the pin sees it
 
 
 def test_situated_requests_fill_every_slot_and_keep_the_constraint_with_the_ask(source):

@@ -3,7 +3,7 @@ built offline and deterministically (seeded), disjoint from every dev prompt fil
 
 Where the prompts come from (`SOURCE_COUNTS` says how many of each are drawn):
 - hand-written task templates x subjects in the eight MT-bench categories plus everyday advice
-  (`specpipe.distill.subjects`);
+  (data files under `specpipe/distill/data/`, loaded by `specpipe.distill.subjects`);
 - parametric math and reasoning problems whose numbers and names are drawn from the seed;
 - extraction tasks over short synthetic documents (receipts, meeting notes, itineraries);
 - real text on this machine: passages of Python's own documentation (`pydoc_data.topics`) to
@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpipe.distill import subjects as S
-from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
+from specpipe.distill.subjects import PromptData, load_prompt_data
 from specpipe.paths import REPO_ROOT
 
 DEFAULT_SEED = 20240611
@@ -49,10 +48,10 @@ SOURCE_COUNTS: dict[str, int] = {
     "coding_situated": 120, "extraction_situated": 100, "stem_situated": 120, "humanities_situated": 120,
     "advice_situated": 60,
 }
-# Session 31 grew the source (the chat corpus had answered every prompt): larger counts extend a
-# builder's draw (its first prompts stay the same; tests/test_distill_corpus.py checks the old source is a subset),
-# and the `*_2` builders draw from a second set of subjects. Session 46 added the `*_situated` builders:
-# requests that carry the asker's situation (`specpipe.distill.requests`).
+# A larger count extends a builder's seeded draw (its first prompts stay the same; tests/test_distill_corpus.py
+# checks that a smaller source is a subset). The `*_2` builders draw the second generation of their subjects;
+# the `*_situated` builders draw requests that carry the asker's situation (`specpipe.distill.requests`).
+# New data items come with a generation and a builder of their own (specpipe/distill/data/README.md).
 
 # Near-duplicate rule (on normalised text): a shared run of this many words, or a word-trigram
 # Jaccard similarity at least this high, or a whole dev turn (of at least MIN_CONTAINED words)
@@ -146,46 +145,68 @@ def load_dev_turns(paths: Iterable[Path]) -> list[str]:
 
 
 # ---- template x subject builders ----------------------------------------------------------------
-def _sample(rng: random.Random, pool: list[str], count: int) -> list[str]:
+# A builder: (its seeded generator, how many prompts, the prompt data) -> distinct prompt texts.
+Builder = Callable[[random.Random, int, PromptData], list[str]]
+
+
+def _sample(rng: random.Random, pool: Sequence[str], count: int) -> list[str]:
     return rng.sample(pool, min(count, len(pool)))
 
 
-def _product(templates: Sequence[str], items: Sequence[str]) -> list[str]:
-    return [template.format(item) for template in templates for item in items]
+def _product(templates: Sequence[str], items: Sequence) -> list[str]:
+    """Every template filled with every item (an item of several values fills several slots)."""
+    return [template.format(*item) if isinstance(item, tuple) else template.format(item)
+            for template in templates for item in items]
 
 
-def _coding(rng: random.Random, count: int) -> list[str]:
-    pool = [template.format(language=language, task=task) for template in S.CODING_TEMPLATES
-            for language in S.CODING_LANGUAGES for task in S.CODING_TASKS]
+def _product_of(templates: str, items: str, gen: int = 1) -> Builder:
+    """A sample of the pool `templates` x the generation `gen` of the pool `items`."""
+    return lambda rng, count, data: _sample(rng, _product(data.items(templates), data.items(items, gen)), count)
+
+
+def _asked_as_they_are(pool: str) -> Builder:
+    return lambda rng, count, data: _sample(rng, list(data.items(pool)), count)
+
+
+def _coding(rng: random.Random, count: int, data: PromptData) -> list[str]:
+    pool = [template.format(language=language, task=task) for template in data.items("coding.templates")
+            for language in data.items("coding.languages") for task in data.items("coding.tasks")]
     return _sample(rng, pool, count)
 
 
-def _roleplay_situations(rng: random.Random, count: int, personas: Sequence[str]) -> list[str]:
-    situations = [
-        "A customer is angry because something went wrong. Calm them down.",
-        "Someone asks you for directions to the nearest train station. Answer in character.",
-        "You have just received some surprising news. Tell your best friend about it.",
-        "A child asks you what your job is like. Explain it in character.",
-        "You are giving a short toast at a friend's celebration.",
-        "Someone doubts that you are good at your job. Convince them otherwise.",
-        "You are writing a short letter home after a long week.",
-        "A newcomer asks for the three most important rules to follow. List them in character.",
-        "You must explain a mistake you made to your boss.",
-        "You are teaching an apprentice the first lesson of your craft.",
-    ]
-    pool = [f"You are {persona}. {situation}" for persona in personas for situation in situations]
-    return _sample(rng, pool, count)
+def _roleplay_situations(gen: int) -> Builder:
+    """'You are {persona}. {situation}' for the personas of generation `gen`, sampled."""
+    def build(rng: random.Random, count: int, data: PromptData) -> list[str]:
+        pool = [f"You are {persona}. {situation}" for persona in data.items("roleplay.personas", gen)
+                for situation in data.items("roleplay.situations")]
+        return _sample(rng, pool, count)
+    return build
 
 
-def _stem_compare(rng: random.Random, count: int) -> list[str]:
-    templates = ["What is the difference between {} and {}?", "Compare {} and {} with a simple example."]
-    return _sample(rng, [t.format(a, b) for t in templates for a, b in S.STEM_COMPARISONS], count)
+@dataclass(frozen=True)
+class _Slots:
+    """The values parametric problems, synthetic documents and situated requests put in their slots."""
+
+    first_names: tuple[str, ...]
+    last_names: tuple[str, ...]
+    cities: tuple[str, ...]
+    companies: tuple[str, ...]
+    products: tuple[tuple[str, float], ...]  # (name, price)
+    months: tuple[str, ...]
+    job_titles: tuple[str, ...]
+    events: tuple[str, ...]
+    languages: tuple[str, ...]
+
+    @classmethod
+    def of(cls, data: PromptData) -> _Slots:
+        pools = ("first_names", "last_names", "cities", "companies", "products", "months", "job_titles", "events")
+        return cls(*(data.items(f"slots.{name}") for name in pools), data.items("coding.languages"))
 
 
 # ---- parametric math and reasoning ----------------------------------------------------------------
-def _math_problem(rng: random.Random) -> str:
+def _math_problem(rng: random.Random, data: PromptData) -> str:
     r = rng.randint
-    name = rng.choice(S.FIRST_NAMES)
+    name = rng.choice(_Slots.of(data).first_names)
     kind = r(0, 19)
     if kind == 0:
         return f"What is {r(5, 95)}% of {r(20, 2000)}? Show how you calculate it."
@@ -258,9 +279,9 @@ def _math_problem(rng: random.Random) -> str:
     return f"Integrate {a}x^2 + {b} with respect to x from 0 to {r(1, 5)}."
 
 
-def _reasoning_problem(rng: random.Random) -> str:
+def _reasoning_problem(rng: random.Random, data: PromptData) -> str:
     r = rng.randint
-    names = rng.sample(S.FIRST_NAMES, 5)
+    names = rng.sample(_Slots.of(data).first_names, 5)
     kind = r(0, 11)
     if kind == 0:
         a, b, c = names[:3]
@@ -319,32 +340,33 @@ def _reasoning_problem(rng: random.Random) -> str:
 
 
 # ---- extraction over synthetic documents --------------------------------------------------------------
-def _extraction_task(rng: random.Random) -> str:
+def _extraction_task(rng: random.Random, data: PromptData) -> str:
     r = rng.randint
-    person = f"{rng.choice(S.FIRST_NAMES)} {rng.choice(S.LAST_NAMES)}"
-    date = f"{r(1, 28)} {rng.choice(S.MONTHS)} {r(2015, 2025)}"
+    slot = _Slots.of(data)
+    person = f"{rng.choice(slot.first_names)} {rng.choice(slot.last_names)}"
+    date = f"{r(1, 28)} {rng.choice(slot.months)} {r(2015, 2025)}"
     kind = r(0, 5)
     if kind == 0:
-        items = rng.sample(S.PRODUCTS, r(2, 5))
+        items = rng.sample(slot.products, r(2, 5))
         lines = "\n".join(f"{r(1, 4)} x {name} ... {price:.2f}" for name, price in items)
-        doc = f"{rng.choice(S.COMPANIES)}\nReceipt, {date}\n{lines}\nPaid by card."
+        doc = f"{rng.choice(slot.companies)}\nReceipt, {date}\n{lines}\nPaid by card."
         ask = rng.choice([
             "Extract every item with its quantity and unit price as JSON, and compute the total.",
             "List the items on this receipt in a table with the columns item, quantity and price.",
             "What was bought, on which date, and in which shop? Answer in one sentence per item."])
     elif kind == 1:
-        people = [(f"{rng.choice(S.FIRST_NAMES)} {rng.choice(S.LAST_NAMES)}", rng.choice(S.JOB_TITLES))
+        people = [(f"{rng.choice(slot.first_names)} {rng.choice(slot.last_names)}", rng.choice(slot.job_titles))
                   for _ in range(r(2, 4))]
         roles = ", ".join(f"{name} ({title})" for name, title in people)
-        doc = (f"Notes from {rng.choice(S.EVENTS)} at {rng.choice(S.COMPANIES)}, {date}. Present: {roles}. "
+        doc = (f"Notes from {rng.choice(slot.events)} at {rng.choice(slot.companies)}, {date}. Present: {roles}. "
                f"{people[0][0]} opened the meeting and asked {people[-1][0]} to report on progress. The group "
-               f"agreed to meet again in {r(2, 6)} weeks in {rng.choice(S.CITIES)}.")
+               f"agreed to meet again in {r(2, 6)} weeks in {rng.choice(slot.cities)}.")
         ask = rng.choice([
             "Extract the names and job titles of everyone present as JSON.",
             "When and where is the next meeting? Quote the part of the notes that says so.",
             "Summarise these notes in two bullet points and list the people mentioned."])
     elif kind == 2:
-        stops = rng.sample(S.CITIES, r(3, 5))
+        stops = rng.sample(slot.cities, r(3, 5))
         arrivals = [1]
         for _ in stops[1:]:
             arrivals.append(arrivals[-1] + r(1, 4))
@@ -357,13 +379,13 @@ def _extraction_task(rng: random.Random) -> str:
     elif kind == 3:
         phone = f"+{r(1, 49)} {r(100, 999)} {r(1000, 9999)} {r(100, 999)}"
         email = f"{person.split()[0].lower()}.{person.split()[1].lower()}@example.org"
-        doc = (f"Hi, this is {person} from {rng.choice(S.COMPANIES)}. I'm the new {rng.choice(S.JOB_TITLES)} "
-               f"and I'll be in {rng.choice(S.CITIES)} until {date}. Reach me at {email} or on {phone}.")
+        doc = (f"Hi, this is {person} from {rng.choice(slot.companies)}. I'm the new {rng.choice(slot.job_titles)} "
+               f"and I'll be in {rng.choice(slot.cities)} until {date}. Reach me at {email} or on {phone}.")
         ask = rng.choice([
             "Extract the name, company, job title, email and phone number as JSON.",
             "Turn this message into a contact card with one field per line."])
     elif kind == 4:
-        product, _ = rng.choice(S.PRODUCTS)
+        product, _ = rng.choice(slot.products)
         good = rng.choice(["the battery lasts for days", "it looks great", "setup took two minutes",
                            "it is very light", "the price was fair"])
         bad = rng.choice(["the instructions are confusing", "it arrived scratched", "it is a bit loud",
@@ -374,7 +396,7 @@ def _extraction_task(rng: random.Random) -> str:
             "Extract the product, the rating, one positive point and one negative point as JSON.",
             "Is this review mostly positive or negative? Quote the phrases that support your answer."])
     else:
-        values = {city: r(-5, 35) for city in rng.sample(S.CITIES, r(3, 6))}
+        values = {city: r(-5, 35) for city in rng.sample(slot.cities, r(3, 6))}
         doc = "Noon temperatures on " + date + ": " + ", ".join(f"{c} {t} C" for c, t in values.items()) + "."
         ask = rng.choice([
             "Put this data into a table sorted from warmest to coldest.",
@@ -405,15 +427,9 @@ def _pydoc_passages(min_chars: int = 400, max_chars: int = 1200) -> list[str]:
     return passages
 
 
-def _pydoc(rng: random.Random, count: int) -> list[str]:
-    templates = [
-        "Explain this passage from the Python documentation in plain English:\n\n{}",
-        "Summarise the following text in three sentences:\n\n{}",
-        "Read this documentation and write a short Python example that illustrates it:\n\n{}",
-        "What are the key points of this text? Answer with a bulleted list.\n\n{}",
-    ]
+def _pydoc(rng: random.Random, count: int, data: PromptData) -> list[str]:
     passages = _pydoc_passages()
-    pool = [template.format(passage) for passage in passages for template in templates]
+    pool = [template.format(passage) for passage in passages for template in data.items("pydoc.templates")]
     return _sample(rng, pool, count)
 
 
@@ -453,43 +469,38 @@ def _first_paragraph(doc: str | None, min_chars: int = 30, max_chars: int = 600)
     return paragraph[:max_chars] if len(paragraph) >= min_chars else None
 
 
-def _stdlib_module(rng: random.Random, count: int) -> list[str]:
+def _stdlib_module(rng: random.Random, count: int, data: PromptData) -> list[str]:
     modules, _ = _stdlib_docstrings()
-    templates = [
-        "What does the Python standard library module `{0}` do? Its docstring begins:\n\n{1}",
-        "Write a short example program that uses Python's `{0}` module, and explain it.",
-        "When would I use the `{0}` module in Python? Here is how it describes itself:\n\n{1}",
-    ]
+    templates = data.items("stdlib_module.templates")
     return _sample(rng, [t.format(name, doc) for name, doc in modules for t in templates], count)
 
 
-def _stdlib_function(rng: random.Random, count: int) -> list[str]:
+def _stdlib_function(rng: random.Random, count: int, data: PromptData) -> list[str]:
     _, functions = _stdlib_docstrings()
-    templates = [
-        "Explain what the Python function `{0}` does and show how to call it. Its docstring says:\n\n{1}",
-        "Give an example of using `{0}` in Python. The documentation says: {1}",
-    ]
+    templates = data.items("stdlib_function.templates")
     return _sample(rng, [t.format(name, doc) for name, doc in functions for t in templates], count)
 
 
 # ---- situated requests ---------------------------------------------------------------------------------
-def _fill_slots(template: str, rng: random.Random) -> str:
+def _fill_slots(template: str, rng: random.Random, data: PromptData | None = None) -> str:
     """A situated request with its slots ({name}, {city}, {n}, ...) drawn from the seeded generator."""
-    first, second = rng.sample(S.FIRST_NAMES, 2)
-    product, price = rng.choice(S.PRODUCTS)
+    slot = _Slots.of(data or load_prompt_data())
+    first, second = rng.sample(slot.first_names, 2)
+    product, price = rng.choice(slot.products)
     return template.format(
-        name=first, name2=second, last=rng.choice(S.LAST_NAMES), city=rng.choice(S.CITIES),
-        company=rng.choice(S.COMPANIES), product=product, price=f"{price * 1.2:.2f}", job=rng.choice(S.JOB_TITLES),
-        month=rng.choice(S.MONTHS), language=rng.choice(S.CODING_LANGUAGES),
+        name=first, name2=second, last=rng.choice(slot.last_names), city=rng.choice(slot.cities),
+        company=rng.choice(slot.companies), product=product, price=f"{price * 1.2:.2f}",
+        job=rng.choice(slot.job_titles), month=rng.choice(slot.months), language=rng.choice(slot.languages),
         n=rng.randint(2, 9), m=rng.randint(2, 9), k=rng.randint(2, 5))
 
 
-def _situated_request(category: str) -> Callable[[random.Random], str]:
+def _situated_request(category: str) -> Callable[[random.Random, PromptData | None], str]:
     """A maker of one category's situated requests: a request of `requests.SITUATED_REQUESTS` with its slots
     filled, and one of the category's constraints (or none) after the ask, before any quoted document."""
-    def make(rng: random.Random) -> str:
-        text = _fill_slots(rng.choice(SITUATED_REQUESTS[category]), rng)
-        constraint = rng.choice(CONSTRAINTS[category])
+    def make(rng: random.Random, data: PromptData | None = None) -> str:
+        data = data or load_prompt_data()
+        text = _fill_slots(rng.choice(data.items(f"situated.{category}")), rng, data)
+        constraint = rng.choice(data.items(f"constraints.{category}"))
         if not constraint:
             return text
         ask, sep, document = text.partition("\n\n")
@@ -498,47 +509,46 @@ def _situated_request(category: str) -> Callable[[random.Random], str]:
 
 
 # ---- assembly ---------------------------------------------------------------------------------------
-def _repeat(make: Callable[[random.Random], str]) -> Callable[[random.Random, int], list[str]]:
+def _repeat(make: Callable[[random.Random, PromptData], str]) -> Builder:
     """A builder drawing `count` distinct problems from a random problem maker."""
-    def build(rng: random.Random, count: int) -> list[str]:
+    def build(rng: random.Random, count: int, data: PromptData) -> list[str]:
         seen: dict[str, None] = {}
         for _ in range(count * 20):  # bounded: a small pool can run dry before `count`
-            seen.setdefault(make(rng), None)
+            seen.setdefault(make(rng, data), None)
             if len(seen) == count:
                 break
         return list(seen)
     return build
 
 
-BUILDERS: dict[str, tuple[str, Callable[[random.Random, int], list[str]]]] = {
-    "writing": ("writing", lambda rng, n: _sample(rng, _product(S.WRITING_TEMPLATES, S.WRITING_SUBJECTS), n)),
-    "review": ("writing", lambda rng, n: _sample(rng, _product(S.REVIEW_TEMPLATES, S.REVIEW_SUBJECTS), n)),
-    "email": ("writing", lambda rng, n: _sample(rng, _product(S.EMAIL_TEMPLATES, S.EMAIL_SUBJECTS), n)),
-    "advice": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS), n)),
-    "roleplay": ("roleplay", lambda rng, n: _sample(rng, _product(S.ROLEPLAY_TEMPLATES, S.ROLEPLAY_PERSONAS), n)),
-    "roleplay_situation": ("roleplay", lambda rng, n: _roleplay_situations(rng, n, S.ROLEPLAY_PERSONAS)),
+BUILDERS: dict[str, tuple[str, Builder]] = {
+    "writing": ("writing", _product_of("writing.templates", "writing.subjects")),
+    "review": ("writing", _product_of("review.templates", "review.subjects")),
+    "email": ("writing", _product_of("email.templates", "email.subjects")),
+    "advice": ("advice", _product_of("advice.templates", "advice.topics")),
+    "roleplay": ("roleplay", _product_of("roleplay.templates", "roleplay.personas")),
+    "roleplay_situation": ("roleplay", _roleplay_situations(gen=1)),
     "coding": ("coding", _coding),
-    "coding_concept": ("coding", lambda rng, n: _sample(
-        rng, _product(S.CODING_CONCEPT_TEMPLATES, S.CODING_CONCEPTS), n)),
-    "sql": ("coding", lambda rng, n: _sample(rng, [f"Write an SQL query that {task}." for task in S.SQL_TASKS], n)),
-    "stem": ("stem", lambda rng, n: _sample(rng, _product(S.STEM_TEMPLATES, S.STEM_CONCEPTS), n)),
-    "stem_compare": ("stem", _stem_compare),
-    "humanities": ("humanities", lambda rng, n: _sample(rng, _product(S.HUMANITIES_TEMPLATES, S.HUMANITIES_TOPICS), n)),
-    "humanities_question": ("humanities", lambda rng, n: _sample(rng, list(S.HUMANITIES_QUESTIONS), n)),
+    "coding_concept": ("coding", _product_of("coding_concept.templates", "coding_concept.concepts")),
+    "sql": ("coding", _product_of("sql.templates", "sql.tasks")),
+    "stem": ("stem", _product_of("stem.templates", "stem.concepts")),
+    "stem_compare": ("stem", _product_of("stem_compare.templates", "stem_compare.pairs")),
+    "humanities": ("humanities", _product_of("humanities.templates", "humanities.topics")),
+    "humanities_question": ("humanities", _asked_as_they_are("humanities_question.questions")),
     "math": ("math", _repeat(_math_problem)),
     "reasoning": ("reasoning", _repeat(_reasoning_problem)),
     "extraction": ("extraction", _repeat(_extraction_task)),
     "pydoc": ("coding", _pydoc),
     "stdlib_module": ("coding", _stdlib_module),
     "stdlib_function": ("coding", _stdlib_function),
-    "writing_2": ("writing", lambda rng, n: _sample(rng, _product(S.WRITING_TEMPLATES, S.WRITING_SUBJECTS_2), n)),
-    "roleplay_2": ("roleplay", lambda rng, n: _sample(rng, _product(S.ROLEPLAY_TEMPLATES, S.ROLEPLAY_PERSONAS_2), n)),
-    "roleplay_situation_2": ("roleplay", lambda rng, n: _roleplay_situations(rng, n, S.ROLEPLAY_PERSONAS_2)),
-    "stem_2": ("stem", lambda rng, n: _sample(rng, _product(S.STEM_TEMPLATES, S.STEM_CONCEPTS_2), n)),
-    "humanities_2": ("humanities", lambda rng, n: _sample(rng, _product(S.HUMANITIES_TEMPLATES, S.HUMANITIES_TOPICS_2), n)),
-    "advice_2": ("advice", lambda rng, n: _sample(rng, _product(S.ADVICE_TEMPLATES, S.ADVICE_TOPICS_2), n)),
+    "writing_2": ("writing", _product_of("writing.templates", "writing.subjects", gen=2)),
+    "roleplay_2": ("roleplay", _product_of("roleplay.templates", "roleplay.personas", gen=2)),
+    "roleplay_situation_2": ("roleplay", _roleplay_situations(gen=2)),
+    "stem_2": ("stem", _product_of("stem.templates", "stem.concepts", gen=2)),
+    "humanities_2": ("humanities", _product_of("humanities.templates", "humanities.topics", gen=2)),
+    "advice_2": ("advice", _product_of("advice.templates", "advice.topics", gen=2)),
     **{f"{category}_situated": (category, _repeat(_situated_request(category)))
-       for category in SITUATED_REQUESTS},
+       for category in load_prompt_data().by_category("situated")},
 }
 
 
@@ -561,18 +571,20 @@ class PromptSource:
 
 
 def build_prompt_source(seed: int = DEFAULT_SEED, dev_files: Sequence[Path] | None = None,
-                        counts: dict[str, int] | None = None) -> PromptSource:
+                        counts: dict[str, int] | None = None, data: PromptData | None = None) -> PromptSource:
     """All distillation prompts, deduplicated, without dev overlaps, shuffled (seeded) so that
-    any prefix of the list is a balanced mix of categories."""
+    any prefix of the list is a balanced mix of categories. `data`: the pools drawn from (the
+    package's data files by default)."""
     dev_files = dev_prompt_files() if dev_files is None else list(dev_files)
     counts = SOURCE_COUNTS if counts is None else counts
+    data = load_prompt_data() if data is None else data
     candidates: list[ChatPrompt] = []
     seen: set[str] = set()
     for source, count in counts.items():
         category, build = BUILDERS[source]
         # One generator per builder, seeded by name: changing one source's count leaves the others as they are.
         rng = random.Random(f"{seed}:{source}")
-        for text in build(rng, count):
+        for text in build(rng, count, data):
             key = normalise(text)
             if key not in seen:
                 seen.add(key)
@@ -588,16 +600,17 @@ FOLLOW_UP_SOURCE = "follow_up"
 
 
 def follow_up_prompts(first_turns: Sequence[tuple[ChatPrompt, str]], seed: int = DEFAULT_SEED,
-                      dev_files: Sequence[Path] | None = None) -> list[ChatPrompt]:
+                      dev_files: Sequence[Path] | None = None, data: PromptData | None = None) -> list[ChatPrompt]:
     """A second turn for each (first-turn prompt, the target's answer to it): a follow-up request
     of the prompt's category (`subjects.FOLLOW_UPS`), drawn by a generator seeded by the prompt's
     id, with the first turn and its answer as history. Its id hashes the first turn's id and the
     request, so it is stable whatever else is answered. Requests that overlap a dev prompt are
     never used (`find_overlaps`)."""
     dev_files = dev_prompt_files() if dev_files is None else list(dev_files)
-    dev_turns = load_dev_turns(dev_files)
-    usable = {category: [text for text in texts if not find_overlaps([text], dev_turns)]
-              for category, texts in S.FOLLOW_UPS.items()}
+    requests = (load_prompt_data() if data is None else data).by_category("follow_ups")
+    overlapping = {text for text, _, _ in find_overlaps([t for texts in requests.values() for t in texts],
+                                                        load_dev_turns(dev_files))}
+    usable = {category: [text for text in texts if text not in overlapping] for category, texts in requests.items()}
     follow_ups = []
     for first, answer in first_turns:
         if first.history or not usable.get(first.category):
