@@ -224,14 +224,18 @@ def test_bf16_builds_and_generates(pipeline):
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
-    """Every `run.py` command in the README's and docs/SCALING.md's shell blocks: (file, its arguments),
+    """Every `run.py` command in the shell blocks of the README and the docs pages (docs/*.md, docs/pipelines/;
+    the lab notebook, docs/notebook/, records past commands as they were): (file, its arguments),
     continuation lines joined, $HOME expanded as the shell would, redirections and comments dropped."""
     import os
     import shlex
 
+    root = CONF_DIR.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "docs" / "pipelines").glob("*.md"))]
     commands = []
-    for name in ("README.md", "docs/SCALING.md"):
-        text = (CONF_DIR.parent / name).read_text()
+    for page in pages:
+        name = str(page.relative_to(root))
+        text = page.read_text()
         for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, re.S):
             for line in block.replace("\\\n", " ").splitlines():
                 if "run.py" not in line:
@@ -251,7 +255,8 @@ def test_documented_commands_compose():
     Sweeps (-m) compose one value of each swept override; launcher and hydra.* overrides are composed
     with the Hydra config."""
     commands = documented_commands()
-    assert len(commands) >= 30  # the README's commands were found
+    assert len(commands) >= 30  # the documented commands were found
+    assert {"README.md", "docs/SCALING.md", "docs/getting-started.md"} <= {name for name, _ in commands}
     failures = []
     for name, args in commands:
         overrides = [arg for arg in args if arg not in ("-m", "--multirun")]
