@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.engine.base import REWRITE_ATTRIBUTE, spread_description
 from specpipe.engine.cpu import cpu_description
 from specpipe.models import cache_root
@@ -29,8 +29,7 @@ from specpipe.types import DraftTree
 
 log = logging.getLogger(__name__)
 
-# Dense where trees are chosen: linear between 4 and 8 rows priced 5-7 rows 6-9% over what they cost
-# (fp32 on a 2-core Zen 5 EPYC, where 6 rows cost 1.14x one row and 8 rows 1.31x).
+# Dense where trees are chosen: a line from 4 to 8 rows priced 5-7 rows 6-9% over their cost (fp32, 2-core AVX-512 VM).
 DEFAULT_QUERIES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 
 
@@ -72,10 +71,9 @@ class CostCurve:
 class OnlineCostCurve:
     """A measured curve corrected by the times of the steps decoding runs.
 
-    The cached curve keeps the shape of the moment it was measured, and a shared VM's speed
-    moves by 15-25% within minutes, the shape too: on a 2-core Zen 5 EPYC in fp32, one row took
-    11.0 ms at a fast moment, with 4 rows at 1.18x it, and 14.4 ms an hour later with 4 rows at
-    1.07x. A stale curve prices the nodes of a tree wrongly for the rest of the run.
+    The cached curve keeps the level and the shape of the moment it was measured, while a shared VM's
+    speed, and what extra rows cost beside one, move within minutes: a stale curve prices the nodes of
+    a tree wrongly for the rest of the run.
 
     Model: cost(q) = alpha + beta * (base(q) - base(1)). A slower or faster memory moves alpha (every
     forward streams the weights once, whatever its rows), and so do the step's costs outside its
@@ -84,10 +82,9 @@ class OnlineCostCurve:
     with a prior that the measured curve keeps its shape, scaled as a whole (beta = alpha / base(1)),
     worth `prior_weight` forwards, and a far weaker one that alpha = base(1), so that a curve that has
     seen nothing is the measured one. Why scaled: where every step verifies about the same number of
-    rows (a static tree), the steps cannot tell alpha from beta, and a prior of beta = 1 put nearly all
-    of a level change on beta. A curve measured 33% slow (fp32 under OMP_WAIT_POLICY=PASSIVE, run 38)
-    then concluded from 12-row steps that extra rows cost a fifth of what they do, and trees grew to 11
-    nodes that made Medusa slower than `vanilla`; scaling the whole curve priced every size within 7%.
+    rows (a static tree), the steps cannot tell alpha from beta, and a prior of beta = 1 would put nearly
+    all of a level change on beta: from a curve measured slow at every size, such steps would conclude
+    that extra rows cost a fraction of what they do, and trees would grow past what they gain.
     An observation further than `clip` times from the current estimate counts as that bound (a
     page fault, a pause of the VM must not bend the curve).
 
@@ -193,10 +190,9 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
     `forward_tree` (TargetModel, or a stock forward for comparison).
 
     Each sample is the second of two forwards of the same size, as in decoding, where a step follows
-    steps of about its size. Timed right after the round's largest forward, a one-token forward took
-    5-8% longer than it does in decoding (bf16 on a 2-core Zen 5 EPYC): a curve from single forwards
-    priced 2-4 rows at 0.97-1.03x one row where decoding pays 1.02-1.08x, so the tree builders took
-    extra nodes for almost nothing."""
+    steps of about its size. Timed right after the round's largest forward, a one-token forward takes
+    longer than it does in decoding: a curve from single forwards prices a few extra rows at about
+    nothing, and the tree builders would take extra nodes they do not get for free."""
     generator = torch.Generator().manual_seed(seed)
     vocab = min(target.vocab_size for target in targets)
     context = torch.randint(0, vocab, (kv_length + 1,), generator=generator).tolist()
@@ -226,10 +222,9 @@ def measure_cost_curves(targets: list, queries: tuple[int, ...] = DEFAULT_QUERIE
 def openmp_wait_settings() -> tuple[str, str]:
     """How OpenMP's worker threads wait between parallel regions (OMP_WAIT_POLICY, GOMP_SPINCOUNT).
 
-    Part of a CPU curve's key: threads that sleep wake late for every parallel region. SmolLM2-135M's
-    fp32 curve on a 2-core Zen 5 EPYC, one row: 20.0-20.4 ms under OMP_WAIT_POLICY=PASSIVE, 14.7-15.4
-    without it. The test suite runs PASSIVE; keyed alike, the curves it cached sized every later run's
-    trees (run 38)."""
+    Part of a CPU curve's key: threads that sleep wake late for every parallel region, so every forward
+    costs more under OMP_WAIT_POLICY=PASSIVE. The test suite runs PASSIVE: keyed alike, the curves it
+    caches would size the trees of the runs without it."""
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper(), os.environ.get("GOMP_SPINCOUNT", "").strip()
 
 
@@ -257,8 +252,7 @@ def cost_curve_path(target, kv_length: int = 256, cache_dir: Path | None = None)
     # v4: EAGLE heads over a reduced vocabulary take their log-softmax over it, not the whole vocabulary;
     # v5: each sample is the second of two forwards of its size (v4 overpriced one-token forwards);
     # v6: measured at 3, 5, 6 and 12 rows too (linear from 4 to 8 rows overpriced 5-7 rows)
-    # v7: cached only when measured on a quiet machine (a v6 curve measured beside another job priced every
-    # size alike and sized every later run's trees, run 34)
+    # v7: cached only when measured on a quiet machine (one measured beside another job prices every size alike)
     # v8: measured over trees of two branches, not chains (on AMX CPUs only branched trees verify on the tiles)
     return folder / f"{target.name}-{_machine_key(target, kv_length)}-v8.json"
 
@@ -302,9 +296,8 @@ class OtherProcessesLoad:
     (`cores` None) where it cannot be read.
 
     Why: a cost curve measured while another job competed for the cores prices every tree by that
-    moment. Measured beside a two-thread training job on the 2-core dev VM, one row cost 1172 ms
-    instead of 11, flat up to 16 rows; cached, it made every later fp32 run build trees of 4+ nodes
-    it believed free (lookahead_trie fell from ~1.3x to 1.05x `vanilla`)."""
+    moment: a forward then waits for the cores, whatever its rows, so the curve is flat, and cached it
+    would have every later run build trees it believes free."""
 
     def __init__(self, stat_path: Path = Path("/proc/stat"), cpus: set[int] | None = None,
                  margin: float = 0.25) -> None:
@@ -393,7 +386,7 @@ def streamed_weight_bytes(model: torch.nn.Module, rows: int = 1) -> int:
     """Bytes of weights a forward of `rows` query tokens reads: every parameter or prepacked weight
     once, embedding tables not at all (a lookup reads a row; a tied output layer reads the table as
     its own weight)."""
-    from specpipe.engine.onednn import PackedWeight
+    from specpipe.engine.packed_weight import PackedWeight
 
     seen: set[int] = set()
     total = 0

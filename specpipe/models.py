@@ -18,7 +18,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Llama
                           PretrainedConfig, PreTrainedModel)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.errors import ConfigError, ModelNotAvailable
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

@@ -29,8 +29,8 @@ SDPA_ATTENTION = "specpipe_sdpa"
 
 # cuDNN's attention, torch's first choice for SDPA on Hopper GPUs, builds an execution plan for each new
 # shape of queries, keys and mask. A draft forward meets a new shape at almost every step (its keys grow
-# token by token): on an H100 that made EAGLE's and the draft model's drafting 50-150 ms a step, against
-# 5-10 ms without it (BENCHMARKS run 42). Flash, memory-efficient and math attention set nothing up per shape.
+# token by token), so drafting would pay a plan build at almost every level, about ten times its own cost on
+# an H100. Flash, memory-efficient and math attention set nothing up per shape.
 PLAN_FREE_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
 from specpipe.models import EmbeddedGGUFModel, GGUFFileModel, LocalModel, TinyRandomLlama
 from specpipe.pipelines.builder import build_pipeline, compose_config
-from specpipe.stages.base import Augmenter, Proposer, TreeBuilder, Verifier
+from specpipe.stages.base import Augmenter, Committer, Proposer, TreeBuilder, Verifier
 from specpipe.target import TREE_ATTENTION, TargetModel
 
 DEFAULT_GROUPS = {  # groups in config.yaml's defaults list: `group=option`; others need `+group=option`
@@ -142,7 +141,8 @@ def test_stage_options_instantiate(group, option, tiny):
                                       "drafter.vocab_top_k=0"]}.get((group, option), [])
     cfg = compose_config(["model=tiny_random", override(group, option), *fitted])
     stage = complete_partial(instantiate(cfg[group]), tiny)
-    protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter}.get(group, Proposer)
+    protocol = {"tree": TreeBuilder, "verifier": Verifier, "engine": Engine, "augment": Augmenter,
+                "commit": Committer}.get(group, Proposer)
     assert isinstance(stage, protocol), f"{group}/{option} -> {type(stage).__name__} is not a {protocol.__name__}"
     if group == "tree":
         assert stage.cost_curve == CostCurve.flat()
@@ -192,12 +192,11 @@ def test_sweep_launchers_compose(launcher, target):
 
 
 def test_cli_missing_model_weights_is_a_clear_error(tmp_path):
-    started = time.perf_counter()
     result = run_cli("model=llama70b", "pipeline=prompt_lookup", cwd=tmp_path)
     assert result.returncode != 0
     assert "model.path=" in result.stderr
+    assert "never downloads weights" in result.stderr  # stopped before any download, not after a slow one
     assert "Traceback" not in result.stderr + result.stdout
-    assert time.perf_counter() - started < 60
 
 
 def test_cli_generates_on_the_tiny_model(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -125,7 +126,7 @@ def test_a_measured_curve_never_falls_with_more_rows(tiny):
 
 def test_cost_curve_online_teaches_the_tree_builders_curve_each_verify_forward(tiny):
     pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
-    online = pipe.decoder.forward_costs
+    online = pipe.decoder.observer.forward_costs
     assert isinstance(online, OnlineCostCurve) and pipe.decoder.tree_builder.cost_curve is online
     steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=40))
     assert len(steps) > 3 and online.observations == len(steps) - 2  # every step but the prefill and the first
@@ -155,7 +156,7 @@ def test_cost_curve_online_also_corrects_each_drafters_own_curve(tiny_mixed, mon
 
 def _observed_steps(pipe) -> list[tuple[int, float]]:
     """Records what the decoder teaches its online curve: (query rows, ms) per step."""
-    online = pipe.decoder.forward_costs
+    online = pipe.decoder.observer.forward_costs
     seen = []
     observe = online.observe
 
@@ -201,10 +202,22 @@ def test_cost_curve_online_leaves_out_the_draft_levels_the_builder_priced(tiny):
         return dataclasses.replace(build(*args, **kwargs), drafting_ms=1000.0)  # as if the levels took a second
 
     builder.build = build_priced_at_a_second
+    walls = []  # ms of each decoder step, timed around it: the step's own clock runs inside that
+    decoder_step = pipe.decoder.step
+
+    def timed_step(batch):
+        started = time.perf_counter()
+        try:
+            return decoder_step(batch)
+        finally:
+            walls.append(1000.0 * (time.perf_counter() - started))
+
+    pipe.decoder.step = timed_step
     steps = list(pipe.steps(REPEATING_PROMPT, max_new_tokens=12))
-    assert len(seen) == len(steps) - 2 > 2
-    for (_, milliseconds), step in zip(seen, steps[2:]):
-        assert milliseconds <= 1000.0 * sum(step.stats.seconds.values()) + 50.0 - 1000.0
+    assert len(seen) == len(steps) - 2 == len(walls) - 1 > 2
+    for (_, milliseconds), step, wall in zip(seen, steps[2:], walls[1:]):
+        # the step's parts run inside its clock, its clock inside `wall`: however long this machine took
+        assert 1000.0 * sum(step.stats.seconds.values()) - 1000.0 - 1e-6 <= milliseconds <= wall - 1000.0
 
 
 def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, monkeypatch):
@@ -215,7 +228,7 @@ def test_cost_curve_online_keeps_the_measured_curve_under_tensor_parallel(tiny, 
     monkeypatch.setattr(builder, "cached_cost_curve", lambda target: BASE)  # rank 0's curve, as broadcast
     monkeypatch.setattr(distributed, "active", lambda: True)
     pipe = tiny.pipeline("prompt_lookup", cost_curve="online", fresh=True)
-    assert pipe.decoder.forward_costs is None and pipe.decoder.tree_builder.cost_curve is BASE
+    assert pipe.decoder.observer.forward_costs is None and pipe.decoder.tree_builder.cost_curve is BASE
 
 
 def test_requests_in_parallel_threads_update_the_shared_curve_one_at_a_time():
@@ -256,48 +269,66 @@ def stat_lines(busy_ticks: dict[int, int]) -> str:
     return "\n".join(lines + ["intr 1 2 3", "ctxt 99"]) + "\n"
 
 
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/stat's ticks a second
+
+
+class Clocks:
+    """The wall clock and this process's CPU time as OtherProcessesLoad reads them, moved by the test alone: the
+    load it computes from the ticks in the stat file does not depend on how busy this machine is."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.wall, self.own = 1000.0, 5.0  # seconds
+        monkeypatch.setattr("specpipe.cost.time", SimpleNamespace(monotonic=lambda: self.wall))
+        monkeypatch.setattr(os, "times", lambda: SimpleNamespace(user=self.own, system=0.0))
+
+    def advance(self, wall: float, own: float = 0.0) -> None:
+        self.wall += wall
+        self.own += own
+
+
 def test_the_load_counts_other_processes_busy_time_on_this_process_cpus_only(tmp_path, monkeypatch):
+    clocks = Clocks(monkeypatch)
     stat = tmp_path / "stat"
     stat.write_text(stat_lines({0: 500, 1: 500, 5: 500}))
     with OtherProcessesLoad(stat, cpus={0, 1}) as load:
-        time.sleep(0.2)
+        clocks.advance(wall=0.4)
         stat.write_text(stat_lines({0: 560, 1: 540, 5: 5000}))  # +1 CPU-second on ours; cpu5 is not ours
     assert load.cpus == 2
-    assert 1.0 / 0.5 < load.cores <= 1.0 / 0.2  # one CPU-second over a block of 0.2 s (and some)
+    assert load.cores == pytest.approx(100 / TICKS / 0.4)  # one CPU-second over a block of 0.4 s
     assert load.competed(threads=2) and load.competed(threads=1)
     with monkeypatch.context() as tensor_parallel:  # the other ranks are the other processes there
         tensor_parallel.setattr(distributed, "active", lambda: True)
         assert not load.competed(threads=2)
 
     with OtherProcessesLoad(stat, cpus={0, 1}) as quiet:
-        time.sleep(0.05)
+        clocks.advance(wall=0.05)
         stat.write_text(stat_lines({0: 560, 1: 541, 5: 9000}))  # one tick on ours, everything else elsewhere
-    assert quiet.cores < 0.25 and not quiet.competed(threads=2)
+    assert quiet.cores == pytest.approx(1 / TICKS / 0.05) and not quiet.competed(threads=2)
 
 
-def test_this_process_own_busy_time_is_not_the_others_load(tmp_path):
-    """The block itself keeps a CPU busy (a measurement does): that is not competition."""
+def test_this_process_own_busy_time_is_not_the_others_load(tmp_path, monkeypatch):
+    """The block itself keeps a CPU busy (a measurement does): that is not competition; others beside it are."""
+    clocks = Clocks(monkeypatch)
     stat = tmp_path / "stat"
     stat.write_text(stat_lines({0: 0}))
-    started = os.times()
     with OtherProcessesLoad(stat, cpus={0}) as load:
-        # busy here, in this process, for 0.3 s of its own CPU time (not of the wall: a busy machine gives it less)
-        while (lambda now: now.user + now.system - started.user - started.system)(os.times()) < 0.3:
-            pass
-        own = os.times()
-        own_ticks = round((own.user + own.system - started.user - started.system) * os.sysconf("SC_CLK_TCK"))
-        stat.write_text(stat_lines({0: own_ticks}))  # all the CPU's busy time was ours
-    assert own_ticks >= 15
-    assert load.cores < 0.25 and not load.competed(threads=1)
+        clocks.advance(wall=0.3, own=0.3)  # busy here, in this process, the whole block
+        stat.write_text(stat_lines({0: round(0.3 * TICKS)}))  # all the CPU's busy time was ours
+    assert load.cores == pytest.approx(0.0, abs=1e-9) and not load.competed(threads=1)
+    with OtherProcessesLoad(stat, cpus={0}) as shared:
+        clocks.advance(wall=0.3, own=0.15)  # half the block ours, the other half another process's
+        stat.write_text(stat_lines({0: round(0.6 * TICKS)}))
+    assert shared.cores == pytest.approx(0.5) and shared.competed(threads=1)
 
 
-def test_a_load_that_leaves_the_blocks_threads_their_cpus_is_no_competition(tmp_path):
+def test_a_load_that_leaves_the_blocks_threads_their_cpus_is_no_competition(tmp_path, monkeypatch):
+    clocks = Clocks(monkeypatch)
     stat = tmp_path / "stat"
     stat.write_text(stat_lines({cpu: 0 for cpu in range(8)}))
     with OtherProcessesLoad(stat, cpus=set(range(8))) as load:
-        time.sleep(0.1)
-        stat.write_text(stat_lines({cpu: 10 if cpu < 3 else 0 for cpu in range(8)}))  # 0.3 CPU-s: ~3 CPUs busy
-    assert 2.0 < load.cores < 4.5
+        clocks.advance(wall=0.1)
+        stat.write_text(stat_lines({cpu: 10 if cpu < 3 else 0 for cpu in range(8)}))  # 0.3 CPU-s: 3 CPUs busy
+    assert load.cores == pytest.approx(30 / TICKS / 0.1)
     assert not load.competed(threads=4)  # 4 of 8 CPUs were left to others
     assert load.competed(threads=6)
 

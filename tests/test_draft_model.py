@@ -6,7 +6,7 @@ grows, and the errors.
 """
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -208,17 +208,20 @@ def test_eagle2_expands_less_where_the_other_sources_already_fill_the_tree():
     assert expansions([retrieved]) == 1
 
 
-def test_eagle2_prices_a_drafters_levels_by_what_they_take_under_an_online_curve():
+def test_eagle2_prices_a_drafters_levels_by_what_they_take_under_an_online_curve(monkeypatch):
     """A drafter whose cached curve says 2 ms a level but whose levels take 6 ms, on a 10 ms + 0.5 ms/row verify:
     priced by the cached curve it is expanded two levels past the root's children at every step (one 0.9-sure
     child pays while a level costs under ~4 ms: 2.71 tokens for 11 ms + the level against 1.9 for 10.5 ms). With
     the curve online (cost_curve=online) each level it drafts is observed, the price rises to what the levels
     take, and the drafter is no longer grown past the root's children, which come with `start` (no level is
     observed for them)."""
+    now = [0.0]  # the tree builder's clock, moved by the levels alone: 6 ms each, however busy this machine is
+    monkeypatch.setattr("specpipe.stages.tree.eagle2.time", SimpleNamespace(perf_counter=lambda: now[0]))
+
     class SlowDrafter(ScriptedDrafter):
         def step(self, state, tokens, parents, frontier):
             if frontier != [ROOT]:
-                time.sleep(0.006)
+                now[0] += 0.006
             return super().step(state, tokens, parents, frontier)
 
     def levels_per_build(curve, builds):

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaModel, LlamaRMSNorm
 
 from conftest import DRAFTING_PIPELINES, HEAD_PIPELINES, near_tie_divergence, random_prompts, run_steps
-from specpipe.engine import cpu, onednn
+from specpipe.engine import cpu, onednn, packed_weight
 from specpipe.engine.base import REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, tiles_permitted
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
@@ -431,8 +431,8 @@ def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch
     assert ("bf16 F.linear for up to 2 rows, fp32 GEMMs split over the threads by weight rows for up to 3 rows, "
             "prepacked fp32 oneDNN (inputs upcast from bf16) above") in line[0]
     calls = []
-    monkeypatch.setattr(onednn, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    monkeypatch.setattr(packed_weight, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
+    monkeypatch.setattr(packed_weight, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     # up to small_rows rows: transformers' own bf16 product on the untouched weight, bitwise
     hidden = model.config.hidden_size
     for rows in (1, 2):
@@ -811,7 +811,7 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     calls = []
     kernel = packed.kernel
     monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    monkeypatch.setattr(packed_weight, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     hidden = model.config.hidden_size
     for rows in (1, 5, 6):
         x = torch.randn(1, rows, hidden).bfloat16()  # [batch, rows, hidden]
@@ -848,7 +848,7 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
     calls = []
     kernel = packed.kernel
     monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    monkeypatch.setattr(packed_weight, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     for rows in (1, 5, 6):
         x = torch.randn(1, rows, model.config.hidden_size)  # [batch, rows, hidden]
         torch.testing.assert_close(model.lm_head(x), stock.lm_head(x), rtol=1e-5, atol=1e-5)
@@ -948,7 +948,7 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     calls = []
     kernel = packed.kernel
     monkeypatch.setattr(packed, "kernel", lambda *args: calls.append("kernel") or kernel(*args))
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    monkeypatch.setattr(packed_weight, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     assert_output_layer_rounds_once(model, stock, rows=(1, 5, 6))
     assert calls == ["kernel", "kernel", "onednn"]
     linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
@@ -1545,7 +1545,7 @@ def test_a_packing_failure_part_way_leaves_the_model_untouched(monkeypatch, capl
             raise RuntimeError("simulated packing failure")
         return real_pack(weight)
 
-    monkeypatch.setattr(onednn, "pack_weight", pack_then_fail)
+    monkeypatch.setattr(packed_weight, "pack_weight", pack_then_fail)
     model = fresh_tiny()
     before = linears(model)
     with caplog.at_level(logging.WARNING):
@@ -1624,8 +1624,8 @@ def test_fp32_split_rows_auto_follows_the_measured_cpu_class(monkeypatch, caplog
     assert "engine.fp32_split_rows=2" in caplog.text and "split GEMMs up to 2 rows" in repr(model.lm_head)
     # which kernel serves a product: split GEMMs up to split_rows rows, oneDNN above
     calls = []
-    monkeypatch.setattr(onednn, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
-    monkeypatch.setattr(onednn, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
+    monkeypatch.setattr(packed_weight, "split_linear", lambda *args: calls.append("split") or cpu.split_linear(*args))
+    monkeypatch.setattr(packed_weight, "packed_linear", lambda *args: calls.append("onednn") or cpu.packed_linear(*args))
     hidden = model.config.hidden_size
     for rows in (1, 2, 3):
         model.lm_head(torch.randn(1, rows, hidden))

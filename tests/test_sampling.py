@@ -16,6 +16,8 @@ from specpipe.cost import CostCurve
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.stopping import StopCondition
 from specpipe.sampling import target_probs
+from specpipe.stages.base import Proposer, StepDrafter
+from specpipe.stages.commit.kv_compact import KVCompactCommit
 from specpipe.stages.draft.draft_model import DraftModelDrafter
 from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
 from specpipe.stages.tree.trie import TrieTreeBuilder
@@ -181,7 +183,7 @@ def exact_pair_distribution(target, prompt, sampling):
     return first[:, None] * following
 
 
-class ModelGreedyDrafter:
+class ModelGreedyDrafter(Proposer):
     """Test drafter: the target's own top-2 next tokens, each followed by its greedy chain.
 
     Its drafts are often right (so acceptance is exercised) and form a two-branch tree."""
@@ -220,7 +222,7 @@ def test_speculative_sampling_end_to_end_matches_plain_sampling(small_vocab_targ
 
     def sample_pairs(verifier, samples):
         decoder = SpeculativeDecoder(target, [ModelGreedyDrafter(target.model)],
-                                     TrieTreeBuilder(CostCurve.flat(), max_nodes=8), verifier)
+                                     TrieTreeBuilder(CostCurve.flat(), max_nodes=8), verifier, KVCompactCommit())
         counts = torch.zeros_like(exact)
         drafted = 0
         for i in range(samples):
@@ -288,7 +290,7 @@ class TopTokensClaimedSampled(Eagle2TreeBuilder):
         return tokens, torch.stack(rows)
 
 
-class ReducedVocabDrafts:
+class ReducedVocabDrafts(StepDrafter):
     """A drafter handing out log-probs over part of the vocabulary only (StepDrafter.draft_vocab), as
     EAGLE heads over their frequent tokens do: the tree builder must map its columns to token ids
     and give the verifier each node's distribution over the whole vocabulary."""
@@ -341,12 +343,13 @@ def test_sampled_model_drafts_reproduce_the_target(small_vocab_target, small_voc
         drafter = DraftModelDrafter(target, None, small_vocab_draft, chain_length=3, min_score=0.0)
         if layout == "sps_chain":
             return SpeculativeDecoder(target, [drafter], TrieTreeBuilder(CostCurve.flat(), max_nodes=8),
-                                      RejectionSamplingVerifier())
+                                      RejectionSamplingVerifier(), KVCompactCommit())
         proposers = [ModelGreedyDrafter(target.model, length=2)] if layout == "eagle2_and_deterministic" else []
         if layout == "eagle2_reduced_vocab":
             drafter = ReducedVocabDrafts(drafter, torch.tensor([9, 3, 7, 1, 0, 5, 11, 2]))
         tree = tree_class(CostCurve.flat(), depth=2, top_k=2, children=3, max_nodes=12, min_score=0.0)
-        return SpeculativeDecoder(target, proposers, tree, RejectionSamplingVerifier(), drafters=[drafter])
+        return SpeculativeDecoder(target, proposers, tree, RejectionSamplingVerifier(), KVCompactCommit(),
+                                  drafters=[drafter])
 
     def sample_pairs(speculative, samples):
         counts = torch.zeros_like(exact)

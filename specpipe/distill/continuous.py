@@ -3,8 +3,8 @@ length, a finished answer's slot refilled with the next prompt at the next step.
 
 Why not HF `generate` on left-padded batches (`BatchedGreedy`): a batch runs until its longest
 answer ends, so slots whose answer ended early idle (answers here run 20-256 tokens), every row
-pays for the padding in attention, and the padded batch prefill was slow (3.6 s for 16 prompts in
-fp32 on the 2-core EPYC, 50 s for 64). Here each prompt is prefilled alone (no padding) and joins
+pays for the padding in attention, and the padded batch prefill grows much faster than its prompts
+(tens of seconds for 64 prompts on a 2-core CPU). Here each prompt is prefilled alone (no padding) and joins
 the running batch; every decoding step feeds one token per slot through the target's engine.
 
 - `SlotCache`: transformers' Cache API over per-slot KV buffers `[slots, kv_heads, capacity,

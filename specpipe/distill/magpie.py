@@ -3,8 +3,7 @@
 An instruction-tuned model given its chat template up to the start of a user turn, and nothing
 else, writes a user's request (Magpie, Xu et al. 2024). The requests follow the chat data the model
 was tuned on, so they vary the way real requests do, where the template x subject source of
-`specpipe.distill.prompts` repeats a few hundred forms; the heads trained on that source fit its
-forms (docs/BENCHMARKS.md runs 50-51).
+`specpipe.distill.prompts` repeats a few hundred forms, which the heads trained on that source fit.
 
 Sampling runs in seeded batches (batch b draws under the seed `seed + b`) appended to a JSONL file
 beside the corpus shards, so a killed run resumes at the first batch the file lacks and a finished

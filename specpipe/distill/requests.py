@@ -2,15 +2,14 @@
 
 The template x subject builders of `specpipe.distill.prompts` ask bare questions ("Write a poem about
 autumn."). Real chat requests carry the asker's situation, a purpose, an audience and a constraint, and
-the heads trained on the bare ones accept 15-18% fewer tokens on such questions than on their own
-corpus's held-out prompts, while training-free drafting (Jacobi) accepts the same on both (BENCHMARKS.md,
-run 50). Each request (data/requests.json) names a situation and an ask of one category; slots ({name}, {city},
+the heads trained on the bare ones accept fewer tokens on such questions than on their own corpus's
+held-out prompts, while training-free drafting (Jacobi) accepts the same on both. Each request
+(data/requests.json) names a situation and an ask of one category; slots ({name}, {city},
 {n}, ...) are filled from the seeded generator, and one of the category's constraints (or none) follows
 the ask, before any document the request quotes.
 
-Tested in run 51: an EAGLE-1 head trained with their answers accepted no more on held-out situated requests
-than the head trained without them, so the template answers' predictability, not their prompts' wording,
-looks like what the heads had fitted.
+An EAGLE-1 head trained with their answers accepts no more on held-out situated requests than one trained
+without them: what the heads fit is the template answers' predictability, not their prompts' wording.
 
 Written for this project; nothing here is taken from a benchmark, and `find_overlaps` still drops any
 prompt that comes near a dev prompt.

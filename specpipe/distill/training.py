@@ -323,9 +323,8 @@ class _FrozenProduct(torch.autograd.Function):
 class FrozenPackedLinear(torch.nn.Module):
     """A frozen, bias-free fp32 linear layer for training losses on the CPU: its product and the product of
     its backward pass (to the input) run oneDNN's prepacked kernels. torch's own matmul goes to MKL, which
-    runs its AVX2 code on AMD CPUs: the embedded model's output layer (49152 x 576) over 1024 rows took 356
-    and 321 ms (forward, backward) against 176 and 130 ms on a 2-core Zen 5 EPYC. Holds two packings of
-    the weight (it and its transpose)."""
+    runs its AVX2 code on AMD CPUs, about half as fast there for the embedded model's output layer (49152 x 576)
+    over 1024 rows, forward and backward. Holds two packings of the weight (it and its transpose)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()

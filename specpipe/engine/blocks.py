@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, eager_attention_forward
 
 from specpipe.engine.cpu_kernel import serves_gate
-from specpipe.engine.onednn import OneDNNLinear, PackedWeight
+from specpipe.engine.packed_weight import OneDNNLinear, PackedWeight
 
 
 def rotary_tables(position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

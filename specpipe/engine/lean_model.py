@@ -43,15 +43,10 @@ except ImportError:  # releases that read the class attribute instead, which Lea
 # Keyword arguments the lean forward serves; any other (attention weights, packed-sequence
 # lengths, ...) goes to the stock forward.
 LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position", "ragged_batch"})
-# The most query rows the attention kernel serves, per build of it (CpuKernel.isa) and dtype. A step and a
-# tree verify: 4-13 us per layer of SmolLM2-135M at 1-4 rows against SDPA's 25-45 with its folding. A
-# prompt's causal block (the prefill, a drafter fed its committed text) where the kernel is faster too:
-# 9 heads over 3 KV heads on the 2-core Zen 5 dev VM (docs/BENCHMARKS.md run 46), the kernel against SDPA's
-# flash path at 100 / 390 / 800 / 1500 rows:
-#   avx512_bf16, bf16: 0.11 / 1.33 / 5.1 / 16.7 ms against 0.26 / 2.28 / 6.5 / 19.7 (level at 3000 rows);
-#   avx512_bf16, fp32: 0.12 / 1.53 / 5.9 / 20.7 ms against 0.21 / 2.15 / 6.1 / 18.9;
-#   avx512 (no BF16 pairs), bf16 and fp32: 1.3-1.4x faster at 390 rows, 0.82-0.97x at 800;
-#   avx2 (ATen held to AVX2 too): 1.26-1.40x faster at 100 rows, 0.81-0.84x at 200-390.
+# The most query rows the attention kernel serves, per build of it (CpuKernel.isa) and dtype: a step and a
+# tree verify (SDPA folds the heads and costs several times more there), and a prompt's causal block (the
+# prefill, a drafter fed its committed text) up to where SDPA's flash path becomes faster for SmolLM2-135M's
+# 9 heads over 3 KV heads (2-core AVX-512 VM, ATen held to AVX2 for avx2: docs/notebook/run-46.md).
 # Longer blocks go to SDPA.
 KERNEL_ATTENTION_MAX_ROWS = {"avx512_bf16": {torch.bfloat16: 2048, torch.float32: 512},
                              "avx512": {torch.bfloat16: 512, torch.float32: 512},
@@ -246,7 +241,7 @@ def block_layer_arguments(layers) -> tuple[list[tuple], list[int], list[float], 
     attentions' layer_idx and score scales, and the most rows all their products run over column blocks; None where
     a layer is not served (another block, another dtype, a product the engine runs elsewhere)."""
     from specpipe.engine.blocks import FusedGatedMLP
-    from specpipe.engine.onednn import OneDNNLinear
+    from specpipe.engine.packed_weight import OneDNNLinear
 
     arguments, layer_ids, scalings, max_rows = [], [], [], []
     for layer in layers:
@@ -280,8 +275,8 @@ class BlockLayers:
     (its AVX512_BF16 build): the norms, the products over the weights' column blocks, the rotary embedding,
     the cache writes, the attention and the residual adds of a layer without a torch op between them.
 
-    Why: a level of the embedded model's bf16 EAGLE head took ~0.6 ms, of which ~0.3 ms were ~100 small torch
-    ops and the Python around them (docs/BENCHMARKS.md run 58). The layer's SiLU rounds like transformers' but
+    Why: op by op, about half of a level of the embedded model's bf16 EAGLE head is ~100 small torch ops and
+    the Python around them. The layer's SiLU rounds like transformers' but
     for an exp that may differ by a bf16 step now and then (see the source), so only draft heads run it:
     their drafts are verified, the target's forward stays the op-by-op lean loop that is bitwise transformers'.
     `of` gives None where a layer is not served (another block, another dtype, a product the engine runs
@@ -339,10 +334,10 @@ class KernelDraftLevel:
     and its final norm after the layers), the decoder layers as BlockLayers runs them, and the output layer's
     log-probs, without a torch op or a line of Python between them.
 
-    Why: with the layers one kernel call each a bf16 level of the embedded model's EAGLE head still took ~0.65 ms in
-    the pipeline for ~0.45 ms of products and attention: the embedding, the cat, `fc`, the rotary lookup, the
-    cache's bookkeeping, the output layer and its log-softmax were small torch ops with the Python around them
-    (docs/BENCHMARKS.md run 71). The call runs the same ops and products: an EAGLE level's outputs are bitwise those
+    Why: with the layers one kernel call each, about a third of a bf16 level of the embedded model's EAGLE head
+    is still outside its products and attention: the embedding, the cat, `fc`, the rotary lookup, the cache's
+    bookkeeping, the output layer and its log-softmax are small torch ops with the Python around them.
+    The call runs the same ops and products: an EAGLE level's outputs are bitwise those
     of its level op by op (its layers through BlockLayers). `of` gives None where a part is not served (a layer
     BlockLayers does not take, an embedding that renormalizes, a product the engine does not run over column blocks,
     no rotary tables); `serves` says which calls it takes: those whose products every path runs over the column
@@ -440,7 +435,7 @@ class KernelDraftLevel:
 
 def _block_product(module: nn.Module | None):
     """The PackedWeight of a lone OneDNNLinear whose products the engine runs over column blocks, else None."""
-    from specpipe.engine.onednn import OneDNNLinear
+    from specpipe.engine.packed_weight import OneDNNLinear
 
     packed = getattr(module, "packed", None)
     if (isinstance(module, OneDNNLinear) and len(packed.splits) == 1 and packed.blocks is not None

@@ -1,8 +1,8 @@
 """int8 weights for drafters: each weight row quantized symmetrically with its own step (`scale`).
 
 Why: on a CPU a draft level reads the draft's weights from memory again after every target forward has
-streamed the target's through the caches (an EAGLE head for SmolLM2-135M: ~18 MB of bf16 weights, ~0.8 ms
-of a ~1.3 ms level on the 2-core Zen 5 dev VM, docs/BENCHMARKS.md run 56). int8 halves those bytes. Only
+streamed the target's through the caches (an EAGLE head for SmolLM2-135M: ~18 MB of bf16 weights, whose
+reading is most of a level's time). int8 halves those bytes. Only
 drafters are quantized: the target's products stay in its own dtype, so greedy output stays exact; a
 quantized draft proposes slightly different tokens, which costs or gains acceptance, never exactness.
 """
@@ -15,7 +15,7 @@ QUANTIZATIONS = ("int8",)  # what the weights can be quantized to
 # A drafter's `weight_quantization` and engine.apply's `quantize`: besides None (the model's dtype), "int8"
 # (a warning where the engine cannot), or "auto": int8 where the engine's CPU kernel serves the products,
 # else the model's dtype without a warning (a GPU, engine=hf). int8 was never slower than bf16 or fp32
-# weights for 1-24 rows of an EAGLE head's shapes, AVX-512 (bf16 pairs) and AVX2 builds alike (run 56).
+# weights for 1-24 rows of an EAGLE head's shapes, AVX-512 and AVX2 builds alike (docs/notebook/run-56.md).
 QUANTIZE_CHOICES = ("auto", *QUANTIZATIONS)
 INT8_LEVELS = 127  # symmetric: codes in [-127, 127], so -w quantizes to -code
 

@@ -1,8 +1,8 @@
 """The cos/sin of a Llama rotary embedding looked up per position, for engine=fast's lean forwards.
 
-Why: `LlamaRotaryEmbedding` computes the cos and sin of every position again at each forward, ~80 us of
-small ops on the 2-core Zen 5 EPYC: paid by each target forward and by each level of a draft head, whose
-whole level is ~0.55 ms (docs/BENCHMARKS.md run 59). Every value it returns is elementwise in the position
+Why: `LlamaRotaryEmbedding` computes the cos and sin of every position again at each forward, in small
+ops paid by each target forward and by each level of a draft head, where they are a noticeable share of
+a sub-millisecond level. Every value it returns is elementwise in the position
 (position x inv_freq, then cos or sin, times the scaling, cast to the dtype), so a position's row does not
 depend on the positions beside it; the tables here are made by the module itself, a slice of positions at a
 time, and a lookup returns bitwise what the module returns (tested, and spot-checked each time a table grows).

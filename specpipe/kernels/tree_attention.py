@@ -18,9 +18,9 @@ How the work is laid out (why it looks like this):
 - The cache part needs no mask (only bounds); the tree mask is read only for the q tree
   keys. A causal chain (prefill, one-token steps) needs no mask tensor at all.
 - 16-bit q/k/v stay 16-bit for the two dots (fp32 accumulation; the softmax weights are
-  rounded to the inputs' dtype for the second one, as flash attention does): on an H100 this
-  was 2.5-3x faster for 64-128-node trees than upcasting them to fp32 and running tf32 dots
-  (docs/BENCHMARKS.md, the GPU run). Softmax state is fp32. fp32 inputs use "ieee" dots so
+  rounded to the inputs' dtype for the second one, as flash attention does): on a GPU's tensor
+  cores that is several times faster for large trees than upcasting them to fp32 and running tf32
+  dots. Softmax state is fp32. fp32 inputs use "ieee" dots so
   fp32 models stay exact. Triton's interpreter computes bf16 wrongly, so there everything is
   upcast right after tl.load (`upcast=True` does the same on a GPU).
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -13,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.cost import CostCurve, OnlineCostCurve, cached_cost_curve
 from specpipe.engine.base import Engine
 from specpipe.engine.hf import HFEngine
@@ -24,7 +25,7 @@ from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
 from specpipe.pipelines.speculation_gate import SpeculationGate
 from specpipe.serving.scheduler import SchedulerLimits
-from specpipe.stages.base import Proposer, StepDrafter, Verifier
+from specpipe.stages.base import Committer, Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
 from specpipe.types import SamplingConfig
 
@@ -128,23 +129,22 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         tree_builder = _complete_stage(make_tree, "pipeline.tree", cost_curve=cost_curve)
         if cfg.get("cost_curve", "measured") != "flat":  # _cost_curve refused any other unknown choice
             for drafter in drafters:  # a draft forward is not free on a CPU: the tree builder weighs it
-                runner = getattr(drafter, "cost_runner", None) or getattr(drafter, "runner", None)
-                if runner is not None:  # a drafter whose levels run outside its runner has a runner for its cost
+                runner = drafter.resources().cost_runner
+                if runner is not None:
                     curve = cached_cost_curve(runner)
                     # Corrected by its levels' times where the target's curve is corrected by its steps: a cached
                     # curve keeps the moment it was measured, and a level in the pipeline reads weights a target
-                    # forward evicted (the distilled draft's, cached in another session at 0.74 ms a row, took
-                    # 1.06 ms a one-row level here: docs/BENCHMARKS.md run 69).
+                    # forward evicted, so it costs more than the same level measured alone.
                     drafter.cost_curve = OnlineCostCurve(curve) if isinstance(cost_curve, OnlineCostCurve) else curve
-    if drafters and hasattr(tree_builder, "attach"):  # a tree that reads the drafters' folders (static calibration)
+    if drafters and tree_builder is not None:
         tree_builder.attach(drafters)
-    if drafters and not getattr(tree_builder, "expands_drafters", False):
+    if drafters and (tree_builder is None or not tree_builder.expands_drafters):
         raise ConfigError(f"pipeline.drafters ({', '.join(pipeline_cfg.drafters)}) are grown into a tree by a tree "
                           f"builder that expands drafters (tree=eagle2), not by {type(tree_builder).__name__}; or "
                           f"move them to pipeline.proposers to draft one chain each")
     verifier: Verifier = _instantiate_stage(cfg.verifier, "verifier")
     sampling = SamplingConfig(**OmegaConf.to_container(cfg.sampling, resolve=True))
-    if not sampling.greedy and not getattr(verifier, "supports_sampling", False):
+    if not sampling.greedy and not verifier.supports_sampling:
         raise ConfigError(
             f"sampling.temperature={sampling.temperature} needs a sampling verifier; the {type(verifier).__name__} "
             f"only decodes greedily. Add verifier=rejection (the target's distribution exactly) or verifier=typical "
@@ -153,7 +153,10 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         if pipeline_cfg.get("augment") is not None else None
     # a batch measures whether speculating pays at its size, where trees are sized by measured costs at all
     gate = SpeculationGate() if tree_builder is not None and cfg.get("cost_curve", "measured") != "flat" else None
-    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, drafters=drafters,
+    if cfg.get("commit") is None:
+        raise ConfigError("commit= names the Commit stage (conf/commit/: commit=kv_compact); this config has none")
+    committer: Committer = _instantiate_stage(cfg.commit, "commit")
+    decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, committer, drafters=drafters,
                                  forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None,
                                  gate=gate)
     limits = scheduler_limits(cfg)
@@ -179,18 +182,20 @@ def _build_source(stage_cfg: DictConfig, where: str, target: TargetModel, loaded
     """A Retrieve/Draft stage; a `_partial_` one gets the target and tokenizer, and a stage with a
     model of its own (`draft`) runs it under the target's engine."""
     stage = _instantiate_stage(stage_cfg, where)
-    if callable(stage) and not hasattr(stage, "propose"):  # _partial_: needs the target at run time
+    if isinstance(stage, functools.partial):  # _partial_: needs the target at run time
         stage = _complete_stage(stage, where, target=target, tokenizer=loaded.tokenizer)
-    tokenizer = getattr(stage, "tokenizer", None)
-    if tokenizer is not None and tokenizer is not loaded.tokenizer:
-        check_same_tokenizer(loaded.tokenizer, tokenizer, where)
-    quantize = getattr(stage, "weight_quantization", None)  # a drafter's own weights in int8 (engine.quantize)
-    draft_model = getattr(getattr(stage, "runner", None), "model", None)
-    if draft_model is not None:
-        engine.apply(draft_model, quantize=quantize, drafter=True)
-    # Weights a stage runs outside its runner (an EAGLE head's reduced output layer, Medusa's heads):
+    if not isinstance(stage, Proposer):
+        raise ConfigError(f"{where} ({type(stage).__name__}) is not a Retrieve/Draft stage: it must implement "
+                          f"specpipe.stages.base.Proposer")
+    resources = stage.resources()
+    if resources.tokenizer is not None and resources.tokenizer is not loaded.tokenizer:
+        check_same_tokenizer(loaded.tokenizer, resources.tokenizer, where)
+    quantize = resources.weight_quantization  # a drafter's own weights in int8 (engine.quantize)
+    if resources.draft_model is not None:
+        engine.apply(resources.draft_model, quantize=quantize, drafter=True)
+    # Weights a stage runs outside its draft model (an EAGLE head's reduced output layer, Medusa's heads):
     # unpacked, a few-row fp32 product of an 8192-row output layer costs ~6x the packed one.
-    for module in getattr(stage, "engine_modules", ()):
+    for module in resources.engine_modules:
         engine.apply(module, quantize=quantize)
     return stage
 

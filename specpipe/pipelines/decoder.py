@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.cost import OnlineCostCurve
 from specpipe.pipelines.speculation_gate import SpeculationGate
+from specpipe.pipelines.step_observer import StepObserver
 from specpipe.pipelines.stopping import StopCondition
-from specpipe.stages.base import LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
-from specpipe.stages.commit.kv_compact import KVCompactCommit
+from specpipe.stages.base import Committer, LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.target import TargetModel, VerifyRows
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, SamplingConfig, StepBudget, StepStats
-
-clock = time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -56,30 +54,12 @@ class _Plan:
     proposals: list = field(default_factory=list)
     riding: list = field(default_factory=list)  # (lookahead branch, its LookaheadRows)
     tree: DraftTree = field(default_factory=DraftTree.empty)
-    seconds: dict[str, float] = field(default_factory=dict)
-    lookahead_seconds: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage (StepObserver.timing)
     plain: bool = False  # a plain step: nothing proposed or drafted (SpeculationGate)
 
     @property
     def rows(self) -> int:
         return 1 + len(self.tree) + self.sequence.state.lookahead_rows
-
-
-class RunningMean:
-    """A mean over recent values (exponential decay over about `memory` of them)."""
-
-    def __init__(self, memory: float = 64.0) -> None:
-        self._keep = 1.0 - 1.0 / memory
-        self._weight = 0.0
-        self._sum = 0.0
-
-    def add(self, value: float) -> None:
-        self._weight = self._weight * self._keep + 1.0
-        self._sum = self._sum * self._keep + value
-
-    @property
-    def value(self) -> float:
-        return self._sum / self._weight if self._weight else 0.0
 
 
 class SpeculativeDecoder:
@@ -93,26 +73,25 @@ class SpeculativeDecoder:
     trees shrink until speculation stops paying); then the nodes kept across the batch are chosen once more
     together (`_trim`); one target forward verifies every sequence's rows (TargetModel.forward_trees); each
     sequence verifies and commits alone. A stage that fails for one sequence fails that sequence only.
+
+    What the loop measures (each stage's time, what a step costs) is the `observer`'s (StepObserver).
     """
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
-                 verifier: Verifier, committer: KVCompactCommit | None = None,
-                 drafters: list[StepDrafter] = (), forward_costs: OnlineCostCurve | None = None,
-                 gate: SpeculationGate | None = None) -> None:
+                 verifier: Verifier, committer: Committer, drafters: list[StepDrafter] = (),
+                 forward_costs: OnlineCostCurve | None = None, gate: SpeculationGate | None = None) -> None:
         self.target = target
         self.proposers = list(proposers)
         self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
         self.tree_builder = tree_builder
         self.verifier = verifier
-        self.committer = committer or KVCompactCommit()
-        self.forward_costs = forward_costs  # the tree builder's curve, taught each step's time
+        self.committer = committer
         self.gate = gate  # whether a batched step speculates, measured against plain steps (None: it always does)
+        # times the stages; teaches `forward_costs` (the tree builder's online curve) each step's time
+        self.observer = StepObserver(tree_builder, forward_costs)
         self.stages = [*self.proposers, *self.drafters]
         # Stages with a lookahead branch (drafter=jacobi) add query rows to every verify forward.
         self.branches = [stage for stage in self.stages if isinstance(stage, LookaheadBranch)]
-        # what each further sequence of a batch adds to a step beyond its rows on the cost curve (its attention,
-        # proposers, verify and commit): in a batch, what the other sequences add to a tree's price
-        self._sequence_ms = RunningMean()
         self._rotation = 0  # which sequence builds its tree first: rotated so that no request is always last
 
     # ---- one sequence -----------------------------------------------------------------------------------
@@ -137,15 +116,16 @@ class SpeculativeDecoder:
             seed = distributed.broadcast_from_main(int.from_bytes(os.urandom(8), "little") >> 1)
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         cache = self.target.new_cache()
-        started = clock()
-        first = self.target.prefill(prompt, cache)
-        result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
-        emitted, finished = stop.cut([result.bonus])
-        state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
-                            hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
-                            prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
+        seconds: dict[str, float] = {}
+        with self.observer.timing("prefill", seconds):
+            first = self.target.prefill(prompt, cache)
+            result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
+            emitted, finished = stop.cut([result.bonus])
+            state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
+                                hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
+                                prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
         sequence = Sequence(state, cache, stop, finished)
-        output = StepOutput(emitted, 0, StepStats(1, 0, {"prefill": clock() - started}), finished)
+        output = StepOutput(emitted, 0, StepStats(1, 0, seconds), finished)
         for stage in self.stages:
             stage.reset(state)
         return sequence, output
@@ -154,31 +134,25 @@ class SpeculativeDecoder:
     def step(self, batch: list[Sequence]) -> list[StepOutput | BaseException]:
         """Advances every sequence of `batch` (none finished) by one step, verified in one target forward.
         Returns per sequence its StepOutput, or the exception that failed it (it is then finished)."""
-        step_started = clock()
+        self.observer.start_step()
         results: list[StepOutput | BaseException | None] = [None] * len(batch)
         speculate = self.gate is None or self.gate.speculate(len(batch))
         # a sampled request speculates in any batch: its seed must give the same tokens whatever else runs
         plans = {index: _Plan(sequence, plain=not speculate and sequence.state.sampling.greedy)
                  for index, sequence in enumerate(batch)}
-        self._each(plans, results, self._propose)
-        self._build_trees(plans, results)
+        self._each(plans, results, self._propose)  # Retrieve / Draft
+        self._build_trees(plans, results)  # TreeBuild
         if len(plans) > 1:
             self._trim(plans)
-        mark = clock()
-        forwards = self._forward(plans, results)
-        forward_seconds = clock() - mark
+        forwards = self._forward(plans, results)  # Verify: every sequence's rows in one target forward
         total_rows = sum(plan.rows for plan in plans.values())
-        for index, plan in list(plans.items()):
-            plan.seconds["forward"] = forward_seconds
+        for index, plan in list(plans.items()):  # Verify (accept) and Commit, each sequence alone
             try:
                 results[index] = self._verify_and_commit(plan, forwards[index], total_rows, len(forwards))
             except Exception as error:  # noqa: BLE001 - a stage's failure is this sequence's alone
                 self._fail(plan.sequence, results, index, error)
                 del plans[index]
-        self._learn_step_cost(plans, step_started, total_rows)
-        if self.gate is not None:
-            committed = sum(len(result.tokens) for result in results if isinstance(result, StepOutput))
-            self.gate.observe(len(batch), speculate, committed, 1000.0 * (clock() - step_started))
+        self.observer.end_step(plans.values(), results, total_rows, speculate, self.gate)
         return results
 
     def _each(self, plans: dict[int, _Plan], results: list, work) -> None:
@@ -194,14 +168,16 @@ class SpeculativeDecoder:
         if plan.plain:
             state.lookahead_rows = 0
             return
-        mark = clock()
-        plan.proposals = [proposer.propose(state) for proposer in self.proposers]
-        plan.seconds["propose"] = clock() - mark
-        mark = clock()
-        riding = [(branch, branch.lookahead_rows(state)) for branch in self.branches]
-        plan.riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
-        state.lookahead_rows = sum(len(rows) for _, rows in plan.riding)
-        plan.lookahead_seconds = clock() - mark
+        with self.observer.timing("propose", plan.seconds):
+            plan.proposals = [proposer.propose(state) for proposer in self.proposers]
+        with self._lookahead_timing(plan):
+            riding = [(branch, branch.lookahead_rows(state)) for branch in self.branches]
+            plan.riding = [(branch, rows) for branch, rows in riding if rows is not None and len(rows)]
+            state.lookahead_rows = sum(len(rows) for _, rows in plan.riding)
+
+    def _lookahead_timing(self, plan: _Plan) -> AbstractContextManager:
+        """Times a lookahead branch's work for the step's `lookahead` seconds (none without a branch)."""
+        return self.observer.timing("lookahead", plan.seconds) if self.branches else nullcontext()
 
     def _build_trees(self, plans: dict[int, _Plan], results: list) -> None:
         """Each sequence's tree, priced against the rest of the batch as it stands when the tree is built (the
@@ -212,24 +188,21 @@ class SpeculativeDecoder:
                     if self.tree_builder is not None and not plan.plain and (plan.proposals or self.drafters)]
         for plan in plans.values():
             plan.seconds["tree"] = 0.0
-        build_many = getattr(self.tree_builder, "build_many", None)
-        if build_many is not None and self.drafters and len(building) > 1:
+        if self.drafters and len(building) > 1 and self.tree_builder.batches_drafters:
             for index in building:
                 self._set_budget(plans, index)
-            mark = clock()
             try:
-                trees = build_many([plans[i].sequence.state for i in building], [plans[i].proposals for i in building],
-                                   self.drafters)
+                with self.observer.timing("tree", *(plans[i].seconds for i in building), shared=True):
+                    trees = self.tree_builder.build_many([plans[i].sequence.state for i in building],
+                                                         [plans[i].proposals for i in building], self.drafters)
             except Exception:  # noqa: BLE001 - find whose build fails: each alone
                 trees = None
             finally:
                 for index in building:
                     plans[index].sequence.state.budget = NO_BUDGET
             if trees is not None:
-                share = (clock() - mark) / len(building)
                 for index, tree in zip(building, trees):
                     plans[index].tree = tree
-                    plans[index].seconds["tree"] = share
                 return
         order = sorted(building)
         if order:
@@ -241,9 +214,8 @@ class SpeculativeDecoder:
                 continue
             self._set_budget(plans, index)
             try:
-                mark = clock()
-                plan.tree = self.tree_builder.build(plan.sequence.state, plan.proposals, self.drafters)
-                plan.seconds["tree"] = clock() - mark
+                with self.observer.timing("tree", plan.seconds):
+                    plan.tree = self.tree_builder.build(plan.sequence.state, plan.proposals, self.drafters)
             except Exception as error:  # noqa: BLE001
                 self._fail(plan.sequence, results, index, error)
                 del plans[index]
@@ -259,19 +231,19 @@ class SpeculativeDecoder:
         state.budget = NO_BUDGET if not others or not state.sampling.greedy else StepBudget(
             rows=sum(other.rows for other in others),
             tokens=sum(other.tree.expected_tokens for other in others),
-            milliseconds=sum(other.tree.drafting_ms for other in others) + len(others) * self._sequence_ms.value)
+            milliseconds=sum(other.tree.drafting_ms for other in others) + len(others) * self.observer.sequence_ms)
 
     def _trim(self, plans: dict[int, _Plan]) -> None:
         """The batch's nodes chosen together: every tree's scored nodes ranked by their chance of acceptance, and
         the best prefix kept by expected tokens per millisecond of the whole step. Each tree was priced against
         the others as they stood when it was built; this corrects for the order they were built in. The trees of
         sampled requests (see `_build_trees`), or without scores, are kept whole."""
-        curve = getattr(self.tree_builder, "cost_curve", None)
+        curve = self.tree_builder.cost_curve if self.tree_builder is not None else None
         if curve is None:
             return
         fixed_rows, fixed_tokens, candidates = 0, 0.0, []
         milliseconds = sum(plan.tree.drafting_ms for plan in plans.values()) + \
-            (len(plans) - 1) * self._sequence_ms.value
+            (len(plans) - 1) * self.observer.sequence_ms
         for index, plan in plans.items():
             tree = plan.tree
             fixed_rows += 1 + plan.sequence.state.lookahead_rows
@@ -312,6 +284,10 @@ class SpeculativeDecoder:
     def _forward(self, plans: dict[int, _Plan], results: list) -> dict[int, object]:
         """Every sequence's rows in one target forward; where that fails, each sequence alone (so that one
         sequence's failure fails it only)."""
+        with self.observer.timing("forward", *(plan.seconds for plan in plans.values())):
+            return self._forward_rows(plans, results)
+
+    def _forward_rows(self, plans: dict[int, _Plan], results: list) -> dict[int, object]:
         order = list(plans)
         batch = [VerifyRows(plans[i].sequence.state.tokens[-1], plans[i].tree, plans[i].sequence.cache,
                             tuple(rows for _, rows in plans[i].riding)) for i in order]
@@ -334,24 +310,20 @@ class SpeculativeDecoder:
     def _verify_and_commit(self, plan: _Plan, forward, total_rows: int, batch_size: int) -> StepOutput:
         sequence, tree, seconds = plan.sequence, plan.tree, plan.seconds
         state = sequence.state
-        mark = clock()
-        for (branch, _), logits in zip(plan.riding, forward.lookahead_logits):
-            branch.on_lookahead(state, logits)  # before the commit: the rows were built on this root
-        if self.branches:  # pipelines without a lookahead branch report the same stages as before
-            seconds["lookahead"] = plan.lookahead_seconds + clock() - mark
+        with self._lookahead_timing(plan):
+            for (branch, _), logits in zip(plan.riding, forward.lookahead_logits):
+                branch.on_lookahead(state, logits)  # before the commit: the rows were built on this root
 
-        mark = clock()
-        result = self.verifier.accept(tree, forward.logits, state.rng, state.sampling)
-        result = dataclasses.replace(result, hidden=forward.hidden, aux_hidden=forward.aux_hidden)
-        tree_tokens = tree.tokens.tolist()
-        emitted, finished = sequence.stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
-        seconds["verify"] = clock() - mark
+        with self.observer.timing("verify", seconds):
+            result = self.verifier.accept(tree, forward.logits, state.rng, state.sampling)
+            result = dataclasses.replace(result, hidden=forward.hidden, aux_hidden=forward.aux_hidden)
+            tree_tokens = tree.tokens.tolist()
+            emitted, finished = sequence.stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
 
-        mark = clock()
-        self.committer.commit(state, sequence.cache, tree, result, emitted)
-        for stage in self.stages:
-            stage.on_commit(state, result)
-        seconds["commit"] = clock() - mark
+        with self.observer.timing("commit", seconds):
+            self.committer.commit(state, sequence.cache, tree, result, emitted)
+            for stage in self.stages:
+                stage.on_commit(state, result)
 
         drafted = min(len(result.accepted), len(emitted))
         by_source: dict[str, int] = {}
@@ -362,34 +334,9 @@ class SpeculativeDecoder:
         sequence.finished = finished
         if finished:
             self._finish(sequence)
-        stats = StepStats(len(emitted), len(tree), seconds, by_source, rows=plan.rows, batch_rows=total_rows,
-                          batch_size=batch_size)
+        stats = StepStats(len(emitted), len(tree), self.observer.in_order(seconds), by_source, rows=plan.rows,
+                          batch_rows=total_rows, batch_size=batch_size)
         return StepOutput(emitted, drafted, stats, finished)
-
-    def _learn_step_cost(self, plans: dict[int, _Plan], step_started: float, total_rows: int) -> None:
-        """Learns what a step costs. Trees are sized for expected tokens per millisecond of the whole step, which
-        costs more than its verify forward: the proposers, a drafter's first forward (feeding the committed rows),
-        verify, commit. Priced at the forward alone, those fixed costs would be missing from every tree's price,
-        so extra rows would look dearer, against the step, than they are. The draft levels are left out: the
-        builder prices them itself, with the drafters' own curves.
-
-        A step of one sequence teaches the online cost curve (its rows, the step's milliseconds). A batched step
-        teaches what each further sequence adds beyond its rows on the curve (its attention over its own cache,
-        its proposers, verify and commit): `StepBudget.milliseconds` prices a tree's batch with it."""
-        if not plans:
-            return
-        drafting_ms = sum(plan.tree.drafting_ms for plan in plans.values())
-        step_ms = 1000.0 * (clock() - step_started) - drafting_ms
-        if len(plans) > 1:
-            curve = self.forward_costs or getattr(self.tree_builder, "cost_curve", None)
-            if curve is not None:
-                self._sequence_ms.add(max(step_ms - curve(total_rows), 0.0) / (len(plans) - 1))
-            return
-        # The first step after a prefill finds the caches full of the prompt's work, and would price one
-        # row as if all were so
-        (plan,) = plans.values()
-        if self.forward_costs is not None and plan.sequence.steps > 1:
-            self.forward_costs.observe(total_rows, step_ms)
 
     # ---- the end of a sequence --------------------------------------------------------------------------
     def _fail(self, sequence: Sequence, results: list, index: int, error: BaseException) -> None:
@@ -399,6 +346,4 @@ class SpeculativeDecoder:
 
     def _finish(self, sequence: Sequence) -> None:
         for stage in self.stages:
-            finish = getattr(stage, "on_finish", None)  # optional: stages before it need not change
-            if finish is not None:
-                finish(sequence.state)
+            stage.on_finish(sequence.state)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.errors import InvalidRequest
 from specpipe.pipelines.decoder import SpeculativeDecoder, StepOutput
 from specpipe.pipelines.prompts import ChatEncoder, checked_messages, checked_stop, checked_text, is_token_ids
@@ -21,6 +21,17 @@ from specpipe.types import SamplingConfig
 Messages = Sequence[dict]
 PromptLike = str | Messages
 Documents = Sequence[str] | object | None  # a list of strings, or a DocumentStore
+
+# What Pipeline.from_config builds with: specpipe.pipelines.builder's compose-and-build, which the package
+# specpipe.pipelines sets with `use_config_builder` when it is imported (before this module can be). The builder
+# makes Pipelines, so this module does not import it back.
+_config_builder: Callable[[Sequence[str]], "Pipeline"] | None = None
+
+
+def use_config_builder(build: Callable[[Sequence[str]], "Pipeline"]) -> None:
+    """Makes Pipeline.from_config(overrides) return `build(overrides)`."""
+    global _config_builder
+    _config_builder = build
 
 
 @dataclass
@@ -108,7 +119,7 @@ class Pipeline:
 
     def without_drafting(self, name: str = "vanilla") -> "Pipeline":
         """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
-        decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier)
+        decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier, self.decoder.committer)
         return Pipeline(name, decoder, self.tokenizer, chat_template=self.chat_template,
                         system_prompt=self.system_prompt, sampling=self.sampling, augmenter=self.augmenter,
                         limits=self.limits)
@@ -116,9 +127,9 @@ class Pipeline:
     @classmethod
     def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
         """Composes `conf/` with Hydra-style overrides, e.g. ["pipeline=prompt_lookup", "model.dtype=bf16"]."""
-        from specpipe.pipelines.builder import build_pipeline, compose_config
-
-        return build_pipeline(compose_config(overrides))
+        if _config_builder is None:  # only while specpipe.pipelines is being imported
+            raise RuntimeError("Pipeline.from_config: specpipe.pipelines has not finished importing its builder")
+        return _config_builder(overrides)
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompt: PromptLike, chat_template: bool | None = None) -> list[int]:
@@ -220,7 +231,7 @@ class Pipeline:
             raise InvalidRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stop = checked_stop(stop)
         sampling = SamplingConfig.of(sampling, self.sampling)
-        if not sampling.greedy and not getattr(self.decoder.verifier, "supports_sampling", False):
+        if not sampling.greedy and not self.decoder.verifier.supports_sampling:
             raise InvalidRequest(
                 f"temperature={sampling.temperature} needs a sampling verifier; "
                 f"{type(self.decoder.verifier).__name__} only decodes greedily: use temperature 0, or build the "

@@ -1,13 +1,45 @@
-"""The stage protocols of one decoding step: Retrieve/Draft -> TreeBuild -> Verify -> Commit."""
+"""The stage protocols of one decoding step: Retrieve/Draft -> TreeBuild -> Verify -> Commit.
+
+Everything the pipeline builder and the decoder use of a stage is declared here. A stage subclasses its
+protocol (`class MyRetriever(Proposer)`) and inherits the documented defaults of what it does not override;
+the builder and the decoder read nothing else. One stage object serves every sequence: per-sequence state
+lives in `state.stage_state[stage]`, and what a step produced travels in what the stage returns.
+docs/WRITING_A_STAGE.md walks through a stage written against this module alone.
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from specpipe.types import DecodeState, DraftTree, Proposal, SamplingConfig, VerifyResult
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from specpipe.kv_cache import PositionIndexedCache
+
+# milliseconds of a forward of q query rows (specpipe.cost.CostCurve or OnlineCostCurve)
+CostFunction = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class StageResources:
+    """What a Retrieve/Draft stage brings that the pipeline builder fits to the target (`Proposer.resources`).
+    The default, nothing, is right for a stage that only reads text."""
+
+    # the stage's own tokenizer: refused unless it has the target's vocabulary (draft ids are verified as ids)
+    tokenizer: PreTrainedTokenizerBase | None = None
+    draft_model: nn.Module | None = None  # a model of its own: rewritten by the target's engine, as a drafter
+    engine_modules: tuple[nn.Module, ...] = ()  # weights it runs outside that model (heads): rewritten too
+    weight_quantization: str | None = None  # int8 for the weights above (engine.quantize), or None
+    # what one draft level runs (`new_cache`, `prefill`, `forward_tree`, a name): the builder measures a
+    # StepDrafter's `cost_curve` on it; None: drafting costs nothing the builder can measure
+    cost_runner: object | None = None
 
 
 @runtime_checkable
@@ -16,20 +48,25 @@ class Proposer(Protocol):
 
     name: str
 
+    def resources(self) -> StageResources:
+        """What the builder must fit to the target once the stage is made (its own tokenizer, model, heads,
+        cost runner). Default: nothing. A stage that needs the target or the tokenizer at run time takes them as
+        constructor arguments `target` / `tokenizer` and is configured `_partial_: true`."""
+        return StageResources()
+
     def reset(self, state: DecodeState) -> None:
         """A new sequence starts (the prompt is in `state.tokens`). Per-sequence state goes into
-        `state.stage_state[self]`: one stage serves concurrent requests."""
+        `state.stage_state[self]`: one stage serves concurrent requests. Default: nothing."""
 
     def propose(self, state: DecodeState) -> Proposal: ...
 
     def on_commit(self, state: DecodeState, result: VerifyResult) -> None:
         """`state.tokens` now holds the newly committed tokens. A step may have skipped this stage's `propose`
         (and a lookahead branch's rows): a plain step of a batch under load (SpeculationGate); the stage must
-        still learn what was committed, and nothing from a proposal it did not make."""
+        still learn what was committed, and nothing from a proposal it did not make. Default: nothing."""
 
     def on_finish(self, state: DecodeState) -> None:
-        """The sequence is complete (`state.generated` is the whole answer). Optional: the decoder
-        calls it where a stage has it."""
+        """The sequence is complete (`state.generated` is the whole answer). Default: nothing."""
 
 
 @runtime_checkable
@@ -49,6 +86,10 @@ class StepDrafter(Proposer, Protocol):
     ([k], [m, k]; column j is token draft_vocab[j]), sparing the builder a top-k over the whole
     vocabulary. Without it (or with None) they cover the whole vocabulary.
     """
+
+    # ms per draft level of q rows: set by the pipeline builder, measured on `resources().cost_runner` (None
+    # there: stays None, and the tree builder counts levels as free)
+    cost_curve: CostFunction | None = None
 
     def start(self, state: DecodeState) -> Tensor:
         """Catches up with the committed tokens; returns the draft's log-probs [vocab] after the root."""
@@ -146,16 +187,54 @@ class Augmenter(Protocol):
 
 @runtime_checkable
 class TreeBuilder(Protocol):
+    """Merges a step's proposals (and grows its drafters) into one DraftTree under one node budget.
+
+    What a build found out travels with the tree, never on the builder (which serves every sequence):
+    `DraftTree.scores` (each node's chance of acceptance), `expected_tokens`, and `drafting_ms` (the draft levels'
+    time as the builder priced them, which the decoder leaves out of the step's price). The rest of the batch is
+    in `state.budget` while a tree is built.
+    """
+
+    # the curve trees are sized on (ms per verify forward of q rows; the builder passes it as `cost_curve`);
+    # None: trees are not sized, and the decoder keeps a batch's trees whole
+    cost_curve: CostFunction | None = None
+    expands_drafters: bool = False  # grows `pipeline.drafters` (StepDrafters); else only merges proposals
+    # `build_many` grows the drafters of a whole batch at once (one draft forward per level), each tree priced
+    # against the others' plain rows; False: the decoder builds one tree at a time, each priced against the
+    # trees built before it
+    batches_drafters: bool = False
+
+    def attach(self, drafters: list[StepDrafter]) -> None:
+        """Called by the pipeline builder once the drafters exist (e.g. to read their checkpoint folders).
+        Default: nothing."""
+
     def build(self, state: DecodeState, proposals: list[Proposal], drafters: list[StepDrafter]) -> DraftTree: ...
+
+    def build_many(self, states: list[DecodeState], proposals: list[list[Proposal]],
+                   drafters: list[StepDrafter]) -> list[DraftTree]:
+        """The trees of several sequences (`batches_drafters`). Default: one `build` each."""
+        return [self.build(state, mine, drafters) for state, mine in zip(states, proposals)]
 
 
 @runtime_checkable
 class Verifier(Protocol):
     """An acceptance rule over the target's logits for [root | tree nodes]."""
 
-    lossless: bool  # output distributed exactly as the target alone would produce it
-    supports_sampling: bool  # handles temperature > 0 (else greedy only)
+    lossless: bool = False  # output distributed exactly as the target alone would produce it
+    supports_sampling: bool = False  # handles temperature > 0 (else greedy only: the builder refuses sampling)
 
     def accept(self, tree: DraftTree, logits: Tensor, rng: torch.Generator | None,
                sampling: SamplingConfig | None = None) -> VerifyResult:
         """logits [n + 1, vocab]: row 0 after the root, row i + 1 after node i."""
+
+
+@runtime_checkable
+class Committer(Protocol):
+    """Commit (`conf/commit/`): after Verify, keeps the cache rows of the root and the accepted path, drops the
+    rest, and extends the committed text. The decoder then calls every Proposer's `on_commit`."""
+
+    def commit(self, state: DecodeState, cache: PositionIndexedCache, tree: DraftTree, result: VerifyResult,
+               emitted: list[int]) -> None:
+        """The cache holds [committed but the last | root | tree nodes | lookahead rows]; `emitted` are the
+        accepted nodes' tokens then the bonus, possibly cut short by a stop condition. Afterwards the cache covers
+        every committed token but the last, and `state.tokens`, `state.hidden`, `state.logits` follow the text."""

@@ -41,7 +41,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,13 +49,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from specpipe import distributed
+import specpipe.distributed as distributed
 from specpipe.cost import OtherProcessesLoad
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
 from specpipe.paths import REPO_ROOT
 from specpipe.pipelines.builder import CONFIG_DIR, assemble_pipeline, build_target, load_model, with_pipeline
 from specpipe.pipelines.pipeline import GenerationStats, Pipeline, PreparedPrompt
+from specpipe.tasks.bench_records import Question, QuestionRun, TurnOutput
 
 REFERENCE = "hf_generate"
 HF_PLD = "hf_pld"
@@ -69,13 +70,6 @@ DEFAULT_GROUPS = {category: "mt_bench" for category in MT_BENCH_CATEGORIES}
 
 
 # ---- questions -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Question:
-    question_id: int | str
-    category: str
-    turns: tuple[str, ...]
-
-
 def read_questions(path: Path) -> list[Question]:
     """Parses Spec-Bench question JSONL; a malformed line stops with its line number."""
     questions: list[Question] = []
@@ -148,51 +142,6 @@ def resolve_prompts_path(name: str) -> Path:
 
 
 # ---- methods -------------------------------------------------------------------------
-@dataclass
-class TurnOutput:
-    """One turn of one question through one method."""
-
-    tokens: list[int]
-    seconds: float
-    forwards: int  # target forwards, the prefill included
-    accept_lengths: list[int]  # new tokens committed per forward
-    # Of `tokens`, those that came from accepted draft nodes, in all and per proposer; None for
-    # methods that cannot tell (transformers' generate). The rest are the target's bonus tokens.
-    drafted: int | None = None
-    drafted_by_source: dict[str, int] | None = None
-
-
-@dataclass
-class QuestionRun:
-    """One question (all its turns) through one method."""
-
-    question: Question
-    method: str
-    turns: list[TurnOutput] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    prompts: list[PreparedPrompt] = field(default_factory=list)  # per turn: the ids the method saw
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(t.tokens) for t in self.turns)
-
-    @property
-    def seconds(self) -> float:
-        return sum(t.seconds for t in self.turns)
-
-    @property
-    def forwards(self) -> int:
-        return sum(t.forwards for t in self.turns)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def output_ids(self) -> list[list[int]]:
-        return [t.tokens for t in self.turns]
-
-
 Method = Callable[[PreparedPrompt, int], TurnOutput]  # (prepared prompt, max new tokens) -> output
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specpipe.tasks.bench import QuestionRun
+    from specpipe.tasks.bench_records import QuestionRun
 
 REFERENCE = "hf_generate"
 VANILLA = "vanilla"  # specpipe's own loop without drafting: the second baseline
@@ -163,8 +163,8 @@ def paired_speed_ratios(records: Sequence[dict], methods: Sequence[str], baselin
     bootstrap draws of the questions (both methods' times of a drawn question enter together, so the
     drift a question saw cancels; overall draws within each group, keeping the groups' sizes).
 
-    Why: identical pipelines built twice in one run spread by up to 12% in a 12-question category on the
-    2-core dev VM (BENCHMARKS run 44), so "no category slower" is judged by the interval's upper end.
+    Why: on a shared VM two identical pipelines built in one run differ by several percent in a small
+    category, so "no category slower" is judged by the interval's upper end.
     Returns {"baseline", "level", "resamples", "overall": {method: cell}, "categories": {group: {method:
     cell}}} with cells {"ratio", "low", "high", "questions"}."""
     import numpy as np
@@ -273,8 +273,7 @@ def realtime_throttling(settings: Path = Path("/proc/sys/kernel")) -> str:
     """Where this process runs under a real-time policy (`chrt -f 1` runs it SCHED_FIFO) and the kernel
     caps real-time tasks to a share of each period (Linux's default: 950000 of 1000000 us): a decode
     that keeps every core busy then stalls for the rest of each period, ~50 ms a second, falling on
-    whichever forward spans it (measured on a 2-core Xeon: 3-5% of bf16 forwards took 2-3x their median
-    under `chrt -f 1`, none without). "" otherwise."""
+    whichever forward spans it, which then takes several times its median. "" otherwise."""
     try:
         policy = os.sched_getscheduler(0)
         runtime = int((settings / "sched_rt_runtime_us").read_text())
@@ -299,7 +298,7 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    from specpipe import distributed
+    import specpipe.distributed as distributed
     from specpipe.cost import openmp_wait_settings
     from specpipe.engine.cpu import cpu_description
 
@@ -314,7 +313,7 @@ def machine_info() -> dict:
         "onednn_linear": ", ".join(f"{dtype} {path}" for dtype, path in description["onednn_linear"].items()),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        # sleeping OpenMP threads (PASSIVE) made SmolLM2-135M's fp32 step ~35% slower on the 2-core EPYC (run 38)
+        # sleeping OpenMP threads (PASSIVE) wake late for every parallel region: every step is slower
         "omp_wait_policy": wait_policy or "unset",
         "gomp_spincount": spin_count or "unset",
         "realtime_throttling": realtime_throttling() or "none",

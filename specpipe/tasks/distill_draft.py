@@ -24,17 +24,11 @@ weights and `layers` adds new ones around them, each starting with its residual 
 
 The command that built data/draft/smollm2_135m_draft.safetensors is in its .json sidecar: all 14,889
 usable answers of the shipped 3.14M-token corpus (14,120 to train on, 2.79M answer positions; 4.82M trained,
-1.7 epochs, in 4400 steps). The teacher logits took about 3.4 h and the training 2.5 h (9165 s) on a 2-core
-AVX-512 EPYC (docs/BENCHMARKS.md, run 44); since run 47 the teacher runs through the engine (4.65M tokens at
-~1160 tok/s, ~1.1 h) and the loss's output layer through oneDNN (~1.7K trained tokens/s against ~830).
-The draft it replaced learned from the first 5120 answers (`distill_draft.limit=5120`, 2400 steps): on this
-run's held-out split it agrees with the target 56% of the time against 64% (`bench/draft_eval.py`).
-Training is deterministic on one machine: a second run, stopped and resumed once, matched the first's log
-to the end and exported the same bytes (run 32), and the replaced draft, rerun from scratch, exported every
-tensor bit for bit (run 41). The shipped draft, rerun by the command below with the engine's teacher and the
-oneDNN loss, matched its held-out evals to every printed digit; its weights differ by float rounding (run
-48). `limit` may change on resume (a grown corpus), so start in a checkpoint folder of its own. Run it
-niced and in the background:
+1.7 epochs, in 4400 steps); the teacher pass and the training take about an hour each on a 2-core CPU VM
+(docs/notebook/run-47.md). Training is deterministic on one machine: a run stopped and resumed exports the
+bytes an uninterrupted one does; another engine for the teacher or the loss changes the weights by float
+rounding only. `limit` may change on resume (a grown corpus), so start in a checkpoint folder of its own.
+Run it niced and in the background:
 
     OMP_WAIT_POLICY=PASSIVE nice -n 19 nohup .venv/bin/python run.py task=distill_draft distill_draft.steps=4400 \\
         distill_draft.eval_every=1100 distill_draft.checkpoint_dir=$HOME/.cache/specpipe/distill_draft/all_answers \\
@@ -400,8 +394,8 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     init_from = local_path(d.init_from) if d.get("init_from") else None
     # checks the layers (and the draft grown from) before any long stage
     draft = grow_draft(target, tokenizer, init_from, layers) if init_from else build_draft(target, layers)
-    # The teacher runs through the pipeline's engine (2.0x transformers' own forward in fp32 on a 2-core
-    # Zen 5 EPYC: 1110 against 541 tok/s; the same top-1 at every position, logits within 2e-4), after
+    # The teacher runs through the pipeline's engine (about twice transformers' own forward's speed in fp32,
+    # the same top-1 at every position, only the float rounding of the logits differs), after
     # the draft copied its layers: the engine rewrites the target's linears into its own modules. The
     # draft shares the target's original embedding, norm and output layer, which the engine leaves as
     # they are. Engines change only the float rounding, so the teacher cache does not pin them.

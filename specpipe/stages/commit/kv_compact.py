@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from specpipe.kv_cache import PositionIndexedCache
+from specpipe.stages.base import Committer
 from specpipe.types import DecodeState, DraftTree, VerifyResult
 
 
-class KVCompactCommit:
+class KVCompactCommit(Committer):
     """Compacts the cache to the accepted path and appends the emitted tokens to the state.
 
     After a verify forward the cache holds [committed | root | n tree nodes]. The emitted

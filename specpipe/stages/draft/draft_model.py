@@ -30,7 +30,7 @@ from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import local_path
 from specpipe.sampling import sample, target_probs
-from specpipe.stages.base import draft_token_ids, to_full_vocab
+from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids, to_full_vocab
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, rank_tokens, read_ranking
 from specpipe.stages.draft.head_checkpoint import folder_layout, wrong_layout
 from specpipe.target import ForwardOutput, TargetModel
@@ -55,7 +55,7 @@ class ReducedVocabHead(nn.Module):
         self.linear = nn.Linear(weight.shape[1], ids.shape[0], bias=False, dtype=weight.dtype)
         self.linear.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)  # [k, hidden]
         # On the weight's device: the tree builders index it with top-k columns computed there (a CPU
-        # buffer beside CUDA weights failed every reduced-vocabulary drafter on the GPU, run 36).
+        # buffer beside CUDA weights would fail every reduced-vocabulary drafter on a GPU).
         self.register_buffer("ids", ids.to(weight.device).clone(), persistent=False)  # [k]
         self.vocab_size = vocab_size
         self.width = int(ids.shape[0])  # the tokens it scores
@@ -193,7 +193,7 @@ class DraftSession:
     logprobs: dict[int, Tensor] = field(default_factory=dict)  # tree node id -> [vocab] after it, this step
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(StepDrafter):
     """Drafts with `draft` (a causal LM sharing the target's tokenizer).
 
     `propose` returns one chain of up to `chain_length` tokens scored by the draft's own cumulative
@@ -235,6 +235,10 @@ class DraftModelDrafter:
             self.runner.new_cache = new_cache
         self.new_cache = self.runner.new_cache
         self.cost_runner = DraftLevelRunner(self)  # what the pipeline builder measures the cost curve on
+
+    def resources(self) -> StageResources:
+        return StageResources(tokenizer=self.tokenizer, draft_model=self.runner.model,
+                              weight_quantization=self.weight_quantization, cost_runner=self.cost_runner)
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:
@@ -436,8 +440,8 @@ class DraftModelDrafter:
 class DraftLevelRunner:
     """A draft forward as the cost-curve measurement sees a model (`new_cache`, `prefill`, `forward_tree`), run the
     way the drafter runs its levels (`_forward_logprobs`: in one kernel call where the engine serves it, its log-probs
-    over the draft vocabulary): the curve prices what a level costs the tree builder. Through the runner a bf16 level
-    of the distilled draft took ~1.9 ms where the kernel's call takes ~0.85 (docs/BENCHMARKS.md run 71)."""
+    over the draft vocabulary): the curve prices what a level costs the tree builder. Measured through the model's
+    runner instead, a level would be priced at the op-by-op forward's cost, about twice the kernel call's."""
 
     def __init__(self, drafter: DraftModelDrafter) -> None:
         self.drafter = drafter

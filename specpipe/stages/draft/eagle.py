@@ -41,7 +41,7 @@ from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.paths import REPO_ROOT
-from specpipe.stages.base import draft_token_ids
+from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids
 from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
                                                root_and_tree_rows, tree_rows, unfed_ancestors_first)
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
@@ -66,8 +66,8 @@ class EagleNet(nn.Module):
 
     Under engine=fast the engine hands it its RMSNorm and attention kernels (`norm_kernel`,
     `attention_kernel`, as to the target's lean forward) and inference runs the layers inline
-    (specpipe.engine.lean_model.lean_decoder_layers): ~0.1 ms less per draft level of a bf16 head on
-    the 2-core EPYC (0.30 against 0.40 ms), of which a step runs 2-4. Where the kernel's build multiplies
+    (specpipe.engine.lean_model.lean_decoder_layers), without the module calls between the ops, paid
+    at every draft level, of which a step runs several. Where the kernel's build multiplies
     weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
     each (specpipe.engine.lean_model.BlockLayers)."""
 
@@ -169,7 +169,7 @@ class _Rows(NamedTuple):
     logprob_rows: int  # log-probs of the last rows wanted
 
 
-class EagleDrafter:
+class EagleDrafter(StepDrafter):
     """EAGLE-1 as a StepDrafter (`pipeline.drafters`, grown by `tree=eagle2`), or one greedy chain
     per step as a Proposer (`pipeline.proposers`, `tree=trie`)."""
 
@@ -204,6 +204,10 @@ class EagleDrafter:
         self.weight_quantization = checked_quantization(weight_quantization, name)
         self.runner = EagleRunner(self)  # what the pipeline builder measures a cost curve on
         self.cost_curve: CostCurve | None = None
+
+    def resources(self) -> StageResources:
+        return StageResources(draft_model=self.runner.model, engine_modules=self.engine_modules,
+                              weight_quantization=self.weight_quantization, cost_runner=self.runner)
 
     # ---- Proposer ---------------------------------------------------------------------------
     def reset(self, state: DecodeState) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from specpipe.errors import ConfigError
-from specpipe.stages.base import LookaheadRows
+from specpipe.stages.base import LookaheadBranch, LookaheadRows, Proposer
 from specpipe.stages.retrieve.calibration import AcceptanceCalibration
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.types import DecodeState, Proposal, VerifyResult
@@ -54,7 +54,7 @@ class JacobiSequence(TrieSequence):
     rng: random.Random = field(default_factory=random.Random)
 
 
-class JacobiDrafter:
+class JacobiDrafter(Proposer, LookaheadBranch):
     """`drafter=jacobi`: Lookahead Decoding with window W, n-gram size N and guess set G.
 
     Per step: `propose` hands the tree builder up to G pool n-grams that start with the root,

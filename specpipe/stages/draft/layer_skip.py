@@ -73,8 +73,8 @@ def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, lay
     `vocab_top_k`, the draft scores the tokens of the ranking pinned beside that search file
     (`<model>_layers.vocab.npz`, which the task writes) where there is one, so what it drafts does not
     move with the shipped chat corpus; `vocab_counts` still wins."""
-    from specpipe.distill.layer_search import searched_layers_path
     from specpipe.stages.draft.draft_vocab import pinned_vocab_path
+    from specpipe.stages.draft.layer_search_file import searched_layers_path
 
     search_file = Path(search) if search else searched_layers_path(target.name)
     if isinstance(layers, str):
@@ -82,7 +82,7 @@ def load_layer_skip(target: TargetModel, tokenizer: PreTrainedTokenizerBase, lay
             raise ConfigError(f"drafter.layers must be a list of layer indices or 'searched', got {layers!r}")
         if keep is None:
             raise ConfigError("drafter.layers=searched needs drafter.keep: how many layers the draft keeps")
-        from specpipe.distill.layer_search import read_searched_layers
+        from specpipe.stages.draft.layer_search_file import read_searched_layers
         from specpipe.stores.manifest import tokenizer_fingerprint
 
         layers = read_searched_layers(search_file, target.name, tokenizer_fingerprint(tokenizer)["vocab_sha256"],

@@ -33,7 +33,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
-from specpipe.stages.base import draft_token_ids
+from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids
 from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.eagle import frequent_ids, output_head
@@ -129,7 +129,7 @@ class HydraHeads(nn.ModuleList):
                 head.input.weight[:, : self.hidden] = torch.eye(self.hidden)
 
 
-class MedusaDrafter:
+class MedusaDrafter(StepDrafter):
     """Medusa heads as a StepDrafter (`tree=static` or `tree=eagle2`), or one greedy chain per step
     as a Proposer (`tree=trie`)."""
 
@@ -153,6 +153,9 @@ class MedusaDrafter:
         reduced = [output for output in outputs if isinstance(output, ReducedVocabHead)]
         same_ids = len(reduced) == len(outputs) and all(torch.equal(o.target_ids, reduced[0].target_ids) for o in reduced)
         self.draft_vocab: Tensor | None = reduced[0].target_ids if same_ids else None  # [k]
+
+    def resources(self) -> StageResources:  # no draft forward of its own: no cost runner
+        return StageResources(engine_modules=self.engine_modules, weight_quantization=self.weight_quantization)
 
     def reset(self, state: DecodeState) -> None:
         state.stage_state[self] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specpipe.stages.base import Proposer
 from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import tokenizer_fingerprint
@@ -11,7 +12,7 @@ from specpipe.stores.past_outputs import PastOutputs
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 
-class PastOutputsRetriever:
+class PastOutputsRetriever(Proposer):
     """Proposes what followed the context's longest suffix in earlier answers, merged into a trie.
 
     `learn=False` keeps the store as it is (nothing inserted): requests then draft from a fixed

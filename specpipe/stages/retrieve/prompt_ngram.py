@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specpipe.stages.base import Proposer
 from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stages.retrieve.ngram_index import NgramIndex
@@ -17,7 +18,7 @@ TEXTS = ("context", "documents")
 SEPARATOR = -1  # between documents: no token id, so no n-gram matches across it
 
 
-class PromptNgram:
+class PromptNgram(Proposer):
     """Finds the current suffix (longest n-gram first) earlier in the prompt + output and
     proposes what followed it.
 

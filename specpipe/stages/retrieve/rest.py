@@ -7,6 +7,7 @@ from pathlib import Path
 from specpipe import distributed
 from specpipe.errors import StoreError
 from specpipe.paths import local_path
+from specpipe.stages.base import Proposer
 from specpipe.stages.retrieve.calibration import CalibrationPolicy
 from specpipe.stages.retrieve.continuation_trie import ContinuationTrie, TrieSequence
 from specpipe.stores.manifest import sha256_file
@@ -14,7 +15,7 @@ from specpipe.stores.token_datastore import DatastoreMatch, TokenDatastore, Toke
 from specpipe.types import DecodeState, Proposal, VerifyResult
 
 
-class RestRetriever:
+class RestRetriever(Proposer):
     """Looks the context up in a token datastore and proposes its frequent continuations.
 
     The store at `path` may be one suffix array or sharded: `TokenDatastore.load` opens either,

@@ -12,7 +12,7 @@ from torch import Tensor
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.sampling import draw_without_replacement, target_probs
-from specpipe.stages.base import StepDrafter, draft_token_ids, start_each, step_each, to_full_vocab
+from specpipe.stages.base import StepDrafter, TreeBuilder, draft_token_ids, start_each, step_each, to_full_vocab
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.trie import TrieTreeBuilder, check_budget
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, Proposal, StepBudget
@@ -29,7 +29,7 @@ def learn_level_cost(draft_cost: CostCurve | None, rows: int, started: float) ->
         observe(rows, 1000.0 * (time.perf_counter() - started))
 
 
-class Eagle2TreeBuilder:
+class Eagle2TreeBuilder(TreeBuilder):
     """Grows each drafter's tree depth by depth, then keeps the best nodes of all sources.
 
     Expansion (EAGLE-2): at every depth the `top_k` newest nodes with the highest cumulative
@@ -48,8 +48,8 @@ class Eagle2TreeBuilder:
     millisecond on the measured cost curve, drafting time included.
 
     With `fixed_size` the sizes are EAGLE-2's own, fixed: `depth` levels of `top_k` expanded nodes while they are
-    `min_score` likely, and the `max_nodes` best nodes kept, whatever the cost curves say (on the 2-core EPYC,
-    10 nodes of depth 5 accept more per step than the cost curve's ~6, for less speed: docs/BENCHMARKS.md run 59).
+    `min_score` likely, and the `max_nodes` best nodes kept, whatever the cost curves say: on a CPU such trees
+    accept more tokens per step than the cost curve's sizes, for less speed.
 
     Sampling (temperature > 0): children are drawn without replacement from the draft's
     distribution warped as the target's is, and handed to the verifier with the distribution
@@ -63,6 +63,7 @@ class Eagle2TreeBuilder:
     """
 
     expands_drafters = True
+    batches_drafters = True
 
     def __init__(self, cost_curve: CostCurve, depth: int = 6, top_k: int = 8, children: int = 8,
                  max_nodes: int = 48, min_gain: float = 1.0, min_score: float = 0.02,

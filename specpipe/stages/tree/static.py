@@ -11,7 +11,7 @@ import torch
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
 from specpipe.paths import REPO_ROOT
-from specpipe.stages.base import StepDrafter, draft_token_ids
+from specpipe.stages.base import StepDrafter, TreeBuilder, draft_token_ids
 from specpipe.stages.tree.calibration import best_size, fits_heads, read_calibration
 from specpipe.stages.tree.trie import TrieTreeBuilder
 from specpipe.types import DecodeState, DraftTree, Proposal
@@ -20,7 +20,7 @@ ROOT = -1
 log = logging.getLogger(__name__)
 
 
-class StaticTreeBuilder:
+class StaticTreeBuilder(TreeBuilder):
     """Expands each drafter along `choices`: a path (i0, i1, ..., id) is the node reached by taking the
     i0-th most likely token after the root, then the i1-th most likely after that one, and so on
     (Medusa's `medusa_choices`). Every listed node is drafted and verified, whatever the measured cost

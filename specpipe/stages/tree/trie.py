@@ -7,6 +7,7 @@ import torch
 
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
+from specpipe.stages.base import TreeBuilder
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, Proposal, StepBudget, merge_by_prefix
 
 
@@ -20,7 +21,7 @@ def check_budget(max_nodes: int, min_gain: float, tree: str = "trie") -> None:
                           f"to beat a plain step by this factor), got {min_gain}")
 
 
-class TrieTreeBuilder:
+class TrieTreeBuilder(TreeBuilder):
     """Merges proposals by prefix, then keeps the best-scored nodes under a node budget.
 
     A node's score estimates the probability that it is accepted, so the expected tokens

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specpipe.stages.base import Verifier
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
-class GreedyVerifier:
+class GreedyVerifier(Verifier):
     """Accepts the longest tree path whose every token is the target's argmax.
 
     From the root, the target's argmax token is looked up among the current node's

@@ -6,10 +6,11 @@ from torch import Tensor
 
 from specpipe.sampling import sample, target_probs, uniform
 from specpipe.stages.verify.greedy import greedy_accept
+from specpipe.stages.base import Verifier
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
-class RejectionSamplingVerifier:
+class RejectionSamplingVerifier(Verifier):
     """Emits tokens distributed exactly as sampling from the target alone.
 
     At each node, with p the target's distribution there (temperature, top-k, top-p

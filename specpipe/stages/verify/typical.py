@@ -8,10 +8,11 @@ from torch import Tensor
 
 from specpipe.sampling import sample, target_probs
 from specpipe.stages.verify.greedy import greedy_accept
+from specpipe.stages.base import Verifier
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
 
-class TypicalAcceptanceVerifier:
+class TypicalAcceptanceVerifier(Verifier):
     """Accepts a drafted token x when p(x) > min(epsilon, delta * exp(-H(p))), p being the
     target's distribution at its parent and H its entropy; takes the longest accepted path
     in the tree (ties: the earlier node), then draws the bonus from p after it.
