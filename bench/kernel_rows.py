@@ -16,7 +16,6 @@ streamed the target's weights (`--model` a draft's or head's safetensors file th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -30,30 +29,30 @@ from tqdm import tqdm
 from specpipe.engine import cpu_kernel
 from specpipe.models import cache_root
 
-KERNEL_FILE = "specpipe/engine/cpu_kernel.py"
+KERNEL_FOLDER = "specpipe/kernels/cpu"
 
 
-def source_at(revision: str) -> str:
-    """The kernel's C++ source (`_SOURCE`) in specpipe/engine/cpu_kernel.py at a git revision."""
-    text = subprocess.run(["git", "show", f"{revision}:{KERNEL_FILE}"], check=True, capture_output=True,
-                          text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "kernel_before.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location("kernel_before", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module._SOURCE
+def sources_at(revision: str, into: Path) -> Path:
+    """The kernel's source files (specpipe/kernels/cpu) at a git revision, written into the folder `into`."""
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{KERNEL_FOLDER}"], capture_output=True,
+                             text=True)
+    if listing.returncode != 0:
+        sys.exit(f"{revision} has no {KERNEL_FOLDER}: --before takes revisions whose kernel lives in source files")
+    for name in listing.stdout.split():
+        text = subprocess.run(["git", "show", f"{revision}:{KERNEL_FOLDER}/{name}"], check=True,
+                              capture_output=True).stdout
+        (into / name).write_bytes(text)
+    return into
 
 
-def build_product(source: str):
-    """weight_product of the kernel built from `source` (this CPU's ISA, the default prefetch hint)."""
-    kept = cpu_kernel._SOURCE
-    cpu_kernel._SOURCE = source  # the build's name hashes the source, so another source builds apart
+def build_product(folder: Path):
+    """weight_product of the kernel built from the sources in `folder` (this CPU's ISA, the default prefetch hint)."""
+    kept = cpu_kernel.KERNEL_SOURCES
+    cpu_kernel.KERNEL_SOURCES = folder  # the build's name hashes the sources, so other sources build apart
     try:
         return cpu_kernel._build(None, cpu_kernel.kernel_isa()).weight_product
     finally:
-        cpu_kernel._SOURCE = kept
+        cpu_kernel.KERNEL_SOURCES = kept
 
 
 def main() -> None:
@@ -73,9 +72,10 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     state = load_file(args.model)
     weights = [tensor.to(dtype).contiguous() for name, tensor in state.items() if tensor.dim() == 2]  # [out, in]
-    variants = {"working tree": build_product(cpu_kernel._SOURCE)}
+    variants = {"working tree": build_product(cpu_kernel.KERNEL_SOURCES)}
     if args.before:
-        variants[args.before] = build_product(source_at(args.before))
+        before = Path(tempfile.mkdtemp(prefix="kernel_before_"))
+        variants[args.before] = build_product(sources_at(args.before, before))
     if args.int8:
         from specpipe.engine.quantize import quantize_rows
 

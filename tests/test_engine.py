@@ -1392,14 +1392,14 @@ def test_a_lock_left_by_a_killed_kernel_build_is_removed(monkeypatch, tmp_path, 
     (folder / "lock").write_text("")
     seen = {}
 
-    def load_inline(**kwargs):
+    def load(**kwargs):
         seen["lock"] = (folder / "lock").exists()
         with open(folder / ".build.lock") as other:  # a second process's try is refused while this one builds
             with pytest.raises(OSError):
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return "module"
 
-    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpp_extension, "load", load)
     assert cpu_kernel._build(tmp_path, "avx2") == "module"
     assert seen == {"lock": False} and "left by a kernel build that was killed" in capsys.readouterr().err
     assert cpu_kernel._build(tmp_path, "avx2") == "module"  # nothing left over: nothing said
@@ -1450,16 +1450,16 @@ def test_a_kernel_library_planted_in_the_cache_is_rebuilt_not_loaded(monkeypatch
     library = folder / f"{name}.so"
     marker = tmp_path / "planted-ran"
     marker_library(library, marker)
-    (folder / "main.o").write_bytes(b"planted object")  # ninja would link a newer object as it is
+    (folder / "kernel.o").write_bytes(b"planted object")  # ninja would link a newer object as it is
     builds = []
 
-    def load_inline(**kwargs):  # torch's builder, without the compiler: leaves a real module where it would
-        builds.append((library.exists(), (folder / "main.o").exists()))
+    def load(**kwargs):  # torch's builder, without the compiler: leaves a real module where it would
+        builds.append((library.exists(), (folder / "kernel.o").exists()))
         assert kwargs["name"] == name and kwargs["build_directory"] == str(folder)
         tiny_extension(library, name)
         return SimpleNamespace(__file__=str(library), built=True)
 
-    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpp_extension, "load", load)
     assert cpu_kernel._build(tmp_path, "avx2").built
     assert builds == [(False, False)] and not marker.exists()  # removed before the build, never loaded
     assert native_cache.verified(library)
@@ -1478,10 +1478,10 @@ def test_the_kernel_is_not_built_in_a_folder_others_can_write(monkeypatch, tmp_p
 
     from specpipe.engine import cpu_kernel
 
-    def load_inline(**kwargs):
+    def load(**kwargs):
         raise AssertionError("built in a folder others can write")
 
-    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
     folder = tmp_path / cpu_kernel.build_name("avx2")

@@ -18,82 +18,48 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+# What the CPU and ATen run, probed in a leaf module that specpipe.engine.cpu_kernel asks too (re-exported here)
+from specpipe.engine.cpuinfo import aten_capability, cpu_flags, cpu_model_and_flags, kernel_isa
+from specpipe.engine.cpuinfo import first_line as _first_line
+
 # Rows the weight layout is prepacked for. The packed weight serves any number of rows; packed
 # for a verify-sized batch it measured as fast as a 1-row packing for 1 row and up to 2x faster
 # for 4-16 rows.
 PACKING_ROWS_HINT = 16
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# engine.fp32_split_rows=auto (see `auto_split_rows`), measured in SmolLM2-135M's whole forward with
-# the lean model forward (KV 256, interleaved rounds, ms):
-# - 2-core AMD EPYC, AVX2 only: split GEMMs for up to 1 / 8 rows, q=1 37.5 / 36.7, q=2 47.0 / 44.1,
-#   q=4 53.4 / 46.3, q=5 53.6 / 53.1, q=8 60.4 / 64.8, q=12 67.0 / 68.8 (16 rows: 107 at q=12);
-# - 2-core AMD EPYC with AVX-512 (oneDNN brg_matmul:avx512_core), oneDNN for every product / split
-#   GEMMs up to 2 / up to 4 rows: q=1 18.7 / 16.6 / 16.6, q=2 20.2 / 19.3 / 19.7, q=3 21.5 / 21.0 /
-#   23.2, q=4 19.9 / 19.7 / 21.7.
+# engine.fp32_split_rows=auto (see `auto_split_rows`): up to these rows split GEMMs beat oneDNN in SmolLM2-135M's whole
+# lean forward (2-core VMs; AVX2: docs/notebook/run-09.md, AVX-512: docs/notebook/run-13.md).
 AUTO_SPLIT_ROWS = 4  # x86 CPUs whose oneDNN fp32 kernel is AVX2 (or older)
 AUTO_SPLIT_ROWS_AVX512 = 2
 # engine.fp32_kernel_rows / bf16_kernel_rows = auto (see `auto_kernel_rows`): products of up to this many rows
-# run specpipe's product kernel (specpipe.engine.cpu_kernel), which streams the weights once for all rows.
-# - fp32 weights where oneDNN's fp32 kernel is AVX2: SmolLM2-135M's 121 linears and output layer back to
-#   back on a 2-core AVX2-only EPYC (Zen 3), min of 6-10 interleaved rounds, ms (stock: split GEMMs up to
-#   4 rows, oneDNN above):
-#     rows        1     2     3     4     6     8    12    16    24    32    64
-#     stock    36.4  52.0  64.5  55.6  63.9  77.5  72.4  79.3  91.8 106.1 178.6
-#     kernel   25.1  32.3  30.6  32.7  37.1  42.7  55.0  63.1  87.7 103.2 211.2
+# run specpipe's product kernel (specpipe.engine.cpu_kernel), which streams the weights once for all rows, up to
+# where the stock products catch up with it (SmolLM2-135M on 2-core VMs, bench/engine_ab.py):
+# - fp32 weights where oneDNN's fp32 kernel is AVX2: faster than split GEMMs and oneDNN up to 16 rows, about even
+#   from 24 (docs/notebook/run-23.md).
 AUTO_FP32_KERNEL_ROWS = 16
-# - bf16 weights where oneDNN has no bf16 kernel (packed in fp32): the kernel on the bf16 weights beat the
-#   fp32 packing and bf16 F.linear up to 32 rows (run 21, docs/BENCHMARKS.md).
+# - bf16 weights where oneDNN has no bf16 kernel (packed in fp32): the kernel on the bf16 weights faster than the
+#   fp32 packing and bf16 F.linear up to 32 rows (docs/notebook/run-21.md).
 AUTO_BF16_UPCAST_KERNEL_ROWS = 32
-# - fp32 and bf16 weights where oneDNN's kernel is AVX-512 (the kernel's AVX-512 build): SmolLM2-135M's
-#   whole forward on a 2-core AVX-512 EPYC (Zen 5), KV 256, 20 interleaved rounds, median ms, oneDNN
-#   (fp32: split GEMMs up to 2 rows) -> the kernel for every product:
-#     q        1     2     3     4     6     8    12    16
-#     fp32  14.0  18.2  16.6  17.0  18.5  21.0  23.7  26.8
-#        -> 12.1  12.5  13.2  13.6  16.1  19.6  23.7  30.2
-#     bf16  12.4  13.2  13.5  13.7  14.8  16.4  18.3  20.4
-#        ->  9.2   9.8  10.4  10.8  12.3  15.4  19.9  25.3
+# - fp32 and bf16 weights where oneDNN's kernel is AVX-512 (the kernel's AVX-512 build): the whole forward faster
+#   up to 8 rows, not from 12 (docs/notebook/run-24.md).
 AUTO_KERNEL_ROWS_AVX512 = 8
-# - bf16 weights where the kernel's build multiplies bf16 pairs (AVX512_BF16; the same CPU, another run):
-#     bf16  12.4  13.2  13.4  13.1  14.1  15.6  17.3  18.4
-#        ->  9.7   9.8  10.2  10.3  11.0  12.1  14.8  19.4
-#   and since the pair product takes 9-12 rows in one pass (run 30, bench/engine_ab.py, 20 rounds, q <= 14
-#   and q >= 16 from two runs):
-#     q        1     8    10    12    14    16    20    24    28    32
-#     bf16   9.5  13.8  14.3  14.9  16.0  16.5  18.3  20.0  21.7  23.7
-#        ->  7.3  10.1  11.3  12.2  14.4  15.5  16.6  18.4  21.6  23.9
+# - bf16 weights where the kernel's build multiplies bf16 pairs (AVX512_BF16), 9-12 rows in one pass: faster up to
+#   24 rows (docs/notebook/run-24.md, run-30.md).
 AUTO_BF16_PAIR_KERNEL_ROWS = 24
-# - bf16 weights in column blocks (engine.kernel_blocks, the AVX512_BF16 build; run 57, bench/engine_ab.py, the
-#   same CPU, 8 rounds), oneDNN above 16 rows against the blocks throughout:
-#     q       16    24    32    48    64    96   128
-#     bf16  25.0  42.4  46.8  67.7  80.9 107.9 151.8
-#        -> 24.5  32.9  38.4  54.5  69.4 102.3 169.1
+# - bf16 weights in column blocks (engine.kernel_blocks, the AVX512_BF16 build): faster than oneDNN up to 96 rows,
+#   slower at 128 (docs/notebook/run-57.md).
 AUTO_BF16_BLOCK_KERNEL_ROWS = 64
-# - bf16 weights in column blocks where oneDNN's bf16 kernel runs on AMX tiles: SmolLM2-135M's whole forward on
-#   a 2-core Intel Xeon with AMX (family 6 model 207; oneDNN brg_matmul:avx10_1_512_amx), KV 256, 20
-#   interleaved rounds, median ms (bench/engine_ab.py, session 57), oneDNN -> the blocks for every product:
-#     q        1     2     4     6     8    10    12    14    16    24
-#     bf16  28.8  31.9  33.3  29.0  30.6  33.2  39.9  40.5  38.4  46.0
-#        -> 25.7  28.9  32.2  23.2  26.9  33.1  37.3  40.6  44.3  64.9
-#   AMX's tiles take 16 rows per pass, so from 16 rows oneDNN wins; below, both stream the same weights and the
-#   kernel's one pass over them costs less than oneDNN's per-call set-up.
-#   With the blocks' own products on AMX tiles from 6 rows (engine.amx_rows; session 59, 15 rounds), oneDNN above 12
-#   rows -> the blocks for every product:
-#     q        8    12    16    24    32    48
-#     bf16  34.2  34.1  51.3  64.2  66.2  66.9
-#        -> 31.5  34.9  36.4  57.7  62.2  79.3
-#   but only a branched tree's verify takes the tiles (cpu_kernel.TileRows): a chain's, by the vector product, would
-#   cost more than oneDNN's from 13 rows, so 12 stays with the tiles too.
+# - bf16 weights in column blocks where oneDNN's bf16 kernel runs on AMX tiles (16 rows a pass): below 16 rows both
+#   stream the same weights and the kernel's one pass costs less than oneDNN's per-call set-up; from 16 oneDNN wins.
+#   The kernel's own tile products (engine.amx_rows) would stay faster further, but only a branched tree's verify
+#   takes them (cpu_kernel.TileRows): a chain's, by the vector product, costs more than oneDNN's from 13 rows
+#   (2-core AMX VM: docs/notebook/run-61.md, run-63.md).
 AUTO_BF16_AMX_KERNEL_ROWS = 12
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def aten_capability() -> str:
-    """ATen's vector ISA for its own CPU kernels (AVX2, AVX512, ...; `ATEN_CPU_CAPABILITY` caps it)."""
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -124,10 +90,9 @@ def split_linear(x: torch.Tensor, blocked_weight: torch.Tensor, bias: torch.Tens
     `blocked_weight` [blocks, out / blocks, in] (from `row_blocks`), one block per thread.
 
     Why: for the few rows of a decoding step the BLAS runs a matrix-vector product on one thread
-    and oneDNN's AVX2 kernel reaches ~13 GB/s; a batch of one block per thread keeps every core
-    streaming its own block. Measured on a 2-core AVX2 EPYC over SmolLM2-135M's 121 fp32 linears
-    back to back: 1 row 24 ms (oneDNN prepacked 31, F.linear 39), 4 rows 30 (40), 16 rows 51 (51);
-    inside the whole forward it wins up to 4 rows (AUTO_SPLIT_ROWS).
+    and oneDNN's AVX2 kernel streams the weights well below the memory's bandwidth; a batch of one
+    block per thread keeps every core streaming its own block. Inside the whole forward it wins up
+    to AUTO_SPLIT_ROWS rows on an AVX2 CPU.
     """
     blocks, block_rows, in_features = blocked_weight.shape
     out_features = blocks * block_rows
@@ -256,7 +221,7 @@ def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, sma
 
     fp32 models run products of up to `split_rows` rows as `split_linear` on plain weights ("auto":
     `auto_split_rows(kernel)`). bf16 weights packed in fp32 take split GEMMs for the rows above
-    `small_rows` up to `split_rows` (on a 2-core AVX2-held EPYC, 4 rows: 21.5 vs 25.9 ms).
+    `small_rows` up to `split_rows` (faster there than the fp32 packing with ISAs held to AVX2).
     """
     if not onednn_available():
         return "this torch build has no oneDNN linear"
@@ -292,10 +257,6 @@ def probe_linear_path(dtype: torch.dtype, prefer_fp32_compute: bool = False, sma
     return LinearPath(dtype, torch.float32, kernel, f"{why}; {split_why}", small_rows, split_rows)
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 class _captured_stdout:
     """Captures what C code writes to file descriptor 1 (oneDNN's verbose lines) while open."""
 
@@ -315,31 +276,9 @@ class _captured_stdout:
         self._file.close()
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name, feature flags) of the first CPU in /proc/cpuinfo; empty where it cannot be read."""
-    flags: set[str] = set()
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-                elif line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return model, flags
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (avx2, fma, avx512f, ...) as the kernel reports them; empty off Linux."""
-    return _cpuinfo()[1]
-
-
 def cpu_description() -> dict:
     """CPU facts every benchmark report's machine line and the cost-curve cache key carry."""
-    from specpipe.engine.cpu_kernel import kernel_isa  # it builds on this module
-    model, flags = _cpuinfo()
+    model, flags = cpu_model_and_flags()
     isa_flags = [flag for flag in ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx_ne_convert", "amx_bf16")
                  if flag in flags]
     paths = {}

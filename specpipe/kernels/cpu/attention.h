@@ -1,0 +1,639 @@
+// specpipe's CPU kernel, the attention of a decoding step or a tree verify: tree_attention computes softmax(q k^T *
+// scale) v per query head over the KV cache's own rows (any row stride) under a boolean tree mask, with fp32 sums, into
+// the [1, q, heads, head_dim] layout the output projection reads; ragged_tree_attention does it for several sequences'
+// rows of one forward, each appended to and attending its own cache. The query heads that share a KV head read each key
+// and value row once together; on AVX512_BF16 builds bf16 heads of 64 or 128 dims multiply bf16 pairs
+// (attend_heads_paired).
+//
+// Why: for a few query rows over a cache, SDPA's own cost per call and the transposes and folded masks a verify needs
+// around it outweighed the arithmetic (engine.kernel_attention). The result agrees with SDPA to float rounding, not
+// bitwise (specpipe.engine.cpu_kernel checks it when the kernel loads).
+// A part of kernel.cpp's one translation unit (see there).
+
+#pragma once
+
+#include "lanes.h"
+
+namespace {
+
+inline void store_value(float* p, float v) { *p = v; }
+// rounded to the nearest bf16 (ties to even), as casting an fp32 tensor to bf16 rounds
+inline void store_value(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
+
+// scores [kv] (a masked key's is -inf) -> in place, e^(score - the largest score): a softmax's weights before
+// normalizing, exactly 0 for a masked key; returns their sum.
+float softmax_weights(float* scores, int64_t kv) {
+  const int64_t vector_end = kv - kv % kLanes;
+  Lanes top_so_far = lanes_set(-INFINITY);
+  for (int64_t k = 0; k < vector_end; k += kLanes) top_so_far = lanes_max(top_so_far, lanes_load(scores + k));
+  alignas(64) float tops[kLanes];
+  lanes_store(tops, top_so_far);
+  float top = -INFINITY;
+  for (int64_t k = 0; k < kLanes; ++k) top = std::max(top, tops[k]);
+  for (int64_t k = vector_end; k < kv; ++k) top = std::max(top, scores[k]);
+  const Lanes top_lanes = lanes_set(top);
+  Lanes total = lanes_zero();
+  for (int64_t k = 0; k < vector_end; k += kLanes) {
+    const Lanes s = lanes_load(scores + k);
+    const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+    lanes_store(scores + k, weight);
+    total = lanes_add(total, weight);
+  }
+  if (vector_end < kv) {  // the last keys through the same vector exp, padded with masked ones
+    alignas(64) float tail[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) tail[k] = vector_end + k < kv ? scores[vector_end + k] : -INFINITY;
+    const Lanes s = lanes_load(tail);
+    const Lanes weight = lanes_where_finite(lanes_exp(lanes_sub(s, top_lanes)), s);
+    lanes_store(tail, weight);
+    total = lanes_add(total, weight);
+    for (int64_t k = vector_end; k < kv; ++k) scores[k] = tail[k - vector_end];
+  }
+  return lanes_sum(total);
+}
+
+// One query row of one head: softmax(q k^T * scale) v over the kv keys that `visible` ([kv], or null:
+// every key) lets it see, summed in fp32, for any head_dim. Keys and values are rows of the KV cache
+// (`*_stride` apart); `scores` [kv] and `sums` [head_dim] are the calling thread's scratch.
+template <typename T>
+void attend_row(const T* query, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
+                const bool* visible, int64_t kv, int64_t head_dim, float scale, T* out, float* scores, float* sums) {
+  const int64_t vector_end = head_dim - head_dim % kLanes;
+  float* row = sums;  // the query row, widened, until the scores are made
+  for (int64_t d = 0; d < head_dim; ++d) row[d] = as_float(query[d]);
+  for (int64_t j = 0; j < kv; ++j) {
+    if (visible != nullptr && !visible[j]) {
+      scores[j] = -INFINITY;
+      continue;
+    }
+    const T* key = keys + j * key_stride;
+    Lanes acc = lanes_zero();
+    for (int64_t d = 0; d < vector_end; d += kLanes) acc = lanes_fma(load_weights(key + d), lanes_load(row + d), acc);
+    float dot = lanes_sum(acc);
+    for (int64_t d = vector_end; d < head_dim; ++d) dot += as_float(key[d]) * row[d];
+    scores[j] = dot * scale;
+  }
+  const float total = softmax_weights(scores, kv);
+  std::fill(sums, sums + head_dim, 0.0f);
+  for (int64_t j = 0; j < kv; ++j) {
+    const float weight = scores[j];
+    if (weight == 0.0f) continue;  // masked (or vanishing): adds nothing
+    const T* value = values + j * value_stride;
+    const Lanes weight_lanes = lanes_set(weight);
+    for (int64_t d = 0; d < vector_end; d += kLanes)
+      lanes_store(sums + d, lanes_fma(load_weights(value + d), weight_lanes, lanes_load(sums + d)));
+    for (int64_t d = vector_end; d < head_dim; ++d) sums[d] += as_float(value[d]) * weight;
+  }
+  const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) store_value(out + d, sums[d] * inverse);
+}
+
+// A query row held in registers and its dot products with key rows (kLanes fp32 partial sums): NV
+// vectors widened to fp32; bf16 pairs on the AVX512_BF16 build (half the instructions, no widening).
+template <int NV, typename T>
+struct QueryRow {
+  static constexpr int kRegisters = NV;
+  Lanes values[NV];
+  void load(const T* row) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) values[v] = load_weights(row + v * kLanes);
+  }
+  Lanes dot(const T* key) const {
+    Lanes acc = lanes_zero();
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc = lanes_fma(load_weights(key + v * kLanes), values[v], acc);
+    return acc;
+  }
+};
+
+#ifdef __AVX512BF16__
+template <int NV>
+struct QueryRow<NV, uint16_t> {
+  static_assert(NV % 2 == 0, "bf16 pairs fill 512-bit registers two fp32 vectors' worth at a time");
+  static constexpr int kRegisters = NV / 2;
+  __m512i pairs[NV / 2];
+  void load(const uint16_t* row) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v) pairs[v] = _mm512_loadu_si512(row + 32 * v);
+  }
+  Lanes dot(const uint16_t* key) const {
+    Lanes acc = lanes_zero();
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(key + 32 * v), (__m512bh)pairs[v]);
+    return acc;
+  }
+};
+#endif
+
+// How many query heads of one KV head attend together (G of attend_heads): their rows, and G x 4 dot
+// products in flight, must fit the registers beside the keys being read.
+template <int NV, typename T>
+constexpr int max_heads_together() {
+  constexpr int per_head = QueryRow<NV, T>::kRegisters;
+  return per_head * 4 <= kRegisters / 2 ? 4 : per_head * 2 <= kRegisters / 2 ? 2 : 1;
+}
+
+// One query row of G query heads that read the same KV head, for a head_dim of NV whole vectors (64 or
+// 128 on either build): softmax(q k^T * scale) v with fp32 sums, each key and value row read once for
+// all G heads. The query rows and the value sums stay in registers; four keys' dot products per head are
+// in flight at once (one at a time waited on its chain of multiply-adds). Grouped-query models read each
+// KV head for several query heads (SmolLM2-135M: 3, Llama-3-70B: 8): one head at a time re-read them
+// from the caches G times, so a verify's rows over long contexts waited on those reads. `scores` [G, kv]
+// is scratch; `visible` [kv] or null.
+template <int NV, int G, typename T>
+void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
+                  const bool* visible, int64_t kv, float scale, T* const* outs, float* scores) {
+  constexpr int64_t kHeadDim = NV * kLanes;
+  QueryRow<NV, T> rows[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) rows[g].load(queries[g]);
+  int64_t j = 0;
+  for (; j + 4 <= kv; j += 4) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      lanes_sum4(rows[g].dot(keys + j * key_stride), rows[g].dot(keys + (j + 1) * key_stride),
+                 rows[g].dot(keys + (j + 2) * key_stride), rows[g].dot(keys + (j + 3) * key_stride),
+                 scores + g * kv + j);
+    }
+  }
+  for (; j < kv; ++j)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) scores[g * kv + j] = lanes_sum(rows[g].dot(keys + j * key_stride));
+  float inverse[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    float* head_scores = scores + g * kv;
+    if (visible == nullptr) {
+      for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
+    } else {  // a select, not a branch per key: the compiler makes vectors of it
+      for (int64_t k = 0; k < kv; ++k) head_scores[k] = visible[k] ? head_scores[k] * scale : -INFINITY;
+    }
+    const float sum = softmax_weights(head_scores, kv);
+    inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop; one head
+  // alone sums even and odd keys apart, which keeps as many multiply-adds in flight as G heads do
+  constexpr int kSplit = G == 1 ? 2 : 1;
+  Lanes acc[kSplit][G][NV];
+  for (int u = 0; u < kSplit; ++u)
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[u][g][v] = lanes_zero();
+  j = 0;
+  for (; j + kSplit <= kv; j += kSplit) {
+#pragma GCC unroll 2
+    for (int u = 0; u < kSplit; ++u) {
+      Lanes weight[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) weight[g] = lanes_set(scores[g * kv + j + u]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const Lanes value = load_weights(values + (j + u) * value_stride + v * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) acc[u][g][v] = lanes_fma(value, weight[g], acc[u][g][v]);
+      }
+    }
+  }
+  for (; j < kv; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const Lanes value = load_weights(values + j * value_stride + v * kLanes);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[0][g][v] = lanes_fma(value, lanes_set(scores[g * kv + j]), acc[0][g][v]);
+    }
+  }
+  alignas(64) float result[kHeadDim];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const Lanes head_inverse = lanes_set(inverse[g]);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      Lanes total = acc[0][g][v];
+      if (kSplit == 2) total = lanes_add(total, acc[kSplit - 1][g][v]);
+      lanes_store(result + v * kLanes, lanes_mul(total, head_inverse));
+    }
+    for (int64_t d = 0; d < kHeadDim; ++d) store_value(outs[g] + d, result[d]);
+  }
+}
+
+#ifdef __AVX512BF16__
+// lane k of the result = the sum of dots[k]'s lanes: 16 horizontal sums in 45 shuffles and adds where
+// one reduction each takes ~8
+inline __m512 lanes_sum16(const __m512* dots) {
+  __m512 halves[8], quarters[4];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k)
+    halves[k] = _mm512_add_ps(_mm512_unpacklo_ps(dots[2 * k], dots[2 * k + 1]),
+                              _mm512_unpackhi_ps(dots[2 * k], dots[2 * k + 1]));
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(halves[2 * k]), b = _mm512_castps_pd(halves[2 * k + 1]);
+    quarters[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // each 128-bit block of quarters[k] now holds that block's part of dots 4k..4k+3
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[0], quarters[1], 0x44),
+                                   _mm512_shuffle_f32x4(quarters[0], quarters[1], 0xEE));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quarters[2], quarters[3], 0x44),
+                                    _mm512_shuffle_f32x4(quarters[2], quarters[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// The value rows of keys j and j + 1 as pairs (dims interleaved 16 bits apart), the operand vdpbf16ps
+// multiplies by a pair of weights: per 32 dims, `lo` holds dims 0-3, 8-11, 16-19, 24-27 and `hi` the rest
+template <int NV>
+inline void value_pairs(const uint16_t* first, const uint16_t* second, __m512i* pairs) {
+#pragma GCC unroll 8
+  for (int v = 0; v < NV / 2; ++v) {
+    const __m512i a = _mm512_loadu_si512(first + 32 * v), b = _mm512_loadu_si512(second + 32 * v);
+    pairs[2 * v] = _mm512_unpacklo_epi16(a, b);
+    pairs[2 * v + 1] = _mm512_unpackhi_epi16(a, b);
+  }
+}
+
+// sums[h][v] += the HC heads' weight pairs times the values' pairs, over the keys [0, kv): two keys per
+// vdpbf16ps, each pair of value rows interleaved once for all HC heads; an odd last key pairs with zeros
+template <int NV, int HC>
+void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
+                            int64_t pairs_per_head, __m512* sums) {
+  __m512 acc[HC][NV];
+#pragma GCC unroll 4
+  for (int h = 0; h < HC; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+  __m512i pairs[NV];
+  const int64_t even_end = kv - kv % 2;
+  for (int64_t j = 0; j < even_end; j += 2) {
+    value_pairs<NV>(values + j * value_stride, values + (j + 1) * value_stride, pairs);
+#pragma GCC unroll 4
+    for (int h = 0; h < HC; ++h) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + j / 2]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], (__m512bh)pairs[v], weight);
+    }
+  }
+  if (even_end < kv) {
+    alignas(64) uint16_t zeros[NV * 16] = {};
+    value_pairs<NV>(values + even_end * value_stride, zeros, pairs);
+#pragma GCC unroll 4
+    for (int h = 0; h < HC; ++h) {
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + even_end / 2]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_dpbf16_ps(acc[h][v], (__m512bh)pairs[v], weight);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HC; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) sums[h * NV + v] = acc[h][v];
+}
+
+// accumulate_value_pairs for heads [First, G), as many at once as their sums and the value pairs leave
+// registers for (4 heads of 64 dims, 2 of 128)
+template <int NV, int G, int First>
+void accumulate_heads(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
+                      int64_t pairs_per_head, __m512* sums) {
+  if constexpr (First < G) {
+    constexpr int kAtOnce = NV <= 4 ? 4 : 2;
+    constexpr int kCount = G - First < kAtOnce ? G - First : kAtOnce;
+    accumulate_value_pairs<NV, kCount>(values, value_stride, kv, weight_pairs + First * pairs_per_head,
+                                       pairs_per_head, sums + First * NV);
+    accumulate_heads<NV, G, First + kCount>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+  }
+}
+
+// One query row of G query heads that read the same KV head, bf16 on the AVX512_BF16 build, head_dim
+// NV x 16 (64 or 128): attend_heads' result to bf16 rounding, in fewer instructions. Its multiply-adds had
+// bound it (one per 16 values of a value row per head, each key alone): here 16 keys' scores come out of
+// one vector reduction and are scaled and masked 16 at a time, and the weights, rounded to bf16 (as
+// transformers' eager attention and ATen's flash attention round them before their products with the
+// values), multiply two value rows per vdpbf16ps. `scores` [G, kv] and `weight_pairs` [G, kv / 2 + 1]
+// are scratch.
+template <int NV, int G>
+void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, int64_t key_stride,
+                         const uint16_t* values, int64_t value_stride, const bool* visible, int64_t kv, float scale,
+                         uint16_t* const* outs, float* scores, uint32_t* weight_pairs) {
+  constexpr int kPairRegisters = NV / 2;  // a row of head_dim bf16 values
+  const __m512 scale_lanes = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-INFINITY);
+  // every key's score comes out of lanes_sum16 (a last, partial block padded with zero dots), so a key's
+  // score has the same bits whatever keys follow it: a chain's verify rows equal its one-token steps
+  for (int64_t j = 0; j < kv; j += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, kv - j));
+    const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
+    __mmask16 seen = present;
+    if (visible != nullptr && count == 16) {
+      seen = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(visible + j))),
+                                    _mm512_set1_epi32(1));
+    } else if (visible != nullptr) {
+      seen = 0;
+      for (int k = 0; k < count; ++k) seen |= static_cast<__mmask16>(visible[j + k] ? 1u << k : 0u);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      __m512i row[kPairRegisters];
+#pragma GCC unroll 8
+      for (int v = 0; v < kPairRegisters; ++v) row[v] = _mm512_loadu_si512(queries[g] + 32 * v);
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int k = 0; k < 16; ++k) {
+        __m512 acc = _mm512_setzero_ps();
+        if (count == 16 || k < count)
+#pragma GCC unroll 8
+          for (int v = 0; v < kPairRegisters; ++v)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(keys + (j + k) * key_stride + 32 * v),
+                                   (__m512bh)row[v]);
+        dots[k] = acc;
+      }
+      _mm512_mask_storeu_ps(scores + g * kv + j, present,
+                            _mm512_mask_blend_ps(seen, masked, _mm512_mul_ps(lanes_sum16(dots), scale_lanes)));
+    }
+  }
+  const int64_t pairs_per_head = kv / 2 + 1;
+  float inverse[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    float* head_scores = scores + g * kv;
+    const float sum = softmax_weights(head_scores, kv);
+    inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    uint16_t* rounded = reinterpret_cast<uint16_t*>(weight_pairs + g * pairs_per_head);
+    int64_t k = 0;
+    for (; k + 16 <= kv; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(head_scores + k)));
+    for (; k < kv; ++k) rounded[k] = c10::BFloat16(head_scores[k]).x;
+    rounded[kv] = 0;  // an odd last key's partner
+  }
+  __m512 sums[G * NV];
+  accumulate_heads<NV, G, 0>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+  // back to the dims' order: per 32 dims, lo's and hi's blocks of four alternate
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  alignas(64) float result[NV * 16];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m512 head_inverse = _mm512_set1_ps(inverse[g]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV / 2; ++v) {
+      const __m512 lo = sums[g * NV + 2 * v], hi = sums[g * NV + 2 * v + 1];
+      _mm512_store_ps(result + 32 * v, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), head_inverse));
+      _mm512_store_ps(result + 32 * v + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), head_inverse));
+    }
+    for (int64_t d = 0; d < NV * 16; ++d) store_value(outs[g] + d, result[d]);
+  }
+}
+#endif
+
+// The query heads [first, first + count) of one KV head over one row, `count` of them together where the
+// head size has a vector path (count <= max_heads_together), else one at a time through attend_row. bf16
+// rows of 64 or 128 dims take attend_heads_paired on the AVX512_BF16 build (SPECPIPE_ATTENTION_PAIRS=0
+// builds without it); `weight_pairs` [count, kv / 2 + 1] is its scratch.
+#ifndef SPECPIPE_ATTENTION_PAIRS
+#define SPECPIPE_ATTENTION_PAIRS 1
+#endif
+template <int NV, typename T>
+void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t key_stride, const T* values,
+                     int64_t value_stride, const bool* visible, int64_t kv, float scale, T* const* outs,
+                     float* scores, uint32_t* weight_pairs) {
+#if defined(__AVX512BF16__) && SPECPIPE_ATTENTION_PAIRS
+  if constexpr (std::is_same_v<T, uint16_t> && (NV == 4 || NV == 8)) {
+    switch (count) {
+      case 4:
+        return attend_heads_paired<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+      case 3:
+        return attend_heads_paired<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+      case 2:
+        return attend_heads_paired<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+                                          scores, weight_pairs);
+    }
+    for (int g = 0; g < count; ++g)
+      attend_heads_paired<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g,
+                                 scores, weight_pairs);
+    return;
+  }
+#endif
+  switch (count) {
+    case 4:
+      if constexpr (max_heads_together<NV, T>() >= 4)
+        return attend_heads<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+    case 3:
+      if constexpr (max_heads_together<NV, T>() >= 3)
+        return attend_heads<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+    case 2:
+      if constexpr (max_heads_together<NV, T>() >= 2)
+        return attend_heads<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+      break;
+  }
+  for (int g = 0; g < count; ++g)
+    attend_heads<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g, scores);
+}
+
+// How many query heads attend together: the largest count up to the vector path's limit that divides the
+// heads per KV head (so every unit of work is alike), 1 without a vector path.
+template <typename T>
+int heads_together(int nv, int64_t groups) {
+  const int limit = nv == 4 ? max_heads_together<4, T>() : nv == 8 ? max_heads_together<8, T>()
+                    : nv == 16 ? max_heads_together<16, T>() : 1;
+  for (int count = std::min<int64_t>(limit, groups); count > 1; --count)
+    if (groups % count == 0) return count;
+  return 1;
+}
+
+// One unit of attention work: query heads [first, first + together) of one KV head over one query row
+// (queries / outs: `together` row pointers), through the vector path of its head size.
+template <typename Raw>
+void attend_unit(int nv, int together, const Raw* const* queries, const Raw* head_keys, int64_t key_stride,
+                 const Raw* head_values, int64_t value_stride, const bool* visible, int64_t kv, int64_t head_dim,
+                 float scale, Raw* const* outs, float* scores, float* sums, uint32_t* weight_pairs) {
+  switch (nv) {
+    case 4:
+      return attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                scale, outs, scores, weight_pairs);
+    case 8:
+      return attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                scale, outs, scores, weight_pairs);
+    case 16:
+      return attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+                                 scale, outs, scores, weight_pairs);
+    default:
+      attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale, outs[0],
+                 scores, sums);
+  }
+}
+
+inline int vector_path(int64_t head_dim) {
+  return head_dim == kLanes * 4 ? 4 : head_dim == kLanes * 8 ? 8 : head_dim == kLanes * 16 ? 16 : 0;
+}
+
+template <typename T, typename Raw>
+void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value, const bool* mask,
+            float scale, torch::Tensor& out) {
+  const int64_t heads = query.size(1), q = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = key.size(1), kv = key.size(2), groups = heads / kv_heads;
+  const Raw* query_data = reinterpret_cast<const Raw*>(query.data_ptr<T>());
+  const Raw* key_data = reinterpret_cast<const Raw*>(key.data_ptr<T>());
+  const Raw* value_data = reinterpret_cast<const Raw*>(value.data_ptr<T>());
+  Raw* out_data = reinterpret_cast<Raw*>(out.data_ptr<T>());
+  const int nv = vector_path(head_dim);
+  const int together = heads_together<Raw>(nv, groups);
+  const int64_t chunks = groups / together;  // per KV head
+  const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
+  // one (KV head, chunk of its query heads, row) per unit, the rows of one chunk next to each other (they
+  // read the same keys); a verify's units spread evenly over the threads
+  at::parallel_for(0, kv_heads * chunks * q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(together * kv), sums(head_dim);
+    std::vector<uint32_t> weight_pairs(together * (kv / 2 + 1));
+    const Raw* queries[4];
+    Raw* outs[4];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit % q, chunk = unit / q;
+      const int64_t g = chunk / chunks;  // the KV head (transformers' repeat_kv order: heads g*groups...)
+      const int64_t first = g * groups + (chunk % chunks) * together;
+      for (int i = 0; i < together; ++i) {
+        queries[i] = query_data + (first + i) * query.stride(1) + r * query.stride(2);
+        outs[i] = out_data + (r * heads + first + i) * head_dim;
+      }
+      attend_unit(nv, together, queries, key_data + g * key.stride(1), key_stride, value_data + g * value.stride(1),
+                  value_stride, mask != nullptr ? mask + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
+                  sums.data(), weight_pairs.data());
+    }
+  });
+}
+
+// Several sequences' rows in one call: sequence b's rows [starts[b], starts[b + 1]) of query attend its own
+// keys and values (`keys[b]`, `values[b]`: [1, kv_heads, lengths[b], head_dim] views of its cache), under its own
+// mask (`masks[b]` [q_b, lengths[b]], or none for one row). Every unit is computed as `attend` computes it.
+template <typename T, typename Raw>
+void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>& keys,
+                   const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                   const std::vector<const bool*>& masks, float scale, torch::Tensor& out) {
+  const int64_t heads = query.size(1), head_dim = query.size(3);
+  const int64_t kv_heads = keys[0].size(1), groups = heads / kv_heads;
+  const int64_t sequences = static_cast<int64_t>(keys.size());
+  const Raw* query_data = reinterpret_cast<const Raw*>(query.data_ptr<T>());
+  Raw* out_data = reinterpret_cast<Raw*>(out.data_ptr<T>());
+  const int nv = vector_path(head_dim);
+  const int together = heads_together<Raw>(nv, groups);
+  const int64_t chunks = groups / together;
+  std::vector<int64_t> first_unit(sequences + 1, 0);  // each sequence's units follow the previous one's
+  int64_t longest = 0;
+  for (int64_t b = 0; b < sequences; ++b) {
+    first_unit[b + 1] = first_unit[b] + kv_heads * chunks * (starts[b + 1] - starts[b]);
+    longest = std::max<int64_t>(longest, keys[b].size(2));
+  }
+  at::parallel_for(0, first_unit[sequences], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(together * longest), sums(head_dim);
+    std::vector<uint32_t> weight_pairs(together * (longest / 2 + 1));
+    const Raw* queries[4];
+    Raw* outs[4];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+      const int64_t q = starts[b + 1] - starts[b], local = unit - first_unit[b];
+      const int64_t r = local % q, chunk = local / q;
+      const int64_t g = chunk / chunks;
+      const int64_t first = g * groups + (chunk % chunks) * together;
+      const int64_t row = starts[b] + r, kv = keys[b].size(2);
+      for (int i = 0; i < together; ++i) {
+        queries[i] = query_data + (first + i) * query.stride(1) + row * query.stride(2);
+        outs[i] = out_data + (row * heads + first + i) * head_dim;
+      }
+      const Raw* key_data = reinterpret_cast<const Raw*>(keys[b].data_ptr<T>());
+      const Raw* value_data = reinterpret_cast<const Raw*>(values[b].data_ptr<T>());
+      attend_unit(nv, together, queries, key_data + g * keys[b].stride(1), keys[b].stride(2),
+                  value_data + g * values[b].stride(1), values[b].stride(2),
+                  masks[b] != nullptr ? masks[b] + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
+                  sums.data(), weight_pairs.data());
+    }
+  });
+}
+
+}  // namespace
+
+// Attention of a decoding step or a tree verify, batch 1: query [1, heads, q, head_dim], key and value
+// [1, kv_heads, kv, head_dim] (the KV cache's rows, any strides but the last), mask [q, kv] bool (True =
+// attend) or None (every row sees every key) -> [1, q, heads, head_dim] in query's dtype (the layout the
+// output projection reads). Sums run in fp32. In place of SDPA, and of the transposes and folded masks a
+// verify needs around it.
+torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                             c10::optional<torch::Tensor> mask, double scale) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "query: fp32 or bf16");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "key and value: query's dtype");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1 && key.size(0) == 1 &&
+                  value.size(0) == 1, "query [1, heads, q, head_dim], key and value [1, kv_heads, kv, head_dim]");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(3) == query.size(3) && query.size(1) % key.size(1) == 0,
+              "key and value must match, share query's head_dim, and divide its heads");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "head_dim must be contiguous");
+  const int64_t q = query.size(2), kv = key.size(2);
+  torch::Tensor mask_rows;
+  const bool* mask_data = nullptr;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == q && mask->size(1) == kv,
+                "mask: bool [q, kv]");
+    mask_rows = mask->contiguous();
+    mask_data = mask_rows.data_ptr<bool>();
+  }
+  auto out = torch::empty({1, q, query.size(1), query.size(3)}, query.options());
+  if (dtype == torch::kBFloat16)
+    attend<at::BFloat16, uint16_t>(query, key, value, mask_data, static_cast<float>(scale), out);
+  else
+    attend<float, float>(query, key, value, mask_data, static_cast<float>(scale), out);
+  return out;
+}
+
+// The attention of several sequences' rows of one forward (a batch of requests, each over its own cache):
+// query [1, heads, R, hd] and the rows' own key, value [1, kv_heads, R, hd]; sequence b owns rows
+// [starts[b], starts[b + 1]), its cache's key and value buffers [1, kv_heads, capacity, hd] hold cached[b] rows
+// and get its new ones appended after them (the caller has made room: PositionIndexedCache.rows_to_write), and
+// it attends under masks[b] [q_b, cached[b] + q_b] bool (an empty tensor: one row, which sees everything).
+// Returns [1, R, heads, hd], each row exactly what tree_attention gives for its sequence alone.
+torch::Tensor ragged_tree_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value,
+                                    std::vector<torch::Tensor> key_buffers, std::vector<torch::Tensor> value_buffers,
+                                    std::vector<int64_t> cached, std::vector<int64_t> starts,
+                                    std::vector<torch::Tensor> masks, double scale) {
+  const auto dtype = query.scalar_type();
+  const int64_t sequences = static_cast<int64_t>(key_buffers.size());
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "query: fp32 or bf16");
+  TORCH_CHECK(sequences > 0 && static_cast<int64_t>(value_buffers.size()) == sequences &&
+                  static_cast<int64_t>(cached.size()) == sequences &&
+                  static_cast<int64_t>(starts.size()) == sequences + 1 &&
+                  static_cast<int64_t>(masks.size()) == sequences, "one buffer pair, length and mask per sequence");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1 && key.size(0) == 1 &&
+                  value.size(0) == 1 && key.sizes() == value.sizes() && key.size(2) == query.size(2) &&
+                  key.size(3) == query.size(3) && query.size(1) % key.size(1) == 0,
+              "query [1, heads, R, head_dim], key and value [1, kv_heads, R, head_dim]");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype, "key and value: query's dtype");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(starts[0] == 0 && starts[sequences] == query.size(2), "starts must cover the rows from 0");
+  const int64_t kv_heads = key.size(1), head_dim = key.size(3);
+  std::vector<torch::Tensor> keys(sequences), values(sequences), mask_rows(sequences);
+  std::vector<const bool*> mask_data(sequences, nullptr);
+  for (int64_t b = 0; b < sequences; ++b) {
+    const int64_t q = starts[b + 1] - starts[b];
+    TORCH_CHECK(q >= 1, "every sequence has a row");
+    for (const auto* buffer : {&key_buffers[b], &value_buffers[b]})
+      TORCH_CHECK(buffer->scalar_type() == dtype && buffer->dim() == 4 && buffer->size(0) == 1 &&
+                      buffer->size(1) == kv_heads && buffer->size(3) == head_dim && buffer->stride(3) == 1 &&
+                      cached[b] >= 0 && cached[b] + q <= buffer->size(2),
+                  "a cache buffer [1, kv_heads, capacity, head_dim] with room for its rows");
+    key_buffers[b].narrow(2, cached[b], q).copy_(key.narrow(2, starts[b], q));
+    value_buffers[b].narrow(2, cached[b], q).copy_(value.narrow(2, starts[b], q));
+    keys[b] = key_buffers[b].narrow(2, 0, cached[b] + q);
+    values[b] = value_buffers[b].narrow(2, 0, cached[b] + q);
+    if (masks[b].numel() > 0) {
+      TORCH_CHECK(masks[b].scalar_type() == torch::kBool && masks[b].dim() == 2 && masks[b].size(0) == q &&
+                      masks[b].size(1) == cached[b] + q, "mask: bool [q, cached + q]");
+      mask_rows[b] = masks[b].contiguous();
+      mask_data[b] = mask_rows[b].data_ptr<bool>();
+    } else {
+      TORCH_CHECK(q == 1, "a sequence of several rows needs its mask");
+    }
+  }
+  auto out = torch::empty({1, query.size(2), query.size(1), head_dim}, query.options());
+  if (dtype == torch::kBFloat16)
+    attend_ragged<at::BFloat16, uint16_t>(query, keys, values, starts, mask_data, static_cast<float>(scale), out);
+  else
+    attend_ragged<float, float>(query, keys, values, starts, mask_data, static_cast<float>(scale), out);
+  return out;
+}

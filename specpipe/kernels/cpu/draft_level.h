@@ -1,0 +1,199 @@
+// specpipe's CPU kernel, a draft's decoder layer and its whole level in one call (AVX512_BF16 builds, weights in column
+// blocks): block_decoder_layer runs a Llama decoder layer over bf16 rows (its products from blocks.h, its norms from
+// norm.h, its attention from attention.h, its gate from gate.h, the rotary embedding, cache writes and residual adds
+// inline); block_draft_level runs an EAGLE head's or a draft model's level: the embedding, fc, the layers, the final
+// norm and the output layer's log-probs.
+//
+// Why: around its products and attention a draft level spent much of its time in small torch ops and the Python
+// between them. Each op here is the one the op-by-op path runs, rounded as that path rounds it, so a level's outputs
+// are that path's (specpipe.engine.lean_model.BlockLayers, KernelDraftLevel).
+// A part of kernel.cpp's one translation unit (see there).
+
+#pragma once
+
+#include "attention.h"
+#include "blocks.h"
+#include "gate.h"
+#include "norm.h"
+
+// ---- a draft head's decoder layer in one call (AVX512_BF16, weights in column blocks) ----
+// A Llama decoder layer over bf16 rows: x + attention(norm(x)), then + the SiLU-gated MLP of its norm, with
+// every product over column blocks, the norms and the attention above, and the rotary embedding, the cache
+// writes, the residual adds and the SiLU gate inline. Each elementwise op rounds to bf16 as torch's bf16 ops
+// do; the SiLU gate is silu_gate's (ATen's vector exp) where the intermediate size is a multiple of the
+// vector, else the C library's exp, which may differ from transformers' by a bf16 step now and then: this
+// serves a draft head's layers (an EAGLE head), whose drafts the target verifies, never the target's own. Why: a
+// bf16 EAGLE head's level spent about as long in ~100 small torch ops and their Python as in its products and
+// attention.
+namespace {
+
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+inline at::BFloat16 rounded(float v) { return at::BFloat16(v); }  // to nearest even, as a cast to bf16 rounds
+
+// a [q, n] bf16 tensor of a + b, rounded as torch's bf16 add rounds
+torch::Tensor bf16_add(const torch::Tensor& a, const torch::Tensor& b) {
+  auto out = torch::empty_like(a);
+  const at::BFloat16* x = a.data_ptr<at::BFloat16>();
+  const at::BFloat16* y = b.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  for (int64_t i = 0, n = a.numel(); i < n; ++i) o[i] = rounded(widen(x[i]) + widen(y[i]));
+  return out;
+}
+
+}  // namespace
+
+// hidden [q, width] bf16 -> [q, width] bf16, and the layer's keys and values of these q rows written into
+// key_cache / value_cache [1, kv_heads, capacity, head_dim] bf16 at rows length ... length + q - 1.
+// input_norm [width] bf16 or None (EAGLE-1's first layer has none), post_norm [width] bf16, eps: the RMSNorms.
+// blocks: column blocks (pair_blocks or int8_pair_blocks) of q|k|v [(heads + 2 kv_heads) * head_dim, width],
+// o [width, heads * head_dim], gate|up [2 intermediate, width] and down [width, intermediate]; scales and biases:
+// each product's [out] fp32 or None. cos, signed_sin [q, head_dim] bf16: the rotary tables of the rows' positions
+// (blocks.py's rotary_tables: sin with its first half negated). mask [q, length + q] bool (True = attend) or None.
+torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Tensor> input_norm,
+                                  torch::Tensor post_norm, double eps, std::vector<torch::Tensor> blocks,
+                                  std::vector<c10::optional<torch::Tensor>> scales,
+                                  std::vector<c10::optional<torch::Tensor>> biases, int64_t heads, int64_t kv_heads,
+                                  int64_t intermediate, torch::Tensor cos, torch::Tensor signed_sin,
+                                  torch::Tensor key_cache, torch::Tensor value_cache, int64_t length,
+                                  c10::optional<torch::Tensor> mask, double scale) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kBFloat16 && hidden.is_contiguous(),
+              "hidden: contiguous bf16 [q, width]");
+  TORCH_CHECK(blocks.size() == 4 && scales.size() == 4 && biases.size() == 4,
+              "blocks, scales, biases: one each for q|k|v, o, gate|up, down");
+  const int64_t q = hidden.size(0), width = hidden.size(1), head_dim = cos.size(-1);
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.dim() == 2 && cos.size(0) == q && cos.is_contiguous() &&
+              signed_sin.is_contiguous() && cos.scalar_type() == torch::kBFloat16 &&
+              signed_sin.scalar_type() == torch::kBFloat16 && head_dim % 2 == 0,
+              "cos, signed_sin: contiguous bf16 [q, head_dim], head_dim even");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.size(0) == 1 &&
+              key_cache.size(1) == kv_heads && key_cache.size(3) == head_dim && key_cache.size(2) >= length + q &&
+              key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_cache.scalar_type() == torch::kBFloat16 && value_cache.scalar_type() == torch::kBFloat16,
+              "key_cache, value_cache: contiguous bf16 [1, kv_heads, capacity >= length + q, head_dim]");
+  const int64_t rotated = heads + kv_heads, half = head_dim / 2;
+  auto normed = input_norm.has_value() ? rms_norm(hidden, *input_norm, eps) : hidden;
+  auto qkv = blocks_times(normed, blocks[0], (rotated + kv_heads) * head_dim, scales[0], biases[0], true);
+  // rotary embedding of the q and k heads (x * cos + rotate_half(x) * sin: each product and the sum rounded),
+  // the queries into `query` [1, heads, q, head_dim], the keys and values into the cache's rows
+  auto query = torch::empty({1, heads, q, head_dim}, hidden.options());
+  const at::BFloat16* qkv_data = qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* cos_data = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sin_data = signed_sin.data_ptr<at::BFloat16>();
+  at::BFloat16* query_data = query.data_ptr<at::BFloat16>();
+  at::BFloat16* keys = key_cache.data_ptr<at::BFloat16>();
+  at::BFloat16* values = value_cache.data_ptr<at::BFloat16>();
+  const int64_t capacity = key_cache.size(2);
+  for (int64_t r = 0; r < q; ++r) {
+    const at::BFloat16* row = qkv_data + r * (rotated + kv_heads) * head_dim;
+    const at::BFloat16* c = cos_data + r * head_dim;
+    const at::BFloat16* s = sin_data + r * head_dim;
+    for (int64_t h = 0; h < rotated; ++h) {
+      const at::BFloat16* x = row + h * head_dim;
+      at::BFloat16* out = h < heads ? query_data + (h * q + r) * head_dim
+                                    : keys + ((h - heads) * capacity + length + r) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float turned = widen(x[i < half ? i + half : i - half]);
+        out[i] = rounded(widen(rounded(widen(x[i]) * widen(c[i]))) + widen(rounded(turned * widen(s[i]))));
+      }
+    }
+    for (int64_t h = 0; h < kv_heads; ++h)
+      std::memcpy(values + (h * capacity + length + r) * head_dim, row + (rotated + h) * head_dim,
+                  head_dim * sizeof(at::BFloat16));
+  }
+  const bool* mask_data = nullptr;
+  torch::Tensor mask_rows;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->dim() == 2 && mask->size(0) == q &&
+                mask->size(1) == length + q, "mask: bool [q, length + q]");
+    mask_rows = mask->contiguous();
+    mask_data = mask_rows.data_ptr<bool>();
+  }
+  auto attended = torch::empty({1, q, heads, head_dim}, hidden.options());
+  attend<at::BFloat16, uint16_t>(query, key_cache.narrow(2, 0, length + q), value_cache.narrow(2, 0, length + q),
+                                 mask_data, static_cast<float>(scale), attended);
+  auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1], true));
+  auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true);
+  if (intermediate % kLanes == 0 && has_aten_exp())  // ATen's vector exp, over both threads
+    return bf16_add(x, blocks_times(silu_gate(gate_up), blocks[3], width, scales[3], biases[3], true));
+  auto gated = torch::empty({q, intermediate}, hidden.options());
+  const at::BFloat16* gate_up_data = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* gated_data = gated.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < q; ++r)
+    for (int64_t i = 0; i < intermediate; ++i) {
+      const float gate = widen(gate_up_data[r * 2 * intermediate + i]);
+      const at::BFloat16 silu = rounded(gate / (1.0f + std::exp(-gate)));
+      gated_data[r * intermediate + i] = rounded(widen(silu) * widen(gate_up_data[(r * 2 + 1) * intermediate + i]));
+    }
+  return bf16_add(x, blocks_times(gated, blocks[3], width, scales[3], biases[3], true));
+#else
+  TORCH_CHECK(false, "block_decoder_layer needs the kernel's AVX512_BF16 build");
+  return hidden;
+#endif
+}
+
+// One level of a draft in one call: an EAGLE head's (the rows' token embeddings beside their features through fc) or
+// a draft model's (the embeddings alone), then the decoder layers (block_decoder_layer each, in order), the draft
+// model's final norm, and the output layer's log-probs of the last `logprob_rows` rows.
+// Why: around the layers' own calls a level still spent much of its time in small torch ops and the Python between
+// them (embedding, cat, fc, the rotary lookup, the cache's bookkeeping, the head, the log-softmax). Every op here is
+// the one the op-by-op path runs (ATen's embedding, cat, index_select and log_softmax, rms_norm, blocks_times' sums,
+// the same for any number of rows), so an EAGLE level's outputs are bitwise those of that path (BlockLayers' layer
+// calls), and a draft model's those of BlockLayers over its layers.
+// token_ids [q] int64, embedding [vocab, width] bf16; an EAGLE head: features [q, width] bf16 and fc's column
+// blocks of [width, 2 width] with scale and bias [width] fp32 or None; a draft model: features and fc_blocks None.
+// cos_table, signed_sin_table [n, head_dim] bf16 (rotary_tables' rows of positions 0 .. n - 1), positions [q]
+// int64 < n. Per layer l: input_norms[l], post_norms[l], blocks, scales and biases [4 l .. 4 l + 3], key_caches[l],
+// value_caches[l] as block_decoder_layer takes them, every layer writing rows length .. length + q - 1.
+// final_norm [width] bf16 or None (eps as the layers'). head: column blocks of [head_features, width], scale and
+// bias [head_features] fp32 or None. -> {hidden [q, width] bf16 (after final_norm), log-probs [logprob_rows,
+// head_features] fp32}.
+std::vector<torch::Tensor> block_draft_level(
+    torch::Tensor token_ids, c10::optional<torch::Tensor> features, torch::Tensor embedding,
+    c10::optional<torch::Tensor> fc_blocks, c10::optional<torch::Tensor> fc_scale,
+    c10::optional<torch::Tensor> fc_bias, torch::Tensor cos_table, torch::Tensor signed_sin_table,
+    torch::Tensor positions, std::vector<c10::optional<torch::Tensor>> input_norms,
+    std::vector<torch::Tensor> post_norms, double eps, std::vector<torch::Tensor> blocks,
+    std::vector<c10::optional<torch::Tensor>> scales, std::vector<c10::optional<torch::Tensor>> biases,
+    int64_t heads, int64_t kv_heads, int64_t intermediate, std::vector<torch::Tensor> key_caches,
+    std::vector<torch::Tensor> value_caches, int64_t length, c10::optional<torch::Tensor> mask, double scale,
+    c10::optional<torch::Tensor> final_norm, torch::Tensor head_blocks, int64_t head_features,
+    c10::optional<torch::Tensor> head_scale, c10::optional<torch::Tensor> head_bias, int64_t logprob_rows) {
+  const size_t layers = post_norms.size();
+  TORCH_CHECK(layers >= 1 && input_norms.size() == layers && blocks.size() == 4 * layers &&
+              scales.size() == 4 * layers && biases.size() == 4 * layers && key_caches.size() == layers &&
+              value_caches.size() == layers, "one input norm, post norm, key cache and value cache per layer, and "
+              "four blocks, scales and biases per layer");
+  TORCH_CHECK(token_ids.dim() == 1 && token_ids.scalar_type() == torch::kLong, "token_ids: int64 [q]");
+  const int64_t q = token_ids.size(0);
+  TORCH_CHECK(q >= 1 && embedding.dim() == 2 && embedding.scalar_type() == torch::kBFloat16,
+              "embedding: bf16 [vocab, width], q >= 1");
+  const int64_t width = embedding.size(1);
+  TORCH_CHECK(features.has_value() == fc_blocks.has_value(), "features and fc_blocks: both (an EAGLE head) or neither");
+  TORCH_CHECK(!features.has_value() || (features->dim() == 2 && features->size(0) == q &&
+                                        features->size(1) == width && features->scalar_type() == torch::kBFloat16),
+              "features: bf16 [q, width]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q && positions.scalar_type() == torch::kLong,
+              "positions: int64 [q]");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == signed_sin_table.sizes() &&
+              positions.max().item<int64_t>() < cos_table.size(0) && positions.min().item<int64_t>() >= 0,
+              "cos_table, signed_sin_table: [n, head_dim] with every position below n");
+  TORCH_CHECK(logprob_rows >= 1 && logprob_rows <= q, "logprob_rows: from 1 to q");
+  auto hidden = at::embedding(embedding, token_ids);  // [q, width]
+  if (fc_blocks.has_value())
+    hidden = blocks_times(torch::cat({hidden, *features}, 1), *fc_blocks, width, fc_scale, fc_bias, true);
+  const auto cos = cos_table.index_select(0, positions), signed_sin = signed_sin_table.index_select(0, positions);
+  for (size_t l = 0; l < layers; ++l) {
+    std::vector<torch::Tensor> layer_blocks(blocks.begin() + 4 * l, blocks.begin() + 4 * l + 4);
+    std::vector<c10::optional<torch::Tensor>> layer_scales(scales.begin() + 4 * l, scales.begin() + 4 * l + 4);
+    std::vector<c10::optional<torch::Tensor>> layer_biases(biases.begin() + 4 * l, biases.begin() + 4 * l + 4);
+    hidden = block_decoder_layer(hidden, input_norms[l], post_norms[l], eps, layer_blocks, layer_scales,
+                                 layer_biases, heads, kv_heads, intermediate, cos, signed_sin, key_caches[l],
+                                 value_caches[l], length, mask, scale);
+  }
+  if (final_norm.has_value()) hidden = rms_norm(hidden, *final_norm, eps);
+  auto logits = blocks_times(hidden.narrow(0, q - logprob_rows, logprob_rows), head_blocks, head_features,
+                             head_scale, head_bias, true);  // [logprob_rows, head_features] bf16
+  return {hidden, at::log_softmax(logits.to(torch::kFloat), -1)};
+}
