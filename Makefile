@@ -29,7 +29,7 @@ model: install
 	$(PYTHON) -m specpipe.convert
 
 demo: model
-	$(PYTHON) run.py
+	$(PYTHON) run.py task.compare_plain=true
 
 test: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)

@@ -7,7 +7,7 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from specpipe.pipelines.builder import build_pipeline
-from specpipe.pipelines.pipeline import GenerationStats, IncrementalText
+from specpipe.pipelines.pipeline import GenerationStats, IncrementalText, Pipeline, PreparedPrompt
 
 DRAFTED_STYLE = "\033[32;4m"  # green, underlined
 RESET = "\033[0m"
@@ -39,8 +39,10 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
         out.write("\n")
     text = IncrementalText(pipeline)
     stats = GenerationStats()
+    token_ids: list[int] = []
     for step in steps:
         stats.add(step)
+        token_ids.extend(step.tokens)
         drafted = text.push(step.tokens[: step.drafted])
         plain = text.push(step.tokens[step.drafted:])
         if drafted:
@@ -50,4 +52,21 @@ def run_generate(cfg: DictConfig, out=sys.stdout) -> GenerationStats:
     out.write(text.flush())
     stats.seconds = time.perf_counter() - started
     out.write(f"\n\n[{pipeline.name}] {stats.summary()}\n")
+    if cfg.task.get("compare_plain", False):
+        write_plain_comparison(pipeline, prepared, cfg.max_new_tokens, stop, token_ids, stats, out)
     return stats
+
+
+def write_plain_comparison(pipeline: Pipeline, prepared: PreparedPrompt, max_new_tokens: int, stop,
+                           token_ids: list[int], stats: GenerationStats, out) -> GenerationStats:
+    """Decodes the same prepared prompt without drafting (the same target, verifier and loop) and writes what
+    speculation bought: the speed-up, the tokens per step, and whether the answers are the same."""
+    out.write("# the same prompt without speculation (plain decoding, one token per target forward) ...\n")
+    out.flush()
+    plain = pipeline.without_drafting().generate(prepared, max_new_tokens, stop)
+    same = "yes" if plain.token_ids == token_ids else "NO (bf16 verifies round differently; fp32 is exact)"
+    speedup = stats.tokens_per_second / plain.stats.tokens_per_second if plain.stats.tokens_per_second else 0.0
+    out.write(f"[plain] {plain.stats.new_tokens} tokens at {plain.stats.tokens_per_second:.1f} tok/s\n"
+              f"speculation: {stats.tokens_per_second:.1f} tok/s, {speedup:.2f}x plain decoding, "
+              f"{stats.mean_accepted:.2f} tokens per target forward; the same answer: {same}\n")
+    return plain.stats
