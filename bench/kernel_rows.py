@@ -74,8 +74,8 @@ def main() -> None:
     weights = [tensor.to(dtype).contiguous() for name, tensor in state.items() if tensor.dim() == 2]  # [out, in]
     variants = {"working tree": build_product(cpu_kernel.KERNEL_SOURCES)}
     if args.before:
-        before = Path(tempfile.mkdtemp(prefix="kernel_before_"))
-        variants[args.before] = build_product(sources_at(args.before, before))
+        with tempfile.TemporaryDirectory(prefix="kernel_before_") as before:  # the build copies what it compiles
+            variants[args.before] = build_product(sources_at(args.before, Path(before)))
     if args.int8:
         from specpipe.engine.quantize import quantize_rows
 
