@@ -32,7 +32,8 @@ from specpipe.cost import measure_cost_curve  # noqa: E402
 from specpipe.pipelines.builder import build_target, compose_config, load_model  # noqa: E402
 from specpipe.stages.retrieve.rest import RestRetriever  # noqa: E402
 from specpipe.stores.manifest import tokenizer_fingerprint  # noqa: E402
-from specpipe.stores.token_datastore import TokenDatastore, build_token_datastore  # noqa: E402
+from specpipe.stores.token_datastore import TokenDatastore  # noqa: E402
+from specpipe.stores.token_datastore_build import build_token_datastore  # noqa: E402
 from specpipe.types import DecodeState  # noqa: E402
 
 HELD_OUT_FILES = 40

@@ -23,7 +23,8 @@ from specpipe.distill.draft_model import load_draft
 from specpipe.paths import local_path
 from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
-from specpipe.tasks.distill_draft import TeacherCache, evaluate, pad_id_of, read_task_corpus, split_held_out
+from specpipe.training.draft import TeacherCache, evaluate
+from specpipe.training.examples import pad_id_of, read_task_corpus, split_held_out
 
 
 def main() -> None:

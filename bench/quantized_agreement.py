@@ -18,13 +18,13 @@ import torch
 from tqdm import tqdm
 
 from specpipe.engine.gguf_weights import QUANTIZE_AT_LOAD, quantize_linears
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import DATA_DIR
 from specpipe.pipelines.builder import compose_config, load_model
 
 
 def sequences(tokenizer, samples: int) -> list[tuple[list[int], int]]:
     """(token ids, where the answer starts) of the first `samples` first-turn answers of the chat corpus."""
-    corpus = pd.read_parquet(REPO_ROOT / "data" / "self_distill" / "smollm2_135m_chat.parquet")
+    corpus = pd.read_parquet(DATA_DIR / "self_distill" / "smollm2_135m_chat.parquet")
     corpus = corpus[corpus["history"].map(len) == 0] if "history" in corpus else corpus
     out = []
     for row in corpus.head(samples).itertuples():

@@ -1,21 +1,20 @@
 """A small RAG application on specpipe's Python API: the application brings its own documents,
 asks a question, and prints the chunks it was answered from, the answer and the decoding stats.
 
-    .venv/bin/python examples/rag_app.py [--max-new-tokens N] [--store DIR]
+    python examples/rag_app.py [--max-new-tokens N] [--store DIR]
+
+(with specpipe installed: `make install` in a checkout, or `pip install` of the package or its wheel).
 
 Without --store the handbook in examples/handbook.json is embedded in memory; with it, a store built by
-`python run.py task=build_store store=documents store.sources=[...] store.out=DIR` is searched.
+`specpipe task=build_store store=documents store.sources=[...] store.out=DIR` is searched.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from specpipe import Pipeline  # noqa: E402
+from specpipe import Pipeline
 
 # A small handbook to retrieve from, shared by the examples
 HANDBOOK = json.loads((Path(__file__).with_name("handbook.json")).read_text())

@@ -1,17 +1,34 @@
-"""Where a relative path from a config or a call points: the same rule for every stage that reads files."""
+"""Where specpipe's own files are, and where a relative path from a config or a call points.
+
+The configs (`specpipe/conf/`) and the shipped heads, drafts and corpora (`specpipe/data/`) are package data:
+they are found beside this module in a checkout, an editable install and an installed wheel alike.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: conf/, data/, bench/
+PACKAGE_ROOT = Path(__file__).resolve().parent  # holds conf/ and data/
+CONFIG_DIR = PACKAGE_ROOT / "conf"
+DATA_DIR = PACKAGE_ROOT / "data"
+# The checkout's root when running from one: bench/ (the development prompt sets and the benchmark scripts)
+# lives there and is not installed.
+CHECKOUT_ROOT = PACKAGE_ROOT.parent
 
 
 def local_path(value: str | Path) -> Path:
     """`value` as given (from the current directory) where something is there, else relative to the
-    repository root, where the shipped heads, drafts and corpora live: `data/eagle/...` works from a
-    script in any directory, and a user's own relative path still wins."""
+    package folder, where the shipped heads, drafts and corpora live: `data/eagle/...` works from a
+    script in any directory and from an installed wheel, and a user's own relative path still wins."""
     path = Path(value).expanduser()
     if path.is_absolute() or path.exists():
         return path
-    shipped = REPO_ROOT / path
+    shipped = PACKAGE_ROOT / path
     return shipped if shipped.exists() else path
+
+
+def package_path(value: str | Path) -> Path:
+    """Where a task writes a relative output path: under the package folder, so that a head or draft trained
+    to `data/<kind>/<model>` is the one the pipelines load by default. An absolute path is kept as it is
+    (the way to write somewhere else, e.g. from an installed wheel whose folder is read-only)."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else PACKAGE_ROOT / path

@@ -27,11 +27,12 @@ import torch
 torch.set_num_threads(2)
 
 from specpipe.models import LoadedModel  # noqa: E402
+from specpipe.paths import CONFIG_DIR  # noqa: E402
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model  # noqa: E402
 from specpipe.pipelines.pipeline import Pipeline  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO / "conf"
+CONF_DIR = CONFIG_DIR
 
 
 def config_options(group: str) -> list[str]:
@@ -108,7 +109,8 @@ def eagle_head_dir(config, kind: str = "identity", seed: int = 0, layers: int = 
     kind "random": a seeded random head (drafts that disagree; tree masks matter)."""
     from transformers import LlamaConfig
 
-    from specpipe.stages.draft.eagle import EagleNet, save_eagle
+    from specpipe.stages.draft.eagle_checkpoint import save_eagle
+    from specpipe.stages.draft.eagle_net import EagleNet
 
     key = (config.hidden_size, config.vocab_size, config.num_attention_heads, kind, seed, layers)
     if key not in _EAGLE_HEAD_DIRS:
@@ -212,7 +214,7 @@ def draft_overrides(pipeline: str, dtype: str = "fp32") -> list[str]:
 
 def shipped_heads(pipeline: str) -> Path:
     """Where the heads trained for the embedded model ship (data/eagle/..., data/medusa/...)."""
-    from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
+    from specpipe.stages.draft.eagle_checkpoint import DEFAULT_EAGLE_DIR
     from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
     from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 

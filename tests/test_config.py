@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, config_groups, config_options, draft_overrides, eagle3_head_dir, eagle_head_dir, medusa_head_dir, run_cli, tiny_draft_dir
+from conftest import CONF_DIR, REPO, config_groups, config_options, draft_overrides, eagle3_head_dir, eagle_head_dir, medusa_head_dir, run_cli, tiny_draft_dir
 from specpipe.cost import CostCurve
 from specpipe.engine.base import Engine
 from specpipe.errors import ModelNotAvailable
@@ -229,7 +229,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     import os
     import shlex
 
-    root = CONF_DIR.parent
+    root = REPO
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "docs" / "pipelines").glob("*.md"))]
     commands = []
     for page in pages:
@@ -237,12 +237,15 @@ def documented_commands() -> list[tuple[str, list[str]]]:
         text = page.read_text()
         for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, re.S):
             for line in block.replace("\\\n", " ").splitlines():
-                if "run.py" not in line:
+                if "run.py" not in line and "specpipe " not in line:
                     continue
                 words = shlex.split(os.path.expandvars(line), comments=True)
-                if "run.py" not in words:
+                # run.py in a checkout; `specpipe` and `python -m specpipe` where the package is installed
+                entry = next((i for i, word in enumerate(words) if word == "run.py" or
+                              (word == "specpipe" and (i == 0 or words[i - 1] == "-m"))), None)
+                if entry is None:
                     continue
-                args = words[words.index("run.py") + 1:]
+                args = words[entry + 1:]
                 ends = [i for i, word in enumerate(args) if word in ("&", "&&", "|", ">", ">>", "2>&1")]
                 commands.append((name, args[: ends[0]] if ends else args))
     return commands

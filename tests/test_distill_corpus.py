@@ -22,6 +22,7 @@ from specpipe.distill.prompts import (BUILDERS, DEFAULT_SEED, SOURCE_COUNTS, Cha
                                       follow_up_prompts, load_dev_turns, prompt_id)
 from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
 from specpipe.distill.subjects import DATA_DIR, PromptData, load_prompt_data
+from specpipe.paths import PACKAGE_ROOT
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.stores.manifest import sha256_file
 
@@ -413,7 +414,7 @@ def test_growing_the_source_keeps_every_prompt_already_answered(source):
     now = {p.prompt_id for p in source.prompts}
     earlier = {p.prompt_id for p in build_prompt_source(counts=before).prompts}
     assert len(earlier) == 6453 and earlier < now
-    rows = pq.read_table(REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet",
+    rows = pq.read_table(PACKAGE_ROOT / "data" / "self_distill" / "smollm2_135m_chat.parquet",
                          columns=["prompt_id", "history"]).to_pylist()
     answered = {row["prompt_id"] for row in rows if not row["history"]}
     assert answered and answered <= now

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PIPELINE_CONFIGS = sorted(path.stem for path in (ROOT / "conf" / "pipeline").glob("*.yaml"))
+PIPELINE_CONFIGS = sorted(path.stem for path in (ROOT / "specpipe" / "conf" / "pipeline").glob("*.yaml"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None,
@@ -56,7 +56,7 @@ def test_pipeline_tables_match_configs(page):
 
 
 def test_readme_default_pipeline_is_the_configured_one():
-    default = re.search(r"^\s*- pipeline: (\w+)", (ROOT / "conf" / "config.yaml").read_text(), re.M).group(1)
+    default = re.search(r"^\s*- pipeline: (\w+)", (ROOT / "specpipe" / "conf" / "config.yaml").read_text(), re.M).group(1)
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if "(default)" in line]
     assert rows and all(f"`{default}` (default)" in row for row in rows)
 

@@ -22,13 +22,14 @@ import pytest
 import torch
 
 from specpipe.errors import ConfigError, InvalidRequest, ModelNotAvailable, StoreError
+from specpipe.paths import CONFIG_DIR
 from specpipe.stores import document_store as ds
 from specpipe.stores.chunking import Chunker, CollectionFormat, Document, read_collection, read_pydoc
 from specpipe.stores.document_store import (DocumentStore, DocumentStoreBuilder, IndexSettings, RetrievedChunk,
                                             ensure_default_store)
 from specpipe.stores.embedder import MODEL_NAME, SentenceEmbedder
 
-CONF_STORE = Path(__file__).resolve().parents[1] / "conf" / "store"
+CONF_STORE = CONFIG_DIR / "store"
 
 
 class HashingEmbedder:

@@ -492,7 +492,7 @@ def test_a_head_for_another_tokenizer_and_a_missing_default_are_refused(tiny_mix
     target = TargetModel(tiny_mixed.loaded.model, name="tiny_mixed")
     with pytest.raises(ConfigError, match="another tokenizer"):
         load_eagle(target, tiny_mixed.tokenizer, path=str(folder), vocab_top_k=0)
-    import specpipe.stages.draft.eagle as eagle
+    import specpipe.stages.draft.eagle_checkpoint as eagle
 
     default = eagle.DEFAULT_EAGLE_DIR
     eagle.DEFAULT_EAGLE_DIR = str(tmp_path / "nothing-here")
@@ -737,8 +737,8 @@ def test_a_bf16_target_drafts_with_the_head_trained_on_bf16_features(tmp_path, m
     """With no drafter.path, a bf16 target gets the shipped head trained on bf16 features and an fp32
     target the fp32-trained one (each records its feature dtype); where no bf16 head ships, bf16
     falls back to the default head."""
-    import specpipe.stages.draft.eagle as eagle
-    from specpipe.pipelines.builder import CONFIG_DIR
+    import specpipe.stages.draft.eagle_checkpoint as eagle
+    from specpipe.paths import CONFIG_DIR
 
     for dtype, expected in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         config = json.loads((CONFIG_DIR.parent / eagle.default_eagle_dir(dtype) / "config.json").read_text())

@@ -60,7 +60,7 @@ def test_training_rollouts_compute_what_the_drafter_computes(tiny_mixed, variant
     at its parent."""
     from transformers.cache_utils import DynamicCache
 
-    from specpipe.tasks.train_heads import rollout_mask
+    from specpipe.training.eagle3 import rollout_mask
 
     drafter = drafter_for(tiny_mixed, variant=variant)
     net, embed = drafter.net, drafter.embed

@@ -420,7 +420,7 @@ def test_the_probe_names_the_onednn_kernel_each_dtype_gets_here():
 def test_bf16_without_a_native_kernel_packs_fp32_weights_and_says_so(monkeypatch, caplog):
     without_native_bf16(monkeypatch)
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine(bf16_small_rows=2, fp32_split_rows=3, bf16_kernel_rows=0).apply(model)  # no AVX2 kernel
     assert linears(model) == [] and model.specpipe_engine == "fast"
     packed = model.lm_head.packed
@@ -775,7 +775,7 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     without_native_bf16(monkeypatch)
     stock, lean = fresh_tiny("bf16"), fresh_tiny("bf16")
     OneDNNEngine(lean_forward=False).apply(stock)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine(kernel_attention=False).apply(lean)
     from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
 
@@ -797,7 +797,7 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
 def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monkeypatch, caplog):
     without_native_bf16(monkeypatch)
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):  # the row-by-row product, which an AVX2 CPU's kernel has (no column blocks)
+    with caplog.at_level(logging.DEBUG):  # the row-by-row product, which an AVX2 CPU's kernel has (no column blocks)
         OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
     from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
 
@@ -833,7 +833,7 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
 @needs_compiler
 def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatch, caplog):
     model, stock = fresh_tiny(), fresh_tiny()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine(fp32_kernel_rows=5, fp32_split_rows=2).apply(model)
     from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
 
@@ -940,7 +940,7 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     """Where oneDNN has a bf16 kernel, the kernel serves the few rows (bf16 in, bf16 out) and oneDNN's bf16
     packing the rest; a bf16 bias is widened for the kernel, and both round one fp32 sum once."""
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):  # the row-by-row product (the column blocks: the test after this one)
+    with caplog.at_level(logging.DEBUG):  # the row-by-row product (the column blocks: the test after this one)
         OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
     assert "bf16 weights summed in fp32" in caplog.text and "prepacked bf16 oneDNN above" in caplog.text
     packed = model.lm_head.packed
@@ -1039,7 +1039,7 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
 
     monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
     model, rows_model, stock = fresh_tiny("bf16"), fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine(bf16_kernel_rows=5).apply(model)
     assert re.search(r"bf16 weights in column blocks( \(on AMX tiles from \d+ rows in branched trees\))?, summed in fp32",
                      caplog.text)
@@ -1206,7 +1206,7 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     lines = {}
     for setting in (0, 4):
         caplog.clear()
-        with caplog.at_level(logging.INFO):
+        with caplog.at_level(logging.DEBUG):
             OneDNNEngine(amx_rows=setting).apply(fresh_tiny().to(torch.bfloat16))
         lines[setting] = caplog.text
     assert "in column blocks (on AMX tiles from 4 rows in branched trees)," in lines[4]
@@ -1369,7 +1369,7 @@ def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, 
     monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine().apply(model)
     assert "specpipe's CPU kernel could not be built or run (Ninja is required to load C++ extensions)" in caplog.text
     packed = model.lm_head.packed
@@ -1616,7 +1616,7 @@ def test_fp32_split_rows_auto_follows_the_measured_cpu_class(monkeypatch, caplog
     native = cpu.probe_linear_path(torch.bfloat16, split_rows=4)
     assert native.compute_dtype == torch.float32 or native.split_rows == 0
     model = fresh_tiny()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         OneDNNEngine(fp32_split_rows=2, fp32_kernel_rows=0).apply(model)  # the kernel would serve those rows
     packed = model.lm_head.packed
     assert packed.split_rows == 2 and packed.plain.dtype == torch.float32 and packed.packed is not None

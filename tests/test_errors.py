@@ -117,12 +117,12 @@ def test_cli_bad_tree_setting_has_no_traceback(tmp_path):
 
 
 def test_relative_drafter_paths_read_the_current_directory_first_then_the_repository(tmp_path, monkeypatch):
-    from specpipe.paths import REPO_ROOT, local_path
+    from specpipe.paths import DATA_DIR, local_path
     from specpipe.stages.draft.head_checkpoint import head_folder
 
     monkeypatch.chdir(tmp_path)
     shipped = head_folder("data/medusa/smollm2_135m", "unused", "medusa", "Medusa heads", "train")
-    assert shipped == REPO_ROOT / "data" / "medusa" / "smollm2_135m" and shipped.is_dir()
+    assert shipped == DATA_DIR / "medusa" / "smollm2_135m" and shipped.is_dir()
     (tmp_path / "data" / "medusa" / "smollm2_135m").mkdir(parents=True)  # a user's own folder of that name wins
     assert local_path("data/medusa/smollm2_135m") == Path("data/medusa/smollm2_135m")
     assert local_path("nowhere/at/all") == Path("nowhere/at/all")  # neither: the loader says what is missing

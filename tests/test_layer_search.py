@@ -7,7 +7,6 @@ search over single removals, and the task end to end, down to the drafter readin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -18,6 +17,7 @@ from conftest import random_prompts
 from specpipe.distill.layer_search import (AgreementProbe, ProbeSequence, backward_elimination,
                                            elimination_forwards, read_searched_layers)
 from specpipe.errors import ConfigError
+from specpipe.paths import DATA_DIR
 from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, read_ranking
@@ -152,7 +152,7 @@ def test_the_task_writes_a_search_the_drafter_reads(tmp_path):
 def test_the_shipped_search_drafts_losslessly_for_the_embedded_model(embedded):
     """data/layer_skip/ holds the search for the embedded model: `layers=searched keep=20` builds the
     drafter on that row's layers, and decoding through it stays plain greedy."""
-    search = json.loads((Path(__file__).resolve().parents[1] / "data" / "layer_skip" /
+    search = json.loads((DATA_DIR / "layer_skip" /
                          "smollm2_135m_layers.json").read_text())
     row = next(r for r in search["rows"] if r["kept"] == 20)
     pipe = embedded.pipeline("draft_model", "~pipeline.drafters.model", "+drafter@pipeline.drafters.skip=layer_skip",

@@ -97,7 +97,7 @@ def test_the_embedded_models_blocks_are_its_dense_weights_bit_for_bit(kernel, em
 
 @pytest.mark.embedded
 def test_the_embedded_model_runs_its_file_blocks_by_default_and_says_so(kernel, embedded, caplog):
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.DEBUG):
         pipe = build_pipeline(compose_config(["model=smollm2_135m", "pipeline=vanilla", "cost_curve=flat"]))
     assert "native Q4_1/Q8_0 weights" in caplog.text
     packed = [module for module in pipe.target.model.modules() if isinstance(module, PackedWeight)]

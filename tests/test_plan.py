@@ -220,7 +220,7 @@ def test_plan_checks_the_roofline_against_a_cached_cost_curve(tmp_path, capsys, 
 def test_draft_stage_parameters_come_from_the_checkpoint(tiny, capsys):
     from safetensors.torch import load_file
 
-    from specpipe.stages.draft.eagle import BASE_MODEL_KEYS
+    from specpipe.stages.draft.eagle_checkpoint import BASE_MODEL_KEYS
 
     head = eagle_head_dir(tiny.loaded.model.config)
     plan = run_plan(compose_config(["model=tiny_random", "task=plan", "pipeline=eagle",

@@ -18,16 +18,20 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, run_steps
+from conftest import run_steps
 from test_native_cache import marker_library, needs_cc
 import specpipe.stores.token_datastore as token_datastore
+import specpipe.stores.token_datastore_build as token_datastore_build
+import specpipe.stores.token_datastore_format as token_datastore_format
 from specpipe.errors import ConfigError, StoreError
+from specpipe.paths import CONFIG_DIR, DATA_DIR
 from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.stages.base import Proposer
 from specpipe.stages.retrieve.rest import RestRetriever
 from specpipe.stores.manifest import MANIFEST, tokenizer_fingerprint
-from specpipe.stores.token_datastore import (ShardedTokenDatastore, TokenDatastore, TokenDatastoreBuilder,
-                                             build_token_datastore, corpus_files)
+from specpipe.stores.token_corpus import corpus_files
+from specpipe.stores.token_datastore import ShardedTokenDatastore, TokenDatastore
+from specpipe.stores.token_datastore_build import TokenDatastoreBuilder, build_token_datastore
 from specpipe.tasks.build_store import run_build_store
 from specpipe.types import DecodeState, VerifyResult
 
@@ -278,7 +282,7 @@ def test_build_writes_a_memory_mapped_store_with_a_manifest(tmp_path):
     write_text(tmp_path / "corpus" / "sub" / "b.md", words([5, 1, 2, 3]))
     builder, manifest = build(tmp_path, [corpus.parent])
     assert builder.out == tmp_path / "store"
-    assert manifest.kind == "token_datastore" and manifest.format_version == token_datastore.FORMAT_VERSION
+    assert manifest.kind == "token_datastore" and manifest.format_version == token_datastore_format.FORMAT_VERSION
     assert manifest.fingerprint == tokenizer_fingerprint(TOKENIZER)
     assert manifest.stats["token_count"] == 10 and manifest.stats["documents"] == 2
     assert manifest.stats["bytes"] == sum(entry["bytes"] for entry in manifest.files.values())
@@ -584,7 +588,7 @@ def test_sharded_build_writes_whole_shards_and_loads_mapped(tmp_path, id_corpus)
     corpus, documents = id_corpus
     _, one_manifest = build(tmp_path, [corpus], out="one")
     builder, manifest = build(tmp_path, [corpus], out="sharded", shard_tokens=200)
-    assert manifest.format_version == token_datastore.SHARDED_FORMAT_VERSION
+    assert manifest.format_version == token_datastore_format.SHARDED_FORMAT_VERSION
     names = [shard["name"] for shard in manifest.stats["shards"]]
     assert names == [f"shard-{i:05d}" for i in range(len(names))] and len(names) > 4
     assert manifest.stats["token_count"] == one_manifest.stats["token_count"] == sum(map(len, documents))
@@ -620,7 +624,7 @@ def staging_of(out: Path) -> Path:
 def count_indexing(monkeypatch, fail_at: int | None = None) -> list[int]:
     """Counts shards sorted (calls of _index); the call numbered `fail_at` is interrupted instead."""
     calls: list[int] = []
-    real_index = token_datastore._index
+    real_index = token_datastore_build.index_tokens
 
     def index(tokens):
         calls.append(len(tokens))
@@ -628,7 +632,7 @@ def count_indexing(monkeypatch, fail_at: int | None = None) -> list[int]:
             raise KeyboardInterrupt
         return real_index(tokens)
 
-    monkeypatch.setattr(token_datastore, "_index", index)
+    monkeypatch.setattr(token_datastore_build, "index_tokens", index)
     return calls
 
 
@@ -745,7 +749,7 @@ def test_store_config_passes_shard_tokens(tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    config = OmegaConf.load(REPO / "conf" / "store" / "tokens_from_files.yaml")
+    config = OmegaConf.load(CONFIG_DIR / "store" / "tokens_from_files.yaml")
     assert config.shard_tokens is None
     config.sources, config.shard_tokens = [str(tmp_path)], 1000
     assert instantiate(config)(tokenizer=TOKENIZER).shard_tokens == 1000
@@ -935,7 +939,7 @@ def test_rest_drafts_a_stored_answer_from_the_shipped_corpus(embedded):
 
     from specpipe.stores.manifest import sha256_file
 
-    corpus = REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet"
+    corpus = DATA_DIR / "self_distill" / "smollm2_135m_chat.parquet"
     pipe = embedded.pipeline("rest")
     assert pipe.decoder.proposers[0].datastore.path.name.endswith(sha256_file(corpus)[:12])
     row = pq.read_table(corpus, columns=["prompt", "answer_ids"]).slice(0, 1).to_pylist()[0]
@@ -950,7 +954,7 @@ def test_rest_drafts_a_stored_answer_from_the_shipped_corpus(embedded):
 def test_a_corpus_of_another_tokenizer_is_refused_before_its_store_is_loaded():
     """The shipped chat corpus holds SmolLM2's ids: for another tokenizer REST refuses it with one message,
     whether or not the store built from it exists already."""
-    corpus = str(REPO / "data" / "self_distill" / "smollm2_135m_chat.parquet")
+    corpus = str(DATA_DIR / "self_distill" / "smollm2_135m_chat.parquet")
     with pytest.raises(StoreError, match="holds token ids of another tokenizer.*task=build_store"):
         RestRetriever(TOKENIZER, corpus=corpus, store="chat_distill")
 

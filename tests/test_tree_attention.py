@@ -169,7 +169,7 @@ def test_masked_sdpa_off_the_cpu_runs_without_cudnn_plans(monkeypatch):
     from transformers import AttentionInterface, LlamaConfig
 
     import specpipe.target as target_module
-    from specpipe.stages.draft.eagle import EagleNet
+    from specpipe.stages.draft.eagle_net import EagleNet
     from specpipe.stages.draft.eagle3 import Eagle3Net
     from specpipe.target import SDPA_ATTENTION, TREE_ATTENTION
 

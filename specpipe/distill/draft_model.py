@@ -24,10 +24,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.distill.corpus import write_atomically
 from specpipe.errors import ConfigError
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import DATA_DIR
 from specpipe.stores.manifest import tokenizer_fingerprint
 
-DEFAULT_DRAFT_PATH = REPO_ROOT / "data" / "draft" / "smollm2_135m_draft.safetensors"
+DEFAULT_DRAFT_PATH = DATA_DIR / "draft" / "smollm2_135m_draft.safetensors"
 FORMAT = "specpipe.draft_model"
 FORMAT_VERSION = 1
 BUILD_COMMAND = "python run.py task=distill_draft"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpipe.distill.subjects import PromptData, load_prompt_data
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import CHECKOUT_ROOT
 
 DEFAULT_SEED = 20240611
 DEV_PROMPT_GLOB = "bench/*.jsonl"
@@ -130,7 +130,7 @@ def find_overlaps(texts: Iterable[str], dev_texts: Iterable[str]) -> list[tuple[
     return found
 
 
-def dev_prompt_files(root: Path = REPO_ROOT) -> list[Path]:
+def dev_prompt_files(root: Path = CHECKOUT_ROOT) -> list[Path]:
     return sorted(root.glob(DEV_PROMPT_GLOB))
 
 
@@ -624,7 +624,7 @@ def follow_up_prompts(first_turns: Sequence[tuple[ChatPrompt, str]], seed: int =
 def display_path(path: Path) -> str:
     """Repository files by their relative path (metadata must not depend on the checkout's location)."""
     path = path.resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+    return str(path.relative_to(CHECKOUT_ROOT)) if path.is_relative_to(CHECKOUT_ROOT) else str(path)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, claim_model, spread_description
-from specpipe.engine.cpu import LinearPath, auto_kernel_rows, probe_linear_path
+from specpipe.engine.cpu import DTYPE_NAMES, LinearPath, auto_kernel_rows, probe_linear_path
 from specpipe.errors import ConfigError
 # The linear layers this engine swaps in (re-exported here: `from specpipe.engine.onednn import PackedWeight` works).
 from specpipe.engine.packed_weight import OneDNNLinear, PackedWeight
@@ -255,7 +255,11 @@ class OneDNNEngine:
         if whys:
             rewrite += f" ({'; '.join(whys)})"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
-        log.info("engine=%s: %s", self.name, rewrite)
+        weights = (f"native {names} weights" if native_formats else f"{DTYPE_NAMES.get(path.dtype, path.dtype)} weights")
+        kernel_name = f"specpipe's CPU kernel ({extension.isa})" if extension is not None else "no native kernel"
+        log.info("engine=%s: %s, %s, %d attention/MLP blocks lean (the whole path at log level DEBUG)", self.name, weights,
+                 kernel_name, lean)
+        log.debug("engine=%s: %s", self.name, rewrite)
         return model
 
     def _linear_path(self, model: nn.Module) -> LinearPath | str:

@@ -7,9 +7,9 @@ from specpipe.pipelines import builder as _builder
 from specpipe.pipelines import pipeline as _pipeline
 
 
-def _build_from_overrides(overrides):
-    """`conf/` composed with `overrides`, built (the builder's functions looked up per call)."""
-    return _builder.build_pipeline(_builder.compose_config(overrides))
+def _build_from_overrides(overrides, config_dirs=()):
+    """`conf/` (and `config_dirs`) composed with `overrides`, built (the builder's functions looked up per call)."""
+    return _builder.build_pipeline(_builder.compose_config(overrides, config_dirs))
 
 
 _pipeline.use_config_builder(_build_from_overrides)

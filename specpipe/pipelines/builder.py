@@ -1,12 +1,15 @@
-"""Builds a Pipeline from a composed Hydra config: the only place, with run.py, that sees config objects."""
+"""Builds a Pipeline from a composed Hydra config: the only place, with the command line (cli.py) and the tasks,
+that sees config objects."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -20,7 +23,7 @@ from specpipe.engine.base import Engine
 from specpipe.engine.hf import HFEngine
 from specpipe.errors import ConfigError
 from specpipe.models import LoadedModel
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import CONFIG_DIR
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
 from specpipe.pipelines.speculation_gate import SpeculationGate
@@ -31,15 +34,22 @@ from specpipe.types import SamplingConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = REPO_ROOT / "conf"
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """The config `python run.py OVERRIDES...` would see, composed from `conf/`."""
+def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> DictConfig:
+    """The config `specpipe OVERRIDES...` would see, composed from the package's `conf/` and, searched after it,
+    each of `config_dirs` (folders of your own config groups: `pipeline/NAME.yaml`, `retriever/NAME.yaml`, ...)."""
+    overrides = list(overrides)
+    if config_dirs:
+        folders = [Path(folder).expanduser().resolve() for folder in config_dirs]
+        missing = [str(folder) for folder in folders if not folder.is_dir()]
+        if missing:
+            raise ConfigError(f"config_dirs: no such folder: {', '.join(missing)}")
+        overrides.append("hydra.searchpath=[" + ",".join(f"file://{folder}" for folder in folders) + "]")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+            return compose(config_name="config", overrides=overrides)
     except HydraException as error:
         raise ConfigError(str(error)) from None
 

@@ -25,11 +25,11 @@ Documents = Sequence[str] | object | None  # a list of strings, or a DocumentSto
 # What Pipeline.from_config builds with: specpipe.pipelines.builder's compose-and-build, which the package
 # specpipe.pipelines sets with `use_config_builder` when it is imported (before this module can be). The builder
 # makes Pipelines, so this module does not import it back.
-_config_builder: Callable[[Sequence[str]], "Pipeline"] | None = None
+_config_builder: Callable[[Sequence[str], Sequence], "Pipeline"] | None = None
 
 
-def use_config_builder(build: Callable[[Sequence[str]], "Pipeline"]) -> None:
-    """Makes Pipeline.from_config(overrides) return `build(overrides)`."""
+def use_config_builder(build: Callable[[Sequence[str], Sequence], "Pipeline"]) -> None:
+    """Makes Pipeline.from_config(overrides, config_dirs) return `build(overrides, config_dirs)`."""
     global _config_builder
     _config_builder = build
 
@@ -125,11 +125,13 @@ class Pipeline:
                         limits=self.limits)
 
     @classmethod
-    def from_config(cls, overrides: Sequence[str] = ()) -> "Pipeline":
-        """Composes `conf/` with Hydra-style overrides, e.g. ["pipeline=prompt_lookup", "model.dtype=bf16"]."""
+    def from_config(cls, overrides: Sequence[str] = (), config_dirs: Sequence = ()) -> "Pipeline":
+        """Composes the package's `conf/` with Hydra-style overrides, e.g. ["pipeline=prompt_lookup",
+        "model.dtype=bf16"]. `config_dirs`: folders of your own config groups, searched after the shipped ones
+        (a `pipeline/mine.yaml` there is `pipeline=mine`)."""
         if _config_builder is None:  # only while specpipe.pipelines is being imported
             raise RuntimeError("Pipeline.from_config: specpipe.pipelines has not finished importing its builder")
-        return _config_builder(overrides)
+        return _config_builder(overrides, config_dirs)
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompt: PromptLike, chat_template: bool | None = None) -> list[int]:

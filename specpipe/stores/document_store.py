@@ -446,7 +446,7 @@ def _default_builder(path: Path, embedder: TextEmbedder | None) -> DocumentStore
     """The builder `conf/store/pydoc_docs.yaml` configures: one source of truth for its settings."""
     from omegaconf import OmegaConf
 
-    from specpipe.pipelines.builder import CONFIG_DIR
+    from specpipe.paths import CONFIG_DIR
 
     settings = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "store" / f"{DEFAULT_STORE_NAME}.yaml"))
     settings = {key: value for key, value in settings.items() if not key.startswith("_")}

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib
 import shlex
-from pathlib import Path
 
 from omegaconf import DictConfig
 
 from specpipe import distributed
 from specpipe.errors import ConfigError
-from specpipe.paths import REPO_ROOT
 
 # task name -> (module, function); the function takes the composed config.
 TASKS: dict[str, tuple[str, str]] = {
@@ -31,13 +29,6 @@ TASKS: dict[str, tuple[str, str]] = {
     "serve": ("specpipe.tasks.serve", "run_serve"),
 }
 
-
-
-
-def repo_path(value: str) -> Path:
-    """Relative paths are taken from the repository root, wherever the command runs."""
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else REPO_ROOT / path
 
 
 def hydra_overrides() -> list[str]:

@@ -53,8 +53,8 @@ import specpipe.distributed as distributed
 from specpipe.cost import OtherProcessesLoad
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import LoadedModel, parse_dtype
-from specpipe.paths import REPO_ROOT
-from specpipe.pipelines.builder import CONFIG_DIR, assemble_pipeline, build_target, load_model, with_pipeline
+from specpipe.paths import CHECKOUT_ROOT
+from specpipe.pipelines.builder import assemble_pipeline, build_target, load_model, with_pipeline
 from specpipe.pipelines.pipeline import GenerationStats, Pipeline, PreparedPrompt
 from specpipe.tasks.bench_records import Question, QuestionRun, TurnOutput
 
@@ -131,9 +131,9 @@ def select_questions(questions: Sequence[Question], per_category: int,
 
 
 def resolve_prompts_path(name: str) -> Path:
-    """A relative path is looked up from the working directory, then from the repository root."""
+    """A relative path is looked up from the working directory, then from the checkout (bench/ is not installed)."""
     path = Path(name).expanduser()
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, CHECKOUT_ROOT / path]
     for candidate in candidates:
         if candidate.is_file():
             return candidate

@@ -34,7 +34,8 @@ from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
 from specpipe.tasks.bench import output_dir
 from specpipe.tasks.bench_report import machine_info, machine_line, write_atomically, write_text
-from specpipe.pipelines.builder import CONFIG_DIR, compose_config, load_model
+from specpipe.paths import CONFIG_DIR
+from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stages.draft.draft_model import root_and_tree_rows
 from specpipe.tasks.forward_profile import profile_forward, row_value, top_ops
 from specpipe.target import TargetModel

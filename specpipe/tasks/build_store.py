@@ -12,7 +12,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpipe.errors import ConfigError
-from specpipe.pipelines.builder import CONFIG_DIR, load_model
+from specpipe.paths import CONFIG_DIR
+from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import check_output_folder, check_store_name
 
 

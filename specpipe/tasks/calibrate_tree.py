@@ -22,9 +22,9 @@ from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.paths import local_path
-from specpipe.tasks import repo_path, task_command
-from specpipe.tasks.distill_draft import Example, read_task_corpus, split_held_out
+from specpipe.paths import local_path, package_path
+from specpipe.tasks import task_command
+from specpipe.training.examples import Example, read_task_corpus, split_held_out
 
 TABLE_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -59,7 +59,7 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
         raise ConfigError(f"task=calibrate_tree calibrates Medusa or Hydra heads: pipeline={cfg.pipeline.name} has "
                           f"none under pipeline.drafters (use pipeline=medusa or pipeline=hydra)")
     if c.get("out"):
-        out = repo_path(c.out)
+        out = package_path(c.out)
     elif drafter.folder is not None:
         out = drafter.folder / "tree.json"
     else:

@@ -29,7 +29,8 @@ from specpipe.distill.training import check_folder, check_output_file, check_tas
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
-from specpipe.tasks import hydra_overrides, repo_path
+from specpipe.paths import package_path
+from specpipe.tasks import hydra_overrides
 
 LINEARS = ("onednn", "torch")
 GENERATORS = ("continuous", "hf")
@@ -48,13 +49,13 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         raise ConfigError(f"distill.generator must be one of {GENERATORS}, got {d.generator!r}")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    check_output_file(repo_path(d.out), "distill.out", f"{cfg.model.name}_chat.parquet")
-    check_folder(repo_path(d.shards), "distill.shards")
+    check_output_file(package_path(d.out), "distill.out", f"{cfg.model.name}_chat.parquet")
+    check_folder(package_path(d.shards), "distill.shards")
     source_name = d.get("prompt_source", "templates")
     if source_name not in PROMPT_SOURCES:
         raise ConfigError(f"distill.prompt_source must be one of {PROMPT_SOURCES}, got {source_name!r}")
     magpie = magpie_settings(d) if source_name == "magpie" else None  # checked before the model loads
-    shards = ShardFolder(repo_path(d.shards))
+    shards = ShardFolder(package_path(d.shards))
     loaded = load_model(cfg.model)
     if magpie is None:
         source = build_prompt_source(seed=int(d.seed))
@@ -73,9 +74,9 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
     if magpie is not None:  # a resume under other sampling settings would mix two sources (more batches extend it)
         settings["magpie"] = sampler.sampled_with
     if not d.merge_only:
-        carried = shards_from_corpus(shards, repo_path(d.out), settings, loaded.tokenizer) if d.extend and magpie is None else 0
+        carried = shards_from_corpus(shards, package_path(d.out), settings, loaded.tokenizer) if d.extend and magpie is None else 0
         if carried:
-            print(f"distill_corpus: the shards start from the {carried} answers of {repo_path(d.out)}",
+            print(f"distill_corpus: the shards start from the {carried} answers of {package_path(d.out)}",
                   file=sys.stderr, flush=True)
         generator = make_generator(loaded, d, cfg.get("system_prompt"))
         shards.pin_settings(settings)
@@ -116,8 +117,8 @@ def run_distill_corpus(cfg: DictConfig) -> dict | None:
         "command": COMMAND,
         "runs": shards.runs(),  # every generation run into these shards: overrides, tokens, seconds
     }
-    info = merge_shards(shards, repo_path(d.out), [*prompts, *follow_ups], metadata, replace=bool(d.get("replace")))
-    print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {repo_path(d.out)} "
+    info = merge_shards(shards, package_path(d.out), [*prompts, *follow_ups], metadata, replace=bool(d.get("replace")))
+    print(f"distill_corpus: merged {info['answers']} answers / {info['answer_tokens']} tokens into {package_path(d.out)} "
           f"({info['bytes'] / 1e6:.2f} MB)", file=sys.stderr)
     return info
 

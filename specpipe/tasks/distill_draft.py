@@ -60,10 +60,10 @@ from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTra
                                        progress_bar, token_batches, write_json)
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
-from specpipe.paths import local_path
+from specpipe.paths import local_path, package_path
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.tasks import repo_path, task_command
+from specpipe.tasks import task_command
 
 TEACHER_VERSION = 1
 
@@ -400,7 +400,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     # draft shares the target's original embedding, norm and output layer, which the engine leaves as
     # they are. Engines change only the float rounding, so the teacher cache does not pin them.
     build_engine(cfg).apply(target)
-    out = repo_path(d.out) if d.get("out") else repo_path(f"data/draft/{loaded.name}_draft.safetensors")
+    out = package_path(d.out) if d.get("out") else package_path(f"data/draft/{loaded.name}_draft.safetensors")
     check_output_file(out, "distill_draft.out", f"{loaded.name}_draft.safetensors")
     if init_from and out.resolve() == init_from.resolve():
         raise ConfigError(f"distill_draft.out is distill_draft.init_from ({out}): the exports would overwrite the "
@@ -419,7 +419,7 @@ def run_distill_draft(cfg: DictConfig) -> dict:
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={d.eval_fraction}): both must be non-empty")
-    folder = repo_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
+    folder = package_path(d.checkpoint_dir) if d.get("checkpoint_dir") else cache_root() / "distill_draft" / loaded.name
     check_folder(folder, "distill_draft.checkpoint_dir")
     pad_id = pad_id_of(tokenizer)
     grown = f" (grown from {init_from}, trained from layers {draft.grown_from['target_layers']})" if init_from else ""

@@ -68,7 +68,7 @@ def read_settings(cfg: DictConfig) -> PlanSettings:
 
 
 def load_hardware(cfg: DictConfig) -> Hardware:
-    from specpipe.pipelines.builder import CONFIG_DIR
+    from specpipe.paths import CONFIG_DIR
 
     node = cfg.get("hardware")
     if node is None:
@@ -148,31 +148,31 @@ def _checkpoint_params(path: Path, skip: tuple[str, ...] = ()) -> tuple[int | No
 
 def _default_checkpoint(target: str, stage_cfg: DictConfig) -> Path | None:
     """The checkpoint a draft stage loads for the embedded model when it is given no path."""
-    from specpipe.paths import REPO_ROOT
+    from specpipe.paths import PACKAGE_ROOT
 
     if target.endswith("draft_model.load_drafter"):
         from specpipe.distill.draft_model import DEFAULT_DRAFT_PATH
 
         return Path(DEFAULT_DRAFT_PATH)
     if target.endswith("eagle.load_eagle"):
-        from specpipe.stages.draft.eagle import DEFAULT_EAGLE_DIR
+        from specpipe.stages.draft.eagle_checkpoint import DEFAULT_EAGLE_DIR
 
-        return REPO_ROOT / DEFAULT_EAGLE_DIR
+        return PACKAGE_ROOT / DEFAULT_EAGLE_DIR
     if target.endswith("eagle3.load_eagle3"):
         from specpipe.stages.draft.eagle3 import DEFAULT_EAGLE3_DIR
 
-        return REPO_ROOT / DEFAULT_EAGLE3_DIR
+        return PACKAGE_ROOT / DEFAULT_EAGLE3_DIR
     if target.endswith("medusa.load_medusa"):
         from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 
-        return REPO_ROOT / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR)
+        return PACKAGE_ROOT / (DEFAULT_HYDRA_DIR if stage_cfg.get("hydra") else DEFAULT_MEDUSA_DIR)
     return None
 
 
 def _skipped_keys(target: str) -> tuple[str, ...]:
     """Checkpoint keys a head loader leaves to the base model (released EAGLE heads carry its embedding)."""
     if target.endswith("eagle.load_eagle"):
-        from specpipe.stages.draft.eagle import BASE_MODEL_KEYS
+        from specpipe.stages.draft.eagle_checkpoint import BASE_MODEL_KEYS
 
         return BASE_MODEL_KEYS
     if target.endswith("eagle3.load_eagle3"):

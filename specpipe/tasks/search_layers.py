@@ -23,9 +23,9 @@ from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings
-from specpipe.paths import local_path
-from specpipe.tasks import repo_path, task_command
-from specpipe.tasks.distill_draft import read_task_corpus, split_held_out
+from specpipe.paths import local_path, package_path
+from specpipe.tasks import task_command
+from specpipe.training.examples import read_task_corpus, split_held_out
 
 
 def _log(message: str) -> None:
@@ -73,7 +73,7 @@ def run_search_layers(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.threads))
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
-    out = repo_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
+    out = package_path(s.out) if s.get("out") else searched_layers_path(loaded.name)
     check_output_file(out, "search_layers.out", searched_layers_path(loaded.name).name)
     corpus = local_path(s.corpus)
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -64,15 +64,17 @@ from specpipe.models import cache_root
 from specpipe.pipelines.builder import build_engine, load_model
 from specpipe.stages.draft.draft_model import corpus_ranking, output_weight
 from specpipe.stages.draft.draft_vocab import VOCAB_FILE, pinned_vocab_path, read_ranking
-from specpipe.stages.draft.eagle import EagleNet, frequent_ids, read_eagle_net, save_eagle
+from specpipe.stages.draft.eagle import frequent_ids
+from specpipe.stages.draft.eagle_checkpoint import read_eagle_net, save_eagle
+from specpipe.stages.draft.eagle_net import EagleNet
 from specpipe.stages.draft.eagle3 import Eagle3Net, aux_layers_of, build_eagle3_net, save_eagle3
 from specpipe.stages.draft.head_checkpoint import check_tokenizer, read_checkpoint
 from specpipe.stages.draft.medusa import HydraHeads, MedusaHeads, build_medusa_heads, save_medusa
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.tasks import repo_path, task_command
+from specpipe.tasks import task_command
 from specpipe.distill.training import (AT_LEAST_ONE, ExampleShards, ResumableTrainer, check_folder, check_task_settings,
                                        finished_message, frozen_product, lock_folder, progress_bar, write_json)
-from specpipe.paths import local_path
+from specpipe.paths import local_path, package_path
 from specpipe.tasks.distill_draft import (Example, example_batches, fill_shards, lr_at,
                                           pad_examples, pad_id_of, read_task_corpus, split_held_out)
 
@@ -656,9 +658,9 @@ def run_train_heads(cfg: DictConfig) -> dict:
     if not train or not held_out:
         raise ConfigError(f"the corpus {corpus} gives {len(train)} training and {len(held_out)} held-out answers "
                           f"(eval_fraction={h.eval_fraction}): both must be non-empty")
-    folder = repo_path(h.checkpoint_dir) if h.get("checkpoint_dir") else cache_root() / "train_heads" / loaded.name
+    folder = package_path(h.checkpoint_dir) if h.get("checkpoint_dir") else cache_root() / "train_heads" / loaded.name
     check_folder(folder, "train_heads.checkpoint_dir")
-    out = repo_path(h.out) if h.get("out") else repo_path(f"data/{h.kind}/{loaded.name}")
+    out = package_path(h.out) if h.get("out") else package_path(f"data/{h.kind}/{loaded.name}")
     check_folder(out, "train_heads.out")
     vocab = int(target.config.vocab_size)
     top_k = int(h.vocab_top_k) or vocab  # 0: the full vocabulary, as drafter.vocab_top_k=0 means (>= 0: the rules above)

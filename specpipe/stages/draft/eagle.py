@@ -1,23 +1,13 @@
-"""EAGLE: a one-layer draft network on the target's own features (EAGLE-1, Li et al. 2024).
-
-Notation: x_p is the token at position p and f_p the target's feature there (its last hidden
-state, the input of its output layer, which chose x_{p+1}). The draft's row for position p reads
-[embedding(x_{p+1}), f_p] through `fc` and its decoder layer(s), and predicts f_{p+1}; the target's
-own (frozen) output layer turns that prediction into the draft's distribution of x_{p+2}.
-
-Per request the draft keeps its own KV cache with one row per committed position. The target's
-features arrive with the prompt's prefill (`DecodeState.prompt_hidden`) and with every verify
-forward (`VerifyResult.hidden`: the root's and the accepted nodes' rows); they are fed in one
-causal forward at the start of the next step. Tree nodes have no target feature yet: a node's
-row reads the feature the draft predicted at its parent, attends to the committed rows, its
-ancestors and itself, and is dropped when the next step cuts the cache back to the committed
-rows.
-
-Checkpoints: a directory with `config.json` (Llama fields of the draft layer) and
-`model.safetensors` (or `pytorch_model.bin` / `.pt`, read with `torch.load(weights_only=True)`)
-in the layout of the released EAGLE-1 heads: `fc.weight` [hidden, 2 * hidden] (and `fc.bias`),
-`layers.N.*` Llama decoder layers whose first has no input norm; `embed_tokens.weight` and
-`lm_head.weight`, where present, are the base model's and are not used (the target's own are).
+"""EAGLE-1 as a drafter stage (Li et al. 2024): `EagleDrafter`, the StepDrafter (and Proposer) the pipeline
+runs over an EAGLE head (specpipe.stages.draft.eagle_net), its per-request state, and `load_eagle`, which
+`drafter=eagle` configures (the checkpoint reading is specpipe.stages.draft.eagle_checkpoint's). Per request
+the draft keeps its own KV cache with one row per committed position. The target's features arrive with the
+prompt's prefill (`DecodeState.prompt_hidden`) and with every verify forward (`VerifyResult.hidden`: the
+root's and the accepted nodes' rows); they are fed in one causal forward at the start of the next step. Tree
+nodes have no target feature yet: a node's row reads the feature the draft predicted at its parent, attends
+to the committed rows, its ancestors and itself, and is dropped when the next step cuts the cache back to the
+committed rows. `output_head` (the target's output layer, or one over its most frequent tokens) is shared
+with the Medusa drafter.
 """
 from __future__ import annotations
 
@@ -29,115 +19,26 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.blocks import FusedQKVAttention
-from specpipe.engine.lean_model import (BlockLayers, KernelDraftLevel, LeanLlamaModel, lean_decoder_layers,
-                                         norm_function)
+from specpipe.engine.lean_model import KernelDraftLevel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
-from specpipe.paths import REPO_ROOT
 from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids
 from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
                                                root_and_tree_rows, tree_rows, unfed_ancestors_first)
-from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
-from specpipe.stages.draft.head_checkpoint import (check_tokenizer, head_folder, load_fitting, read_checkpoint,
-                                                   write_head_folder)
-from specpipe.target import SDPA_ATTENTION, RaggedBatch, TargetModel
+from specpipe.stages.draft.draft_vocab import pinned_vocab_path
+from specpipe.stages.draft.eagle_checkpoint import default_eagle_dir, read_eagle_net
+from specpipe.stages.draft.eagle_net import EagleNet
+from specpipe.stages.draft.head_checkpoint import head_folder
+from specpipe.target import RaggedBatch, TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 
 log = logging.getLogger(__name__)
 ROOT = -1
-DEFAULT_EAGLE_DIR = "data/eagle/smollm2_135m"  # the head trained for the embedded model (task=train_heads)
-# Where a head trained on the target's features in another dtype ships beside it (DEFAULT_EAGLE_DIR +
-# suffix): features, and so what the head learns, differ with the target's rounding.
-DTYPE_HEAD_SUFFIX = {torch.bfloat16: "_bf16"}
-# Keys of released EAGLE-1 checkpoints that belong to the base model, not the head.
-BASE_MODEL_KEYS = ("embed_tokens.weight", "lm_head.weight")
-
-
-class EagleNet(nn.Module):
-    """fc over [token embedding, feature] then Llama decoder layers (the first without its input
-    norm, as released EAGLE-1 heads have it); returns the predicted next features.
-
-    Under engine=fast the engine hands it its RMSNorm and attention kernels (`norm_kernel`,
-    `attention_kernel`, as to the target's lean forward) and inference runs the layers inline
-    (specpipe.engine.lean_model.lean_decoder_layers), without the module calls between the ops, paid
-    at every draft level, of which a step runs several. Where the kernel's build multiplies
-    weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
-    each (specpipe.engine.lean_model.BlockLayers)."""
-
-    accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the six below
-    norm_kernel = None
-    attention_kernel = None
-    ragged_attention_kernel = None  # its attention over several requests' rows (a batch's draft level)
-    attention_max_rows = LeanLlamaModel.attention_max_rows
-    # the kernel's whole decoder layer over column blocks (bf16 on AVX512_BF16 CPUs), run through BlockLayers
-    layer_kernel = None
-    rotary_lookup = None  # RotaryTables over rotary_emb (specpipe.engine.rotary)
-    # the kernel's whole draft level (fc, the layers, the output layer's log-probs), which EagleDrafter runs through
-    # specpipe.engine.lean_model.KernelDraftLevel where every part is served
-    level_kernel = None
-
-    def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:
-        super().__init__()
-        config._attn_implementation = SDPA_ATTENTION  # tree masks go through SDPA, kept off cuDNN's per-shape plans
-        self.config = config
-        hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=index)
-                                    for index in range(config.num_hidden_layers))
-        self.layers[0].input_layernorm = nn.Identity()
-        self.rotary_emb = LlamaRotaryEmbedding(config)
-
-    def rows(self, embeds: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor | None, cache=None,
-             ragged_batch: RaggedBatch | None = None) -> Tensor:
-        """Batched rows (training, its rollouts): embeds, features [b, q, hidden]; position_ids [b, q];
-        mask [b, 1, q, kv] bool over the cached rows then these, or None for causal rows without a
-        cache. Appends q rows to `cache`; returns the predicted features [b, q, hidden]. With `ragged_batch`
-        (b = 1, no mask, no cache) the rows are several requests', each attending its own cache."""
-        hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [b, q, hidden]
-        rotary = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids)
-        if self.lean:
-            block_layers = self._block_layers()
-            if ragged_batch is None and block_layers is not None and block_layers.serves(hidden, mask, cache):
-                return block_layers(hidden, mask, rotary, cache)
-            normalize = norm_function(self.norm_kernel, self.layers[0].post_attention_layernorm.weight, hidden)
-            return lean_decoder_layers(self, self.layers, hidden, normalize, mask, position_ids, cache,
-                                       cache is not None, rotary, ragged_batch=ragged_batch)
-        extra = {"ragged_batch": ragged_batch} if ragged_batch is not None else {}
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=cache is not None, position_embeddings=rotary, **extra)
-        return hidden
-
-    def _block_layers(self) -> BlockLayers | None:
-        """The layers as BlockLayers where the engine gave the layer kernel and it serves them (made once: the
-        engine packs the weights once)."""
-        made = self.__dict__.get("_made_block_layers")
-        if made is None or made[0] is not self.layer_kernel:
-            made = (self.layer_kernel, BlockLayers.of(self.layer_kernel, self.layers))
-            self.__dict__["_made_block_layers"] = made
-        return made[1]
-
-    @property
-    def lean(self) -> bool:
-        """Whether inference runs the layers inline: the engine made every attention block lean (and so
-        checked that each computes LlamaAttention's forward) and every layer is transformers' own."""
-        return (not self.training and all(type(layer).forward is LlamaDecoderLayer.forward
-                                          and type(layer.self_attn) is FusedQKVAttention for layer in self.layers))
-
-    def forward(self, embeds: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
-                cache: PositionIndexedCache | None) -> Tensor:
-        """One request's rows: embeds, features [q, hidden]; positions [q]; mask [q, kv] bool (True =
-        attend) over the cached rows then these, or None for plain causal attention without a cache.
-        Appends q rows to `cache`; returns the predicted features [q, hidden]."""
-        attention_mask = mask[None, None] if mask is not None else None  # [1, 1, q, kv]
-        return self.rows(embeds[None], features[None], positions[None], attention_mask, cache)[0]
 
 
 @dataclass
@@ -436,63 +337,6 @@ class EagleRunner:
         return self.drafter._level(features, tokens, positions, mask, cache, logprob_rows=q)[1]
 
 
-# ---- checkpoints --------------------------------------------------------------------------------
-def build_eagle_net(config: dict, tensors: dict[str, Tensor], hidden: int, vocab_size: int, name: str) -> EagleNet:
-    """An EagleNet from an EAGLE-1 checkpoint, checked against the target's hidden size and vocabulary."""
-    keys = set(tensors)
-    if any(key.startswith("midlayer.") for key in keys) or "d2t" in keys:
-        raise ConfigError(f"{name}: this is an EAGLE-3 checkpoint (midlayer.*, d2t); drafter=eagle reads the "
-                          f"EAGLE-1 layout (fc.weight, layers.N.*): load it with pipeline=eagle3")
-    if any("medusa" in key or key.split(".")[0].isdigit() for key in keys):
-        raise ConfigError(f"{name}: this looks like a Medusa checkpoint; drafter=eagle reads the EAGLE-1 layout "
-                          f"(fc.weight, layers.N.*): load it with pipeline=medusa")
-    if "fc.weight" not in keys:
-        raise ConfigError(f"{name}: no fc.weight in the checkpoint: not an EAGLE head (keys: "
-                          f"{', '.join(sorted(keys)[:6])}...)")
-    if tuple(tensors["fc.weight"].shape) != (hidden, 2 * hidden):
-        raise ConfigError(f"{name}: the head's fc.weight is {tuple(tensors['fc.weight'].shape)}, the target's hidden "
-                          f"size {hidden} needs ({hidden}, {2 * hidden}): this head is for another model")
-    if int(config.get("hidden_size", hidden)) != hidden:
-        raise ConfigError(f"{name}: the head's hidden_size is {config['hidden_size']}, the target's {hidden}")
-    vocab = config.get("vocab_size")
-    if vocab is not None and int(vocab) != vocab_size:
-        raise ConfigError(f"{name}: the head was trained for a vocabulary of {vocab} tokens, the target has "
-                          f"{vocab_size}: it is for another model")
-    layer_ids = {int(key.split(".")[1]) for key in keys if key.startswith("layers.")}
-    declared = int(config.get("num_hidden_layers", len(layer_ids)))
-    if layer_ids != set(range(declared)):
-        raise ConfigError(f"{name}: config.json declares {declared} layer(s), the weights hold layers "
-                          f"{sorted(layer_ids)}")
-    fields = {key: value for key, value in config.items() if key not in ("architectures", "model_type", "specpipe")}
-    llama_config = LlamaConfig(**{**fields, "num_hidden_layers": declared, "vocab_size": vocab_size})
-    net = EagleNet(llama_config, fc_bias="fc.bias" in keys)
-    state = {key: value for key, value in tensors.items() if key not in BASE_MODEL_KEYS}
-    load_fitting(net, state, name, f"an EAGLE-1 head of {declared} layer(s)")
-    return net
-
-
-def read_eagle_net(folder: Path, tokenizer: PreTrainedTokenizerBase, hidden: int, vocab_size: int,
-                   name: str) -> EagleNet:
-    """The EAGLE-1 head in directory `folder`, checked against the tokenizer it was trained for and the
-    target's hidden size and vocabulary."""
-    config, tensors = read_checkpoint(folder, name, "EAGLE head", layout="eagle")
-    check_tokenizer(config, tokenizer, folder, name)
-    return build_eagle_net(config, tensors, hidden, vocab_size, name)
-
-
-def save_eagle(net: EagleNet, folder: Path, extra: dict | None = None, dtype: torch.dtype = torch.bfloat16,
-               ranking: TokenRanking | None = None) -> None:
-    """Writes the head in the released EAGLE-1 layout (config.json + model.safetensors), with the
-    ranking of draft tokens it was trained over (`draft_vocab.npz`) where given."""
-    config = net.config.to_dict()
-    for key in ("_attn_implementation_autoset", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(key, None)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama", bias=net.fc.bias is not None,
-                  specpipe=extra or {})
-    write_head_folder(folder, config, {key: value.detach().to(dtype) for key, value in net.state_dict().items()},
-                      ranking)
-
-
 def frequent_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int, vocab_top_k: int, vocab_counts: str | None,
                  name: str, pinned: Path | None = None) -> Tensor | None:
     """The `vocab_top_k` most frequent token ids (`reduced_ids`: counted in `vocab_counts`; None = the
@@ -519,22 +363,14 @@ def output_head(target: TargetModel, tokenizer: PreTrainedTokenizerBase, vocab_t
     return ReducedVocabHead(output_weight(model, name), ids, target.vocab_size)
 
 
-def default_eagle_dir(dtype: torch.dtype) -> str:
-    """The shipped head for a target in `dtype`: DEFAULT_EAGLE_DIR, or its sibling trained on features in
-    that dtype where the repository has one."""
-    suffix = DTYPE_HEAD_SUFFIX.get(dtype)
-    if suffix and (REPO_ROOT / (DEFAULT_EAGLE_DIR + suffix)).is_dir():
-        return DEFAULT_EAGLE_DIR + suffix
-    return DEFAULT_EAGLE_DIR
-
-
 def load_eagle(target: TargetModel, tokenizer: PreTrainedTokenizerBase, path: str | None = None,
                name: str = "eagle", chain_length: int = 5, min_score: float = 0.05, vocab_top_k: int = 8192,
                vocab_counts: str | None = None, context_rows: int | None = None,
                weight_quantization: str | None = None) -> EagleDrafter:
     """The drafter `drafter=eagle` configures: `path` = a local EAGLE-1 head directory, or None for
     the head trained for the embedded model (data/eagle/): the one trained on features in the
-    target's dtype where one ships (`DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never downloads."""
+    target's dtype where one ships (`eagle_checkpoint.DTYPE_HEAD_SUFFIX`), else the fp32-trained one. Never
+    downloads."""
     folder = head_folder(path, default_eagle_dir(target.dtype), name, "EAGLE head", "python run.py task=train_heads")
     net = read_eagle_net(folder, tokenizer, int(target.model.config.hidden_size), target.vocab_size, name)
     head = output_head(target, tokenizer, vocab_top_k, vocab_counts, name, pinned_vocab_path(folder))

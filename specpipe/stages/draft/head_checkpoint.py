@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specpipe.errors import ConfigError
-from specpipe.paths import REPO_ROOT, local_path
+from specpipe.paths import PACKAGE_ROOT, local_path
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, write_ranking
 
 # Weight files of the released layouts, first found wins (Medusa's own repository names its file
@@ -154,9 +154,9 @@ def with_article(noun: str) -> str:
 
 
 def head_folder(path: str | None, default: str, name: str, what: str, train: str) -> Path:
-    """`path` as a directory, or the shipped `default` (relative to the repository) when None; a
+    """`path` as a directory, or the shipped `default` (relative to the package folder) when None; a
     missing default says how to train it or where to point `drafter.path`."""
-    folder = local_path(path) if path else REPO_ROOT / default
+    folder = local_path(path) if path else PACKAGE_ROOT / default
     if path is None and not folder.is_dir():
         raise ConfigError(f"{name}: no {what} ships for this model at {folder}: train one with `{train}`, or set "
                           f"drafter.path=DIR to a released checkpoint's local directory")

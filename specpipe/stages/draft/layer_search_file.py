@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 
 from specpipe.errors import ConfigError
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import DATA_DIR
 
 FORMAT = "specpipe.layer_search"
 
 
 def searched_layers_path(model_name: str) -> Path:
     """Where `task=search_layers` writes, by default, the search for model `model_name`."""
-    return REPO_ROOT / "data" / "layer_skip" / f"{model_name}_layers.json"
+    return DATA_DIR / "layer_skip" / f"{model_name}_layers.json"
 
 
 def read_searched_layers(path: str | Path, model_name: str, vocab_sha256: str, keep: int) -> list[int]:

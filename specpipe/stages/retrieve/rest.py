@@ -100,7 +100,7 @@ class RestRetriever(Proposer):
 
 
 def corpus_file(corpus: str, folder: Path) -> Path:
-    """The corpus Parquet: as given, or relative to the repository (where the shipped one lives)."""
+    """The corpus Parquet: as given, or relative to the package folder (where the shipped one lives)."""
     source = local_path(corpus)
     if not source.is_file():
         raise StoreError(f"the token datastore's corpus {corpus} is missing: restore it from the repository, or "
@@ -134,7 +134,7 @@ def build_from_corpus(folder: Path, source: Path, ids_field: str, tokenizer) -> 
     checked the corpus's tokenizer (corpus_tokenizer_mismatch)."""
     import sys
 
-    from specpipe.stores.token_datastore import TokenDatastoreBuilder
+    from specpipe.stores.token_datastore_build import TokenDatastoreBuilder
 
     print(f"specpipe: building the token datastore {folder} from {source} (once per corpus)", file=sys.stderr)
     TokenDatastoreBuilder(tokenizer, sources=[str(source)], out=str(folder), ids_field=ids_field,

@@ -10,7 +10,7 @@ import torch
 
 from specpipe.cost import CostCurve
 from specpipe.errors import ConfigError
-from specpipe.paths import REPO_ROOT
+from specpipe.paths import PACKAGE_ROOT
 from specpipe.stages.base import StepDrafter, TreeBuilder, draft_token_ids
 from specpipe.stages.tree.calibration import best_size, fits_heads, read_calibration
 from specpipe.stages.tree.trie import TrieTreeBuilder
@@ -49,7 +49,7 @@ class StaticTreeBuilder(TreeBuilder):
         self._auto = calibration == self.AUTO  # resolved at the first build, which sees the drafters
         self.choices = self._checked(choices) if choices or calibration in (None, self.AUTO) else []
         if calibration is not None and not self._auto:
-            self._calibrate(REPO_ROOT / Path(calibration).expanduser())
+            self._calibrate(PACKAGE_ROOT / Path(calibration).expanduser())
         self.merger = TrieTreeBuilder(CostCurve.flat(), max_nodes=len(self.choices) + 256, min_gain=0.0)
 
     @staticmethod
