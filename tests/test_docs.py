@@ -55,6 +55,32 @@ def test_pipeline_tables_match_configs(page):
                                                f"no such config {sorted(set(names) - set(PIPELINE_CONFIGS))}")
 
 
+STAGE_PAGES = {"retriever": "retrieve.md", "drafter": "draft.md", "tree": "tree.md", "verifier": "verify.md",
+               "commit": "commit.md", "augment": "augment.md"}
+
+
+def quoted_words(page: Path) -> set[str]:
+    """The identifiers inside `inline code` of a page, its fenced code blocks aside."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {word for quoted in re.findall(r"`([^`]+)`", text) for word in re.findall(r"[A-Za-z_]\w*", quoted)}
+
+
+@pytest.mark.parametrize("group", sorted(STAGE_PAGES))
+def test_every_stage_option_is_named_on_its_page(group):
+    """Each config of a stage family (conf/<group>/NAME.yaml) and each of its settings appears in `code` on that
+    family's page, so a setting added to a config without a word in the docs fails here (`name`, the label every
+    stage carries, is explained once in the concepts page)."""
+    from omegaconf import OmegaConf
+
+    words = quoted_words(DOCS / "pipelines" / STAGE_PAGES[group])
+    undocumented = []
+    for path in sorted((ROOT / "specpipe" / "conf" / group).glob("*.yaml")):
+        settings = [key for key in OmegaConf.to_container(OmegaConf.load(path))
+                    if not key.startswith("_") and key not in ("defaults", "name")]
+        undocumented += [f"{group}/{path.stem}.yaml: {key}" for key in [path.stem, *settings] if key not in words]
+    assert not undocumented, f"docs/pipelines/{STAGE_PAGES[group]} does not name: {undocumented}"
+
+
 def test_readme_default_pipeline_is_the_configured_one():
     default = re.search(r"^\s*- pipeline: (\w+)", (ROOT / "specpipe" / "conf" / "config.yaml").read_text(), re.M).group(1)
     rows = [line for line in (ROOT / "README.md").read_text().splitlines() if "(default)" in line]
