@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import stat
 import sys
@@ -24,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specpipe.errors import SpecpipeError
+from specpipe.stores.manifest import sha256_file
 
 CHECKSUM_SUFFIX = ".sha256"
 
@@ -73,14 +73,6 @@ def check_private(folder: Path) -> None:
                            f"write")
 
 
-def sha256_of(path: Path, block: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checksum_path(library: Path) -> Path:
     """Where the SHA-256 of `library` is recorded: `<library>.sha256` beside it."""
     return library.with_name(library.name + CHECKSUM_SUFFIX)
@@ -88,7 +80,7 @@ def checksum_path(library: Path) -> Path:
 
 def record_checksum(library: Path) -> str:
     """Records the SHA-256 of the library just built at `library` (written atomically); returns it."""
-    digest = sha256_of(library)
+    digest = sha256_file(library)
     record = checksum_path(library)
     staging = record.with_name(f".{record.name}.{os.getpid()}")
     staging.write_text(digest + "\n")
@@ -104,7 +96,7 @@ def verified(library: Path) -> bool:
         if not (stat.S_ISREG(os.lstat(library).st_mode) and stat.S_ISREG(os.lstat(record).st_mode)):
             return False
         expected = record.read_text().strip()
-        return len(expected) == 64 and sha256_of(library) == expected
+        return len(expected) == 64 and sha256_file(library) == expected
     except (OSError, UnicodeDecodeError):
         return False
 

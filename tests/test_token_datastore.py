@@ -979,22 +979,23 @@ def test_without_a_working_compiler_the_datastore_keeps_the_numpy_lookup(tmp_pat
 def test_a_library_planted_where_the_native_lookup_is_built_is_rebuilt_not_loaded(tmp_path, monkeypatch):
     """A shared library put at the lookup's path in the cache (its constructor would run on load) is not
     loaded: without the checksum recorded when specpipe built it, the lookup is built again."""
-    from specpipe.native_cache import checksum_path, private_folder, sha256_of
+    from specpipe.native_cache import checksum_path, private_folder
+    from specpipe.stores.manifest import sha256_file
     from specpipe.stores.suffix_lookup import library_name
 
     monkeypatch.setattr(token_datastore, "cache_root", lambda: tmp_path / "cache")
     marker = tmp_path / "planted-ran"
     planted = marker_library(private_folder(tmp_path / "cache" / "native") / library_name(), marker)
-    planted_digest = sha256_of(planted)
+    planted_digest = sha256_file(planted)
     documents = [[1, 2, 3, 1, 2, 4], [2, 3, 1, 2]]
     store = TokenDatastore.from_documents(documents)
     assert not marker.exists()  # its constructor never ran
     assert store.native is not None, store.native_reason
-    assert sha256_of(planted) != planted_digest and checksum_path(planted).read_text().strip() == sha256_of(planted)
+    assert sha256_file(planted) != planted_digest and checksum_path(planted).read_text().strip() == sha256_file(planted)
     reference = TokenDatastore.from_documents(documents, native=False)
     assert store.lookup([1, 2]) == reference.lookup([1, 2]) and store.lookup([1, 2]).continuations
     again = TokenDatastore.from_documents(documents)  # the recorded library loads as it is
-    assert again.native is not None and sha256_of(planted) == checksum_path(planted).read_text().strip()
+    assert again.native is not None and sha256_file(planted) == checksum_path(planted).read_text().strip()
 
 
 def test_the_native_lookup_is_not_built_in_a_folder_others_can_write(tmp_path, monkeypatch):
