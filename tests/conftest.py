@@ -27,7 +27,7 @@ import torch
 torch.set_num_threads(2)
 
 from specpipe.models import LoadedModel  # noqa: E402
-from specpipe.paths import CONFIG_DIR  # noqa: E402
+from specpipe.paths import CONFIG_DIR, PACKAGE_ROOT  # noqa: E402
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model  # noqa: E402
 from specpipe.pipelines.pipeline import Pipeline  # noqa: E402
 
@@ -219,10 +219,10 @@ def shipped_heads(pipeline: str) -> Path:
     from specpipe.stages.draft.medusa import DEFAULT_HYDRA_DIR, DEFAULT_MEDUSA_DIR
 
     if pipeline in EAGLE3_PIPELINES:
-        return REPO / DEFAULT_EAGLE3_DIR
+        return PACKAGE_ROOT / DEFAULT_EAGLE3_DIR
     if pipeline == "hydra":
-        return REPO / DEFAULT_HYDRA_DIR
-    return REPO / (DEFAULT_EAGLE_DIR if pipeline in EAGLE_PIPELINES else DEFAULT_MEDUSA_DIR)
+        return PACKAGE_ROOT / DEFAULT_HYDRA_DIR
+    return PACKAGE_ROOT / (DEFAULT_EAGLE_DIR if pipeline in EAGLE_PIPELINES else DEFAULT_MEDUSA_DIR)
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -259,8 +259,11 @@ class ModelUnderTest:
         drafts = [] if self.name == "embedded" or pipeline not in DRAFT_MODEL_PIPELINES \
             else [f"pipeline.drafters.model.path={self.self_draft()}", "pipeline.drafters.model.vocab_top_k=0",
                   "pipeline.tree.min_score=0"]  # a random tiny model's next-token probabilities are ~1e-5
-        if pipeline in HEAD_PIPELINES and (self.name != "embedded" or not shipped_heads(pipeline).is_dir()):
+        if pipeline in HEAD_PIPELINES and self.name != "embedded":
             drafts = head_overrides(pipeline, self.loaded.model)
+        elif pipeline in HEAD_PIPELINES and not shipped_heads(pipeline).is_dir():  # never a test head in their place
+            raise FileNotFoundError(f"{pipeline}: the heads shipped for the embedded model are missing: "
+                                    f"{shipped_heads(pipeline)}")
         return compose_config([*self.overrides, f"pipeline={pipeline}", f"cost_curve={cost_curve}", *frozen,
                                *drafts, *overrides])
 
