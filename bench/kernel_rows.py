@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from specpipe.engine import cpu_kernel
+from specpipe.engine import cpu_kernel_build
 from specpipe.models import cache_root
 
 KERNEL_FOLDER = "specpipe/kernels/cpu"
@@ -47,12 +47,12 @@ def sources_at(revision: str, into: Path) -> Path:
 
 def build_product(folder: Path):
     """weight_product of the kernel built from the sources in `folder` (this CPU's ISA, the default prefetch hint)."""
-    kept = cpu_kernel.KERNEL_SOURCES
-    cpu_kernel.KERNEL_SOURCES = folder  # the build's name hashes the sources, so other sources build apart
+    kept = cpu_kernel_build.KERNEL_SOURCES
+    cpu_kernel_build.KERNEL_SOURCES = folder  # the build's name hashes the sources, so other sources build apart
     try:
-        return cpu_kernel._build(None, cpu_kernel.kernel_isa()).weight_product
+        return cpu_kernel_build.build_kernel(None, cpu_kernel_build.kernel_isa()).weight_product
     finally:
-        cpu_kernel.KERNEL_SOURCES = kept
+        cpu_kernel_build.KERNEL_SOURCES = kept
 
 
 def main() -> None:
@@ -72,14 +72,14 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     state = load_file(args.model)
     weights = [tensor.to(dtype).contiguous() for name, tensor in state.items() if tensor.dim() == 2]  # [out, in]
-    variants = {"working tree": build_product(cpu_kernel.KERNEL_SOURCES)}
+    variants = {"working tree": build_product(cpu_kernel_build.KERNEL_SOURCES)}
     if args.before:
         with tempfile.TemporaryDirectory(prefix="kernel_before_") as before:  # the build copies what it compiles
             variants[args.before] = build_product(sources_at(args.before, Path(before)))
     if args.int8:
         from specpipe.engine.quantize import quantize_rows
 
-        quantized_product = cpu_kernel._build(None, cpu_kernel.kernel_isa()).quantized_product
+        quantized_product = cpu_kernel_build.build_kernel(None, cpu_kernel_build.kernel_isa()).quantized_product
         codes = {id(weight): quantize_rows(weight) for weight in weights}  # (int8 [out, in], scale [out])
         variants["working tree, int8 weights"] = lambda x, weight, bias: quantized_product(x, *codes[id(weight)], bias)
     other_memory = torch.empty(300_000_000 if args.cold else 0, dtype=torch.uint8)

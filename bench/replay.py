@@ -24,7 +24,7 @@ import json
 from stage_profile import build as build_method  # bench/ is on the path of a script run from it
 
 from specpipe.pipelines.pipeline import Pipeline
-from specpipe.tasks.bench import read_questions, resolve_prompts_path, select_questions
+from specpipe.tasks.bench_questions import read_questions, resolve_prompts_path, select_questions
 from specpipe.types import DecodeState, DraftTree
 
 

@@ -29,7 +29,7 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specpipe.tasks.bench import read_questions, select_questions  # noqa: E402
+from specpipe.tasks.bench_questions import read_questions, select_questions  # noqa: E402
 from specpipe.tasks.bench_load import RequestRecord, closed_loop_clients, level_metrics  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def main() -> None:
 
 
 def write(rows: list[dict], args, out: Path) -> None:
-    from specpipe.tasks.bench_report import machine_info, machine_line
+    from specpipe.tasks.bench_machine import machine_info, machine_line
 
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_info()

@@ -27,7 +27,8 @@ import re
 import time
 
 from specpipe.pipelines.pipeline import Pipeline
-from specpipe.tasks.bench import learning_paused, read_questions, resolve_prompts_path, select_questions
+from specpipe.tasks.bench_questions import read_questions, resolve_prompts_path, select_questions
+from specpipe.tasks.bench_run import learning_paused
 
 STAGES = ("propose", "tree", "forward", "verify", "commit")
 

@@ -1,13 +1,10 @@
-"""Capacity-plan arithmetic: what a model needs in memory, on how many devices of a kind it fits,
-and what one verify step of q query tokens costs by the roofline of the device.
-
-Everything here is a function of typed inputs (an `Architecture`, a `WeightInventory` taken from
-the model built on the meta device, a `Hardware`); `specpipe.tasks.plan` reads the config and
-prints. Placement under a device map is accelerate's own (`infer_auto_device_map` over
-`compute_module_sizes`), not a re-implementation of it.
-
-Conventions: bytes are exact integers where they are counts of stored elements; a GiB is 2**30
-bytes; bandwidths are GB/s (1e9 bytes/s) and peaks TFLOPS (1e12/s), as datasheets print them.
+"""Capacity-plan arithmetic: what a model needs in memory, on how many devices of a kind it fits, and
+what one verify step of q query tokens costs by the roofline of the device, each a function of typed
+inputs (an `Architecture`, a `WeightInventory` taken from the model built on the meta device, a
+`Hardware`) that `specpipe.tasks.plan_build` composes into the plan of `task=plan`. Placement under a
+device map is accelerate's own (`infer_auto_device_map` over `compute_module_sizes`), not a
+re-implementation of it. Bytes are exact integers where they are counts of stored elements; a GiB is
+2**30 bytes; bandwidths are GB/s (1e9 bytes/s) and peaks TFLOPS (1e12/s), as datasheets print them.
 """
 from __future__ import annotations
 
@@ -57,6 +54,10 @@ class Hardware:
     def usable_bytes(self, headroom: float) -> int:
         """What a plan may fill: the rest is left to the allocator, the runtime's context and fragmentation."""
         return int(self.memory_bytes * (1.0 - headroom))
+
+    def device_limit(self, asked: int) -> int:
+        """The most devices of this kind a plan may use: `asked`, or fewer where the kind has a maximum."""
+        return min(asked, self.max_devices or asked)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:

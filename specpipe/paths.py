@@ -32,3 +32,10 @@ def package_path(value: str | Path) -> Path:
     (the way to write somewhere else, e.g. from an installed wheel whose folder is read-only)."""
     path = Path(value).expanduser()
     return path if path.is_absolute() else PACKAGE_ROOT / path
+
+
+def display_path(path: Path) -> str:
+    """A checkout's file by its path from the checkout's root, any other by its whole path: what recorded metadata
+    names, so that it does not depend on where the checkout lies."""
+    path = path.resolve()
+    return str(path.relative_to(CHECKOUT_ROOT)) if path.is_relative_to(CHECKOUT_ROOT) else str(path)

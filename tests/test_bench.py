@@ -10,8 +10,10 @@ import pandas as pd
 import pytest
 
 from specpipe.errors import ConfigError, InvalidRequest
-from specpipe.tasks.bench import (Question, TurnOutput, read_questions, run_bench, run_question,
-                                      select_questions)
+from specpipe.tasks.bench import run_bench
+from specpipe.tasks.bench_questions import read_questions, select_questions
+from specpipe.tasks.bench_records import Question, TurnOutput
+from specpipe.tasks.bench_run import run_question
 from specpipe.pipelines.builder import compose_config
 from specpipe.pipelines.pipeline import PreparedPrompt
 
@@ -76,7 +78,8 @@ def test_relative_to_gives_each_method_its_speed_over_one_method_with_an_interva
 def test_paired_intervals_tell_a_slower_method_from_the_noise():
     import random
 
-    from specpipe.tasks.bench_report import paired_speed_ratios, relative_table
+    from specpipe.tasks.bench_metrics import paired_speed_ratios
+    from specpipe.tasks.bench_render import relative_table
 
     rng = random.Random(0)
     records = []
@@ -277,7 +280,7 @@ def test_multirun_merges_the_jobs_into_one_table_and_plot(prompts_file, tmp_path
 
 def test_hf_methods_run_transformers_forward_when_the_engine_rewrites_the_model(prompts_file, tiny_mixed, tmp_path):
     """hf_generate is the reference only if it runs the stock model, not the one engine=fast rewrote."""
-    from specpipe.tasks.bench import make_methods
+    from specpipe.tasks.bench_methods import make_methods
     from specpipe.pipelines.builder import build_pipeline
 
     cfg = compose_config(tiny_overrides(prompts_file, "engine=fast", f"bench.out={tmp_path}"))
@@ -334,7 +337,8 @@ def test_mt_bench_categories_are_reported_as_one_and_selected_per_original_categ
 
 
 def test_group_categories_setting_is_checked():
-    from specpipe.tasks.bench import DEFAULT_GROUPS, read_groups
+    from specpipe.tasks.bench_questions import DEFAULT_GROUPS
+    from specpipe.tasks.bench_settings import read_groups
 
     assert set(DEFAULT_GROUPS) == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
                                    "humanities"} and set(DEFAULT_GROUPS.values()) == {"mt_bench"}
@@ -375,9 +379,10 @@ def test_prompt_lookup_reports_the_share_of_tokens_from_its_proposer(bench_run):
 
 
 def test_warm_up_answers_do_not_enter_the_store_of_past_outputs(tiny_mixed, prompts_file):
-    from specpipe.tasks.bench import make_methods, run_methods
+    from specpipe.tasks.bench_methods import make_methods
+    from specpipe.tasks.bench_run import run_methods
 
-    from specpipe.tasks.bench import PipelineDecode
+    from specpipe.tasks.bench_methods import PipelineDecode
 
     pipeline = tiny_mixed.pipeline("lookahead_trie", "+retriever@pipeline.proposers.past=past_outputs", fresh=True)
     compared = tiny_mixed.pipeline("prompt_lookup", "+retriever@pipeline.proposers.past=past_outputs", fresh=True)
@@ -495,7 +500,8 @@ def test_a_time_limit_reports_the_questions_every_method_finished(prompts_file, 
 
 
 def test_an_interrupt_keeps_only_the_questions_every_method_finished(tiny_mixed, prompts_file):
-    from specpipe.tasks.bench import make_methods, run_methods
+    from specpipe.tasks.bench_methods import make_methods
+    from specpipe.tasks.bench_run import run_methods
 
     pipeline = tiny_mixed.pipeline("prompt_lookup")
     questions = read_questions(prompts_file)
@@ -527,7 +533,7 @@ def test_sigterm_interrupts_the_benchmark_like_ctrl_c_and_only_while_it_runs():
     import os
     import signal
 
-    from specpipe.tasks.bench import stop_signals_interrupt
+    from specpipe.tasks.bench_run import stop_signals_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), stop_signals_interrupt():
@@ -577,7 +583,7 @@ class _LlamaServerStandIn:
 
 
 def test_the_llama_cpp_method_asks_llama_server_for_greedy_tokens_of_the_same_ids():
-    from specpipe.tasks.bench import LlamaCppServer
+    from specpipe.tasks.bench_methods import LlamaCppServer
 
     stand_in = _LlamaServerStandIn([11, 12, 13])
     try:
@@ -592,7 +598,7 @@ def test_the_llama_cpp_method_asks_llama_server_for_greedy_tokens_of_the_same_id
 
 
 def test_the_llama_cpp_method_needs_a_running_server():
-    from specpipe.tasks.bench import LlamaCppServer
+    from specpipe.tasks.bench_methods import LlamaCppServer
 
     with pytest.raises(InvalidRequest, match="bench.llama_cpp_url=http://HOST:PORT"):
         LlamaCppServer(None)

@@ -374,7 +374,7 @@ def test_a_curve_is_cached_per_openmp_wait_policy(tiny, tmp_path, monkeypatch):
 
 
 def test_a_benchmark_records_the_openmp_wait_policy(monkeypatch):
-    from specpipe.tasks.bench_report import machine_info, machine_line
+    from specpipe.tasks.bench_machine import machine_info, machine_line
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
@@ -401,12 +401,12 @@ def test_a_benchmark_records_real_time_throttling(tmp_path, monkeypatch, runtime
     """`chrt -f 1` with the kernel's real-time cap stalls a busy decode ~50 ms a second: the report says so."""
     import os
 
-    from specpipe.tasks import bench_report
+    from specpipe.tasks import bench_machine
 
     (tmp_path / "sched_rt_runtime_us").write_text(f"{runtime}\n")
     (tmp_path / "sched_rt_period_us").write_text("1000000\n")
     monkeypatch.setattr(os, "sched_getscheduler", lambda pid: getattr(os, policy))
-    found = bench_report.realtime_throttling(tmp_path)
+    found = bench_machine.realtime_throttling(tmp_path)
     assert found == ("SCHED_FIFO, throttled to 950000 of every 1000000 us" if throttled else "")
-    machine = {**bench_report.machine_info(), "realtime_throttling": found or "none"}
-    assert ("real-time SCHED_FIFO" in bench_report.machine_line(machine)) == throttled
+    machine = {**bench_machine.machine_info(), "realtime_throttling": found or "none"}
+    assert ("real-time SCHED_FIFO" in bench_machine.machine_line(machine)) == throttled

@@ -17,9 +17,11 @@ import torch
 
 from specpipe.distill.corpus import (BatchedGreedy, CorpusError, ShardFolder, chat_prompt_ids, distill,
                                      merge_shards, read_corpus, read_corpus_metadata)
-from specpipe.distill.prompts import (BUILDERS, DEFAULT_SEED, SOURCE_COUNTS, ChatPrompt, _fill_slots, _product_of,
-                                      _situated_request, build_prompt_source, dev_prompt_files, find_overlaps,
-                                      follow_up_prompts, load_dev_turns, prompt_id)
+from specpipe.distill.builders import product_of
+from specpipe.distill.dev_overlap import dev_prompt_files, find_overlaps, load_dev_turns
+from specpipe.distill.problems import fill_slots, situated_request
+from specpipe.distill.prompts import (BUILDERS, DEFAULT_SEED, SOURCE_COUNTS, ChatPrompt, build_prompt_source,
+                                      follow_up_prompts, prompt_id)
 from specpipe.distill.requests import CONSTRAINTS, SITUATED_REQUESTS
 from specpipe.distill.subjects import DATA_DIR, PromptData, load_prompt_data
 from specpipe.paths import PACKAGE_ROOT
@@ -530,7 +532,7 @@ def test_adding_a_generation_keeps_every_earlier_prompt(source, tmp_path, monkey
     grown = load_prompt_data(copy_with_new_items(tmp_path / "new_gen",
                                                  lambda pool: max(item["gen"] for item in pool["items"]) + 1))
     assert draws_sha256(grown) == DRAWS_SHA256
-    monkeypatch.setitem(BUILDERS, "writing_3", ("writing", _product_of("writing.templates", "writing.subjects", gen=3)))
+    monkeypatch.setitem(BUILDERS, "writing_3", ("writing", product_of("writing.templates", "writing.subjects", gen=3)))
     larger = build_prompt_source(counts={**SOURCE_COUNTS, "writing_3": 50}, data=grown)
     added = set(larger.prompts) - set(source.prompts)
     assert set(source.prompts) <= set(larger.prompts)
@@ -549,9 +551,9 @@ def test_situated_requests_fill_every_slot_and_keep_the_constraint_with_the_ask(
     for category, requests in SITUATED_REQUESTS.items():
         assert category in CONSTRAINTS and CONSTRAINTS[category][0] == ""  # the first entry: no constraint
         for request in requests:
-            filled = _fill_slots(request, rng)
+            filled = fill_slots(request, rng)
             assert "{" not in filled.replace("{2}", "").replace("{4}", ""), filled  # only the regex's own braces
-    make = _situated_request("extraction")
+    make = situated_request("extraction")
     made = [make(rng) for _ in range(200)]
     constrained = [(text, c) for text in made for c in CONSTRAINTS["extraction"][1:] if c in text]
     assert len(constrained) > 100

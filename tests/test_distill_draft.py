@@ -20,8 +20,9 @@ from specpipe.distill.prompts import ChatPrompt, prompt_id
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stores.manifest import tokenizer_fingerprint
-from specpipe.tasks.distill_draft import (Example, TeacherCache, compute_teacher, draft_chains, evaluate,
-                                          run_distill_draft)
+from specpipe.tasks.distill_draft import run_distill_draft
+from specpipe.training.draft import TeacherCache, compute_teacher, draft_chains, evaluate
+from specpipe.training.examples import Example
 
 PROMPT_TEXTS = ["Hi.", "Name a colour.", "What is 2 + 2?", "List three rivers in Europe.",
                 "Write a haiku about tea.", "Why is the sky blue?", "Give me a word that rhymes with cat.",
@@ -240,7 +241,7 @@ def test_examples_carry_a_second_turns_history(tmp_path):
     import pyarrow.parquet as pq
 
     from specpipe.distill.prompts import follow_up_prompts
-    from specpipe.tasks.distill_draft import load_examples
+    from specpipe.training.examples import load_examples
 
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     tokenizer = loaded.tokenizer
@@ -353,7 +354,7 @@ def test_a_corpus_of_another_tokenizer_is_refused(tmp_path):
     import pyarrow.parquet as pq
 
     from specpipe.distill.corpus import METADATA_KEY, read_corpus_metadata
-    from specpipe.tasks.distill_draft import read_task_corpus
+    from specpipe.training.examples import read_task_corpus
 
     loaded = load_model(compose_config(["model=tiny_random"]).model)
     vocab_sha256 = tokenizer_fingerprint(loaded.tokenizer)["vocab_sha256"]

@@ -19,6 +19,7 @@ from specpipe.stages.draft.draft_model import ROOT, DraftModelDrafter, load_draf
 from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal
+from specpipe.stages.base import StepDrafter
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_the_draft_cache_after_a_step_equals_recomputing_the_committed_text(tiny
         torch.testing.assert_close(values, layer.values, atol=1e-5, rtol=1e-5)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(StepDrafter):
     """A StepDrafter whose next-token distribution depends only on depth: p(token t at depth d)."""
 
     name = "scripted"
@@ -346,7 +347,7 @@ def write_answer_corpus(path, answers: list[list[int]]) -> None:
 
 
 def test_the_reduced_vocabulary_head_scores_only_the_frequent_tokens(tiny_mixed, tmp_path):
-    from specpipe.stages.draft.draft_model import ReducedVocabHead, frequent_tokens
+    from specpipe.stages.draft.reduced_vocab import ReducedVocabHead, frequent_tokens
 
     corpus = tmp_path / "answers.parquet"
     write_answer_corpus(corpus, [[5, 5, 5, 9, 9, 700], [9, 5, 42]])
@@ -415,7 +416,7 @@ def test_a_bf16_draft_models_whole_level_runs_in_one_kernel_call(tiny_mixed, sel
     greedy output is the bf16 `vanilla`'s token for token."""
     import copy
 
-    from specpipe.engine.cpu_kernel import kernel_isa
+    from specpipe.engine.cpu_kernel_build import kernel_isa
 
     long_prompt = torch.randint(300, 1300, (100,), generator=torch.Generator().manual_seed(72)).tolist()
     prompts = [*random_prompts(2, seed=72), long_prompt]  # its feed is above the kernel's 64 rows (12 on AMX CPUs)

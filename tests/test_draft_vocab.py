@@ -12,9 +12,10 @@ import torch
 
 from conftest import eagle_head_dir, medusa_head_dir, random_prompts, tiny_draft_dir
 from specpipe.errors import ConfigError
+from specpipe.paths import PACKAGE_ROOT
 from specpipe.pipelines.builder import build_pipeline
-from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, read_ranking, write_ranking
+from specpipe.stages.draft.reduced_vocab import ReducedVocabHead
 from specpipe.stores.manifest import tokenizer_fingerprint
 from test_draft_model import write_answer_corpus
 
@@ -161,7 +162,7 @@ def test_each_shipped_head_and_draft_pins_its_vocabulary(artifact, corpus):
     """What the shipped artifacts draft over no longer moves with the chat corpus: each carries the
     ranking of the corpus it was served with since it shipped."""
     tokens, sha256 = corpus
-    with np.load(pinned_vocab_path(REPO / artifact), allow_pickle=False) as data:
+    with np.load(pinned_vocab_path(PACKAGE_ROOT / artifact), allow_pickle=False) as data:
         counts, source = data["counts"], str(data["source"])
     assert counts.shape == (49152,) and counts.sum() == tokens and sha256 in source
 

@@ -6,6 +6,7 @@ from specpipe.cost import CostCurve
 from specpipe.stages.tree.drafter_gate import DrafterGate
 from specpipe.stages.tree.eagle2 import Eagle2TreeBuilder
 from specpipe.types import DecodeState, Proposal, SamplingConfig
+from specpipe.stages.base import StepDrafter
 
 
 def test_the_gate_grows_through_warmup_then_where_the_drafter_pays_and_explores_where_it_does_not():
@@ -59,7 +60,7 @@ def test_a_step_credits_the_drafter_only_with_accepted_tokens_no_other_source_dr
     assert gate.estimate("head", 3) == (0.0, 0.0, 0.0)
 
 
-class CountingDrafter:
+class CountingDrafter(StepDrafter):
     """A StepDrafter that drafts `token` after the root and counts the steps it was grown in."""
 
     def __init__(self, name: str, token: int, vocab: int = 16) -> None:

@@ -22,9 +22,9 @@ from specpipe.engine.onednn import OneDNNLinear
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.pipelines.builder import build_pipeline
-from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.eagle import ROOT, EagleDrafter, load_eagle
 from specpipe.stages.draft.eagle3 import load_eagle3
+from specpipe.stages.draft.reduced_vocab import ReducedVocabHead
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState
 

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaModel, LlamaRMSNorm
 
 from conftest import DRAFTING_PIPELINES, HEAD_PIPELINES, near_tie_divergence, random_prompts, run_steps
-from specpipe.engine import cpu, onednn, packed_weight
+from specpipe.engine import cpu, cpuinfo, onednn, packed_weight
 from specpipe.engine.base import REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, tiles_permitted
 from specpipe.engine.blocks import FusedGatedMLP, FusedQKVAttention
 from specpipe.engine.hf import HFEngine
@@ -465,20 +465,20 @@ needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None
     or not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     or platform.machine().lower() not in ("x86_64", "amd64")
-    or not {"avx2", "fma"} <= cpu.cpu_flags(),
+    or not {"avx2", "fma"} <= cpuinfo.cpu_flags(),
     reason="the CPU kernel is built with a C++ compiler and Python's headers for x86 CPUs with AVX2")
 
 
 @needs_compiler
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
-    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
+    "avx512f" not in cpuinfo.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
     pytest.param("avx512_bf16", marks=pytest.mark.skipif(
-        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(), reason="pair products need AVX512_BF16"))])
+        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpuinfo.cpu_flags(), reason="pair products need AVX512_BF16"))])
 def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(isa):
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build, cpu_kernel_checks
 
-    built = cpu_kernel._build(None, isa)  # each build, whichever this CPU's engine uses
-    cpu_kernel._self_check(built.weight_product, built.quantized_product)
+    built = cpu_kernel_build.build_kernel(None, isa)  # each build, whichever this CPU's engine uses
+    cpu_kernel_checks.self_check(built.weight_product, built.quantized_product)
     product = built.weight_product
     kernel = SimpleNamespace(product=product)
     generator = torch.Generator().manual_seed(5)
@@ -527,17 +527,17 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
 
 @needs_compiler
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
-    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
+    "avx512f" not in cpuinfo.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
     pytest.param("avx512_bf16", marks=pytest.mark.skipif(
-        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(), reason="pair products need AVX512_BF16"))])
+        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpuinfo.cpu_flags(), reason="pair products need AVX512_BF16"))])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, dtype, tolerance):
     """The decoding attention of each build against SDPA in fp32: head sizes of its register paths (64 and
     128, and 32 on the AVX2 build; bf16 keys times bf16 queries in pairs on the AVX512_BF16 build) and odd ones, 1-13 query rows under ancestor masks, keys and values
     read as strided rows of a larger cache, 1, 3, 4 and 8 query heads per KV head."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build, cpu_kernel_checks
 
-    attention = cpu_kernel._build(None, isa).tree_attention
+    attention = cpu_kernel_build.build_kernel(None, isa).tree_attention
     generator = torch.Generator().manual_seed(11)
     for head_dim in (64, 128, 32, 24, 72):
         for q, kv in ((1, 1), (1, 300), (2, 19), (5, 64), (13, 77)):
@@ -549,7 +549,7 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
             if q > 1:
                 mask = torch.ones(q, kv, dtype=torch.bool)
                 mask[:, kv - q:] = torch.eye(q, dtype=torch.bool) | (torch.rand(q, q, generator=generator) < 0.4).tril()
-            expected = cpu_kernel.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
+            expected = cpu_kernel_checks.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
             got = attention(query, key, value, mask, head_dim ** -0.5)
             assert got.shape == (1, q, 9, head_dim) and got.dtype == dtype and got.is_contiguous()
             torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0,
@@ -560,7 +560,7 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
             # chunks of 4, 2 or 1 heads together depending on the head size and the build
             for groups in (1, 4, 8):
                 query = torch.randn(1, 3 * groups, q, head_dim, generator=generator).to(dtype) * 3
-                expected = cpu_kernel.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
+                expected = cpu_kernel_checks.sdpa_reference(query, key, value, mask, head_dim ** -0.5)
                 got = attention(query, key, value, mask, head_dim ** -0.5)
                 torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=0,
                                            msg=lambda m: f"head_dim {head_dim}, {groups} heads per KV head, {q} rows: {m}")
@@ -572,7 +572,7 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
     mask[0, -1] = False
     got = attention(query, key, value, mask, 0.125)
     assert torch.isfinite(got[0, 0]).all()
-    torch.testing.assert_close(got[0, 0].float(), cpu_kernel.sdpa_reference(
+    torch.testing.assert_close(got[0, 0].float(), cpu_kernel_checks.sdpa_reference(
         query[:, :, :1], key[:, :, :-1], value[:, :, :-1], None, 0.125)[0, 0], atol=tolerance, rtol=0)
     with pytest.raises(RuntimeError, match="key and value: query's dtype"):
         attention(query.float() if dtype == torch.bfloat16 else query.bfloat16(), key, value, None, 0.125)
@@ -600,14 +600,14 @@ def test_the_lean_forward_runs_prompts_steps_and_tree_verifies_through_the_kerne
     """A prompt (causal, no mask given), one token and a tree verify go through the kernel's attention (a
     block above KERNEL_ATTENTION_MAX_ROWS does not), and give the hidden states and logits SDPA's path
     gives: fp32 to float rounding with the same argmax in every row."""
-    from specpipe.engine import cpu_kernel, lean_model
+    from specpipe.engine import cpu_kernel_build, lean_model
 
     with_kernel, with_sdpa = fresh_tiny(dtype), fresh_tiny(dtype)
     OneDNNEngine().apply(with_kernel)
     OneDNNEngine(kernel_attention=False).apply(with_sdpa)
     assert with_kernel.model.attention_kernel is not None and with_sdpa.model.attention_kernel is None
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    isa = cpu_kernel.kernel_isa()
+    isa = cpu_kernel_build.kernel_isa()
     assert with_kernel.model.attention_max_rows[torch_dtype] == lean_model.KERNEL_ATTENTION_MAX_ROWS[isa][torch_dtype]
     prompt = random_prompts(1, seed=4)[0]
     limit = max(len(prompt), 8)  # the prompt's rows are the most the kernel serves here
@@ -638,30 +638,30 @@ def test_the_lean_forward_runs_prompts_steps_and_tree_verifies_through_the_kerne
 
 
 def test_the_kernel_is_built_for_the_isa_aten_runs(monkeypatch):
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
-    assert cpu_kernel.kernel_isa() == "avx512_bf16"
-    assert cpu_kernel.build_name().startswith("specpipe_kernel_avx512_bf16_")
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
-    assert cpu_kernel.kernel_isa() == "avx512" and cpu_kernel.build_name().startswith("specpipe_kernel_avx512_")
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2 holds it back
-    assert cpu_kernel.kernel_isa() == "avx2" and cpu_kernel.build_name().startswith("specpipe_kernel_avx2_")
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
-    assert cpu_kernel.kernel_isa() == "avx2"
-    assert len({cpu_kernel.build_name(isa) for isa in cpu_kernel.ISA_FLAGS}) == 3
+    monkeypatch.setattr(cpu_kernel_build, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")
+    assert cpu_kernel_build.kernel_isa() == "avx512_bf16"
+    assert cpu_kernel_build.build_name().startswith("specpipe_kernel_avx512_bf16_")
+    monkeypatch.setattr(cpu_kernel_build, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert cpu_kernel_build.kernel_isa() == "avx512" and cpu_kernel_build.build_name().startswith("specpipe_kernel_avx512_")
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2 holds it back
+    assert cpu_kernel_build.kernel_isa() == "avx2" and cpu_kernel_build.build_name().startswith("specpipe_kernel_avx2_")
+    monkeypatch.setattr(cpu_kernel_build, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")
+    assert cpu_kernel_build.kernel_isa() == "avx2"
+    assert len({cpu_kernel_build.build_name(isa) for isa in cpu_kernel_build.ISA_FLAGS}) == 3
 
 
 @needs_compiler
 def test_the_weight_prefetch_hint_is_a_build_of_its_own_that_computes_the_same(monkeypatch):
     """engine.weight_prefetch only changes where the streamed weights are cached: each hint is its own build
     (its own name, so cost curves are measured apart), and their products are bitwise equal."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
-    assert cpu_kernel.build_name(weight_prefetch="nta") != cpu_kernel.build_name(weight_prefetch="t0")
-    kernels = {hint: cpu_kernel.CpuKernel(weight_prefetch=hint) for hint in cpu_kernel.WEIGHT_PREFETCH_HINTS}
+    assert cpu_kernel_build.build_name(weight_prefetch="nta") != cpu_kernel_build.build_name(weight_prefetch="t0")
+    kernels = {hint: cpu_kernel.CpuKernel(weight_prefetch=hint) for hint in cpu_kernel_build.WEIGHT_PREFETCH_HINTS}
     generator = torch.Generator().manual_seed(4)
     weight = torch.randn(300, 96, generator=generator).bfloat16()  # [out, in]
     for rows in (1, 4, 13):
@@ -677,12 +677,12 @@ def test_the_weight_prefetch_hint_is_a_build_of_its_own_that_computes_the_same(m
     with pytest.raises(ConfigError, match="engine.weight_prefetch must be one of"):
         OneDNNEngine(weight_prefetch="l2")
     with pytest.raises(ValueError, match="weight_prefetch must be one of"):
-        cpu_kernel.build_name(weight_prefetch="T0")
+        cpu_kernel_build.build_name(weight_prefetch="T0")
 
 
 @needs_compiler
 def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_another_order():
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_checks
 
     kernel = cpu_kernel.CpuKernel()
     assert kernel.product is not None, kernel.reason
@@ -698,7 +698,7 @@ def test_the_kernels_rms_norm_is_bitwise_transformers_and_the_check_catches_anot
                 hidden = (torch.randn(1, rows, width, generator=generator) * scale).to(dtype)  # [1, rows, width]
                 assert torch.equal(kernel.norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
     # a norm summing in another order (float64, then rounded) is caught by the load-time check
-    assert cpu_kernel._norm_mismatch(
+    assert cpu_kernel_checks.norm_mismatch(
         lambda x, weight, eps: weight * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
                                          ).float().to(x.dtype))
     with pytest.raises(RuntimeError, match="weight: \\[n\\] of x's dtype"):
@@ -713,7 +713,7 @@ def test_the_kernels_silu_gate_is_bitwise_torchs_where_it_serves_and_the_check_c
     refused by name."""
     import torch.nn.functional as F
 
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_checks
 
     kernel = cpu_kernel.CpuKernel()
     assert kernel.product is not None, kernel.reason
@@ -723,15 +723,15 @@ def test_the_kernels_silu_gate_is_bitwise_torchs_where_it_serves_and_the_check_c
     generator = torch.Generator().manual_seed(12)
     for dtype in (torch.float32, torch.bfloat16):
         for rows, intermediate in ((1, 1536), (9, 1536), (21, 1536), (3, 64), (1, 28672)):
-            assert cpu_kernel.serves_gate(rows, intermediate)
+            assert cpu_kernel_checks.serves_gate(rows, intermediate)
             gate_up = (torch.randn(1, rows, 2 * intermediate, generator=generator) * 6).to(dtype)  # [1, rows, 2n]
             gate, up = gate_up.split(intermediate, dim=-1)
             got = kernel.gate(gate_up)
             assert got.shape == (1, rows, intermediate) and torch.equal(got, F.silu(gate) * up), (dtype, rows)
-    assert not cpu_kernel.serves_gate(22, 1536)  # 33792 values: ATen splits them over its threads
-    assert not cpu_kernel.serves_gate(1, 1000)  # not whole vector steps: ATen's scalar tail
+    assert not cpu_kernel_checks.serves_gate(22, 1536)  # 33792 values: ATen splits them over its threads
+    assert not cpu_kernel_checks.serves_gate(1, 1000)  # not whole vector steps: ATen's scalar tail
     # silu computed in fp64 and rounded once rounds some value otherwise than ATen's fp32 vector exp
-    assert cpu_kernel._gate_mismatch(lambda gate_up: (
+    assert cpu_kernel_checks.gate_mismatch(lambda gate_up: (
         F.silu(gate_up.double()[..., :gate_up.shape[-1] // 2]) * gate_up.double()[..., gate_up.shape[-1] // 2:]
     ).to(gate_up.dtype))
     with pytest.raises(RuntimeError, match="a multiple of"):
@@ -777,7 +777,8 @@ def test_lean_forward_with_the_kernels_norm_computes_what_transformers_forward_c
     OneDNNEngine(lean_forward=False).apply(stock)
     with caplog.at_level(logging.DEBUG):
         OneDNNEngine(kernel_attention=False).apply(lean)
-    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows
+    from specpipe.engine.cpu_kernel_build import build_name
 
     engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
     if lean.model.norm_kernel is None:
@@ -799,7 +800,8 @@ def test_bf16_without_a_native_kernel_runs_few_rows_through_the_bf16_kernel(monk
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.DEBUG):  # the row-by-row product, which an AVX2 CPU's kernel has (no column blocks)
         OneDNNEngine(bf16_kernel_rows=5, kernel_blocks=False).apply(model)
-    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows
+    from specpipe.engine.cpu_kernel_build import build_name
 
     engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
 
@@ -835,7 +837,8 @@ def test_fp32_products_of_few_rows_run_the_kernel_on_the_fp32_weights(monkeypatc
     model, stock = fresh_tiny(), fresh_tiny()
     with caplog.at_level(logging.DEBUG):
         OneDNNEngine(fp32_kernel_rows=5, fp32_split_rows=2).apply(model)
-    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows, build_name
+    from specpipe.engine.cpu_kernel import auto_block_lookahead_rows
+    from specpipe.engine.cpu_kernel_build import build_name
 
     engine_build = build_name(block_lookahead_rows=auto_block_lookahead_rows())  # the build engine=fast loads here
 
@@ -895,6 +898,7 @@ def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
     why, where it loads without them or blocks are off. The kernel is a stand-in, so the test runs alike on every
     machine."""
     import specpipe.engine.cpu_kernel as cpu_kernel
+    import specpipe.engine.cpu_kernel_build as cpu_kernel_build
 
     def stand_in(blocks, amx=False):
         return lambda **_: SimpleNamespace(product=lambda *args: None, blocks=blocks, isa="avx512_bf16" if blocks
@@ -902,7 +906,7 @@ def test_on_amx_cpus_auto_runs_the_kernel_only_in_column_blocks(monkeypatch):
                                            amx_reason="" if amx else "a stand-in")
 
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_kernel, "kernel_isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(cpu_kernel_build, "kernel_isa", lambda: "avx512_bf16")
     amx = cpu.LinearPath(torch.bfloat16, torch.bfloat16, "brg_matmul:avx10_1_512_amx", "probed")
     monkeypatch.setattr(cpu_kernel, "CpuKernel", stand_in(blocks=object()))
     path, kernel = OneDNNEngine()._with_kernel(amx)
@@ -960,7 +964,7 @@ def test_native_bf16_products_of_few_rows_run_the_kernel_with_the_bias_in_fp32(m
     torch.testing.assert_close(with_bias.product(x).float(), expected.float(), rtol=2 ** -7, atol=1e-4)
 
 
-needs_pairs = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(),
+needs_pairs = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= cpuinfo.cpu_flags(),
                                  reason="the column blocks are the kernel's AVX512_BF16 build")
 
 
@@ -973,9 +977,9 @@ def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
     tile of the cache (3072 x 576 is 192 blocks of 18 KB), every group size up to 16 rows (one block at a time up
     to 8, two from 9) and rows split into groups (17 = 9 + 8, 40 = 14 + 13 + 13); and each row's output is
     bitwise the one it gets alone (the sums run in the order of k whatever rows come with it)."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    built = cpu_kernel._build(None, "avx512_bf16")
+    built = cpu_kernel_build.build_kernel(None, "avx512_bf16")
     generator = torch.Generator().manual_seed(11)
     for in_features, out_features in ((9, 37), (75, 1), (601, 37), (576, 96), (576, 3072)):
         weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
@@ -1025,7 +1029,7 @@ def test_the_column_blocks_equal_an_fp32_product_and_each_row_is_its_own():
         built.pair_blocks(weight.float())
     # the other builds have no column blocks, and say so
     with pytest.raises(RuntimeError, match="block_product needs the kernel's AVX512_BF16 build"):
-        cpu_kernel._build(None, "avx512").block_product(x, blocks, 37, None, None)
+        cpu_kernel_build.build_kernel(None, "avx512").block_product(x, blocks, 37, None, None)
 
 
 @needs_compiler
@@ -1035,9 +1039,9 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
     column blocks, with the fp32 bias, and no copy of the weight as loaded is kept for the kernel; the log line
     (and so the cost curve's key) says so; the output matches the row-by-row product within one bf16 rounding;
     false keeps the weights as loaded."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")
     model, rows_model, stock = fresh_tiny("bf16"), fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.DEBUG):
         OneDNNEngine(bf16_kernel_rows=5).apply(model)
@@ -1057,10 +1061,10 @@ def test_bf16_weights_run_in_column_blocks_where_the_kernel_has_them(monkeypatch
     assert_output_layer_rounds_once(model, stock, rows=(1, 5, 6))
     assert calls == ["blocks", "blocks"]  # 6 rows: above the kernel's rows
     linear = nn.Linear(75, 37).bfloat16()  # [out, in] with a bias [out]
-    built = cpu_kernel._build(None, "avx512_bf16")
+    built = cpu_kernel_build.build_kernel(None, "avx512_bf16")
     with_bias = onednn.PackedWeight([linear], packed.compute_dtype, kernel=packed.kernel, kernel_rows=4,
-                                    block_kernel=cpu_kernel.BlockProduct(built.pair_blocks, built.int8_pair_blocks,
-                                                                         block_product))
+                                    block_kernel=cpu_kernel_build.BlockProduct(built.pair_blocks,
+                                                                               built.int8_pair_blocks, block_product))
     x = torch.randn(3, 75).bfloat16()  # [rows, in]
     expected = (x.float() @ linear.weight.detach().float().t() + linear.bias.float()).bfloat16()
     torch.testing.assert_close(with_bias.product(x).float(), expected.float(), rtol=2 ** -7, atol=1e-5)
@@ -1083,11 +1087,11 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
     """engine.block_lookahead_kb only asks the cache for lines earlier: each distance is its own build (cost curves
     measured apart), the column-block products are bitwise equal with and without it at every group size (it
     starts at 5 rows), and the engine passes the config's value to the kernel; bad values are refused by name."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
-    names = {cpu_kernel.build_name("avx512_bf16", block_lookahead_kb=kb) for kb in (0, 32, 64)}
-    assert len(names) == 3 and cpu_kernel.build_name("avx512_bf16") in names
-    builds = [cpu_kernel._build(None, "avx512_bf16", "nta", kb) for kb in (0, 32)]  # whatever ISA ATen runs
+    names = {cpu_kernel_build.build_name("avx512_bf16", block_lookahead_kb=kb) for kb in (0, 32, 64)}
+    assert len(names) == 3 and cpu_kernel_build.build_name("avx512_bf16") in names
+    builds = [cpu_kernel_build.build_kernel(None, "avx512_bf16", "nta", kb) for kb in (0, 32)]  # whatever ISA ATen runs
     generator = torch.Generator().manual_seed(12)
     weight = torch.randn(1200, 576, generator=generator).bfloat16()  # [out, in]: 75 blocks of 18 KB
     blocks = builds[0].pair_blocks(weight)
@@ -1105,7 +1109,7 @@ def test_the_block_lookahead_is_a_build_of_its_own_that_computes_the_same(monkey
         with pytest.raises(ConfigError, match="engine.block_lookahead_kb must be an integer from 0 to 512"):
             OneDNNEngine(block_lookahead_kb=bad)
         with pytest.raises(ValueError, match="block_lookahead_kb must be an integer from 0 to 512"):
-            cpu_kernel.build_flags("avx512_bf16", block_lookahead_kb=bad)
+            cpu_kernel_build.build_flags("avx512_bf16", block_lookahead_kb=bad)
 
 
 @needs_compiler
@@ -1113,16 +1117,16 @@ def test_the_row_by_row_product_asks_l2_ahead_too_and_computes_the_same():
     """The lookahead also serves the product over fp32 and bf16 weights row by row (weight_product) and over int8 ones
     (quantized_product): with it from 1 row, from 5 (1-4 rows without) or not at all (this CPU's own build only: one
     build fewer to compile for the AVX2 one), every group size gives bitwise the same outputs."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
     generator = torch.Generator().manual_seed(15)
     weight = torch.randn(1200, 576, generator=generator)  # [out, in]: 2.6 MB in fp32, past any lookahead
     bias = torch.randn(1200, generator=generator)  # [out]
     codes = torch.randint(-127, 128, (1200, 576), generator=generator, dtype=torch.int8)  # [out, in]
     scale = torch.rand(1200, generator=generator) / 64  # [out]
-    for isa in sorted({"avx2", cpu_kernel.kernel_isa()}):
+    for isa in sorted({"avx2", cpu_kernel_build.kernel_isa()}):
         settings = ((32, 5), (32, 1)) + (((0, 5),) if isa != "avx2" else ())  # (lookahead KiB, from rows)
-        builds = [cpu_kernel._build(None, isa, "nta", kb, True, rows) for kb, rows in settings]
+        builds = [cpu_kernel_build.build_kernel(None, isa, "nta", kb, True, rows) for kb, rows in settings]
         for rows in (1, 2, 5, 8, 13):
             x = torch.randn(rows, 576, generator=generator)  # [rows, in]
             for w, values in ((weight, x), (weight.bfloat16(), x.bfloat16())):
@@ -1137,11 +1141,11 @@ def test_the_lookahead_rows_are_a_build_of_their_own_that_computes_the_same(monk
     """engine.block_lookahead_rows moves where the lookahead starts: 1 row is its own build, 5 (the source's
     default) keeps the default build's name, the products are bitwise equal either way at every group size, auto is
     1 on CPUs with AMX and 5 elsewhere, the engine hands the resolved value to the kernel, bad values are refused."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
-    assert cpu_kernel.build_name("avx512_bf16", block_lookahead_rows=5) == cpu_kernel.build_name("avx512_bf16")
-    assert cpu_kernel.build_name("avx512_bf16", block_lookahead_rows=1) != cpu_kernel.build_name("avx512_bf16")
-    builds = [cpu_kernel._build(None, "avx512_bf16", "nta", 32, True, rows) for rows in (5, 1)]
+    assert cpu_kernel_build.build_name("avx512_bf16", block_lookahead_rows=5) == cpu_kernel_build.build_name("avx512_bf16")
+    assert cpu_kernel_build.build_name("avx512_bf16", block_lookahead_rows=1) != cpu_kernel_build.build_name("avx512_bf16")
+    builds = [cpu_kernel_build.build_kernel(None, "avx512_bf16", "nta", 32, True, rows) for rows in (5, 1)]
     generator = torch.Generator().manual_seed(13)
     weight = torch.randn(1200, 576, generator=generator).bfloat16()  # [out, in]
     blocks = builds[0].pair_blocks(weight)
@@ -1164,10 +1168,10 @@ def test_the_lookahead_rows_are_a_build_of_their_own_that_computes_the_same(monk
         with pytest.raises(ConfigError, match="engine.block_lookahead_rows must be 'auto' or an integer from 1 to 16"):
             OneDNNEngine(block_lookahead_rows=bad)
         with pytest.raises(ValueError, match="block_lookahead_rows must be an integer from 1 to 16"):
-            cpu_kernel.build_flags("avx512_bf16", block_lookahead_rows=bad)
+            cpu_kernel_build.build_flags("avx512_bf16", block_lookahead_rows=bad)
 
 
-needs_amx = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"} <= cpu.cpu_flags(),
+needs_amx = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16", "amx_bf16"} <= cpuinfo.cpu_flags(),
                                reason="needs a CPU with AMX tiles")
 
 
@@ -1177,9 +1181,9 @@ def test_the_column_blocks_on_amx_tiles_agree_with_the_vector_product_and_keep_e
     tree's verify) and by the vector product elsewhere; over a SmolLM2-sized weight the tiles are within a bf16
     rounding of the vdpbf16ps product, each row's output is bitwise that row's alone, and the engine's log says which
     product serves (its cost curves apart); auto takes the tiles from 7 rows on such a CPU."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
     kernel, vector = cpu_kernel.CpuKernel(amx_rows=1), cpu_kernel.CpuKernel()
     assert kernel.isa == "avx512_bf16"
     assert kernel.amx and kernel.blocks.product is not vector.blocks.product, kernel.amx_reason
@@ -1235,9 +1239,9 @@ def test_a_bf16_chain_verify_keeps_the_vector_product_on_amx_cpus_as_the_tiles_a
     forward still gives bitwise the logits of 8 one-token steps, because the target does not permit the tiles for a
     chain; permitted, the tiles would not (while each row's tile product is still its own and close to the vector
     one). If a CPU's tiles summed as its vectors do, the second check fails, and chains could take them too."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")
     model = fresh_tiny().to(torch.bfloat16)
     OneDNNEngine(amx_rows=4).apply(model)
     assert "on AMX tiles from 4 rows" in getattr(model, REWRITE_ATTRIBUTE)
@@ -1291,9 +1295,9 @@ def test_amx_tiles_are_left_with_the_reason_where_the_cpu_linux_or_the_check_ref
     warns with that reason (0 and auto, the default, do not); a bad value is refused by name."""
     from types import SimpleNamespace
 
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")  # the AVX512_BF16 build, as ATen may be held
     kernel = cpu_kernel.CpuKernel()
     vector_product = kernel.blocks.product
 
@@ -1333,11 +1337,12 @@ def test_the_paired_bf16_attention_is_a_build_switch_and_both_builds_agree_with_
     """engine.attention_pairs: its own build; the paired attention (bf16 weights, two value rows per vdpbf16ps) and
     the unpaired one both pass the load-time check against SDPA, differ in the last bits (the switch is real) and
     leave fp32 alone; the engine hands the config's value to the kernel; a non-bool is refused by name."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build, cpu_kernel_checks
 
-    assert cpu_kernel.build_name("avx512_bf16", attention_pairs=False) != cpu_kernel.build_name("avx512_bf16")
-    paired, unpaired = (cpu_kernel._build(None, "avx512_bf16", "nta", 32, pairs).tree_attention for pairs in (True, False))
-    assert cpu_kernel._attention_mismatch(paired) == "" and cpu_kernel._attention_mismatch(unpaired) == ""
+    assert cpu_kernel_build.build_name("avx512_bf16", attention_pairs=False) != cpu_kernel_build.build_name("avx512_bf16")
+    paired, unpaired = (cpu_kernel_build.build_kernel(None, "avx512_bf16", "nta", 32, pairs).tree_attention
+                        for pairs in (True, False))
+    assert cpu_kernel_checks.attention_mismatch(paired) == "" and cpu_kernel_checks.attention_mismatch(unpaired) == ""
     generator = torch.Generator().manual_seed(21)
     for dtype in (torch.bfloat16, torch.float32):
         query = torch.randn(1, 9, 4, 64, generator=generator).to(dtype)
@@ -1354,19 +1359,20 @@ def test_the_paired_bf16_attention_is_a_build_switch_and_both_builds_agree_with_
         with pytest.raises(ConfigError, match="engine.attention_pairs must be true or false"):
             OneDNNEngine(attention_pairs=bad)
         with pytest.raises(ValueError, match="attention_pairs must be true or false"):
-            cpu_kernel.build_flags("avx512_bf16", attention_pairs=bad)
+            cpu_kernel_build.build_flags("avx512_bf16", attention_pairs=bad)
 
 
 def test_a_bf16_kernel_that_cannot_be_built_leaves_the_other_paths(monkeypatch, caplog):
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
     without_native_bf16(monkeypatch)
 
     def no_ninja(build_dir, isa, weight_prefetch, block_lookahead_kb, attention_pairs, block_lookahead_rows):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(cpu_kernel, "_build", no_ninja)
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(cpu_kernel, "build_kernel", no_ninja)
+    for module in (cpu_kernel, cpu_kernel_build):  # the CPU check before the build, and its ISA
+        monkeypatch.setattr(module, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
     model, stock = fresh_tiny("bf16"), fresh_tiny("bf16")
     with caplog.at_level(logging.DEBUG):
@@ -1385,9 +1391,9 @@ def test_a_lock_left_by_a_killed_kernel_build_is_removed(monkeypatch, tmp_path, 
 
     from torch.utils import cpp_extension
 
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    folder = tmp_path / cpu_kernel.build_name("avx2")
+    folder = tmp_path / cpu_kernel_build.build_name("avx2")
     folder.mkdir()
     (folder / "lock").write_text("")
     seen = {}
@@ -1400,22 +1406,22 @@ def test_a_lock_left_by_a_killed_kernel_build_is_removed(monkeypatch, tmp_path, 
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    assert cpu_kernel._build(tmp_path, "avx2") == "module"
+    assert cpu_kernel_build.build_kernel(tmp_path, "avx2") == "module"
     assert seen == {"lock": False} and "left by a kernel build that was killed" in capsys.readouterr().err
-    assert cpu_kernel._build(tmp_path, "avx2") == "module"  # nothing left over: nothing said
+    assert cpu_kernel_build.build_kernel(tmp_path, "avx2") == "module"  # nothing left over: nothing said
     assert capsys.readouterr().err == ""
 
 
 def test_the_kernels_build_is_per_torch_installation(monkeypatch):
     """Two virtualenvs with the same torch version sharing one cache each get a build of their own: torch's
     builder compares the include paths, so one shared build was rebuilt at every switch."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    here = cpu_kernel.build_name("avx2")
+    here = cpu_kernel_build.build_name("avx2")
     monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/lib/python3.11/site-packages/torch/__init__.py")
-    assert cpu_kernel.build_name("avx2") != here
+    assert cpu_kernel_build.build_name("avx2") != here
     monkeypatch.undo()
-    assert cpu_kernel.build_name("avx2") == here
+    assert cpu_kernel_build.build_name("avx2") == here
 
 
 def tiny_extension(path, name: str) -> None:
@@ -1442,10 +1448,10 @@ def test_a_kernel_library_planted_in_the_cache_is_rebuilt_not_loaded(monkeypatch
     from torch.utils import cpp_extension
 
     from specpipe import native_cache
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
     from test_native_cache import marker_library
 
-    name = cpu_kernel.build_name("avx2")
+    name = cpu_kernel_build.build_name("avx2")
     folder = native_cache.private_folder(tmp_path / name)
     library = folder / f"{name}.so"
     marker = tmp_path / "planted-ran"
@@ -1460,31 +1466,32 @@ def test_a_kernel_library_planted_in_the_cache_is_rebuilt_not_loaded(monkeypatch
         return SimpleNamespace(__file__=str(library), built=True)
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    assert cpu_kernel._build(tmp_path, "avx2").built
+    assert cpu_kernel_build.build_kernel(tmp_path, "avx2").built
     assert builds == [(False, False)] and not marker.exists()  # removed before the build, never loaded
     assert native_cache.verified(library)
-    module = cpu_kernel._build(tmp_path, "avx2")  # recorded: imported from the file, no build
+    module = cpu_kernel_build.build_kernel(tmp_path, "avx2")  # recorded: imported from the file, no build
     assert len(builds) == 1 and module.__name__ == name and module.answer() == 42
     with open(library, "ab") as handle:  # changed after it was recorded
         handle.write(b"\0")
-    assert cpu_kernel._build(tmp_path, "avx2").built and len(builds) == 2
+    assert cpu_kernel_build.build_kernel(tmp_path, "avx2").built and len(builds) == 2
     native_cache.checksum_path(library).unlink()  # no record
-    assert cpu_kernel._build(tmp_path, "avx2").built and len(builds) == 3
+    assert cpu_kernel_build.build_kernel(tmp_path, "avx2").built and len(builds) == 3
     assert not marker.exists()
 
 
 def test_the_kernel_is_not_built_in_a_folder_others_can_write(monkeypatch, tmp_path, caplog):
     from torch.utils import cpp_extension
 
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel, cpu_kernel_build
 
     def load(**kwargs):
         raise AssertionError("built in a folder others can write")
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    for module in (cpu_kernel, cpu_kernel_build):  # the CPU check before the build, and its ISA
+        monkeypatch.setattr(module, "cpu_flags", lambda: {"avx2", "fma"})
     monkeypatch.setattr(cpu_kernel.platform, "machine", lambda: "x86_64")
-    folder = tmp_path / cpu_kernel.build_name("avx2")
+    folder = tmp_path / cpu_kernel_build.build_name("avx2")
     folder.mkdir(mode=0o700)
     folder.chmod(0o777)
     kernel = cpu_kernel.CpuKernel(build_dir=tmp_path)
@@ -1650,7 +1657,7 @@ def test_split_rows_and_the_lean_forward_are_part_of_the_cost_curve_key(tmp_path
 def test_an_mkl_isa_cap_is_part_of_the_cost_curve_key_and_the_machine_line(tmp_path, monkeypatch):
     """Split GEMMs run on MKL, which ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY do not hold back."""
     from specpipe.cost import cost_curve_path
-    from specpipe.tasks.bench_report import machine_info, machine_line
+    from specpipe.tasks.bench_machine import machine_info, machine_line
 
     model = fresh_tiny()
     OneDNNEngine().apply(model)
@@ -1671,9 +1678,9 @@ def test_a_bf16_chain_verified_in_column_blocks_equals_one_token_steps_bitwise(m
     sums run in the order of k, the norm and the elementwise ops are per row, a chain's keys sit where one-token steps
     put them): the logits of a chain of 7 drafted tokens equal, bit for bit, those of 8 one-token steps over the same
     text, so a bf16 pipeline that drafts chains emits exactly `vanilla`'s tokens."""
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build
 
-    monkeypatch.setattr(cpu_kernel, "aten_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_kernel_build, "aten_capability", lambda: "AVX512")
     cfg = compose_config([f"model={model_name}", "model.dtype=bf16", "engine=fast"])
     loaded = load_model(cfg.model)
     OneDNNEngine().apply(loaded.model)

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from specpipe.distill.layer_search import (AgreementProbe, ProbeSequence, backward_elimination,
-                                           elimination_forwards, read_searched_layers)
+from specpipe.distill.layer_search import AgreementProbe, ProbeSequence, backward_elimination, elimination_forwards
 from specpipe.errors import ConfigError
 from specpipe.paths import DATA_DIR
 from specpipe.pipelines.builder import compose_config, load_model
-from specpipe.stages.draft.draft_model import ReducedVocabHead
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, read_ranking
+from specpipe.stages.draft.layer_search_file import read_searched_layers
 from specpipe.stages.draft.layer_skip import load_layer_skip
+from specpipe.stages.draft.reduced_vocab import ReducedVocabHead
 from specpipe.target import TargetModel
 from test_distill_draft import write_corpus
 

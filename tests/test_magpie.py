@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from specpipe.distill.magpie import QUERIES_FILE, MagpieSampler, MagpieSettings, user_header_ids
-from specpipe.distill.prompts import dev_prompt_files, load_dev_turns
+from specpipe.distill.dev_overlap import dev_prompt_files, load_dev_turns
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import compose_config
 

@@ -17,6 +17,7 @@ from specpipe.stages.draft.medusa import ROOT, load_medusa
 from specpipe.stages.tree.static import StaticTreeBuilder
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState
+from specpipe.stages.base import StepDrafter
 
 
 def test_right_drafts_are_accepted_whole_and_stay_lossless(tiny):
@@ -84,7 +85,7 @@ def test_heads_over_a_reduced_vocabulary_draft_their_best_target_tokens(tiny_mix
     assert chain.tokens[:2].tolist() == [int(first.indices[0]), int(second.indices[0])]
 
 
-class KnownDrafter:
+class KnownDrafter(StepDrafter):
     """A StepDrafter whose distribution after a node at depth d ranks token ids 100 d + 0, 1, 2, ..."""
 
     name = "known"

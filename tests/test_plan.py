@@ -13,7 +13,8 @@ from specpipe import capacity
 from specpipe.capacity import GIB, Architecture, Hardware, StepModel
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import compose_config
-from specpipe.tasks.plan import load_hardware, quantizer_max_memory, read_settings, run_plan
+from specpipe.tasks.plan import load_hardware, read_settings, run_plan
+from specpipe.tasks.plan_build import quantizer_max_memory
 
 # The public config.json fields of meta-llama/Llama-3.1-8B and -70B that size them.
 LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import random_prompts, run_steps
-from specpipe.engine import cpu
+from specpipe.engine import cpu, cpuinfo
 from specpipe.engine.hf import HFEngine
 from specpipe.engine.onednn import OneDNNEngine, OneDNNLinear, PackedWeight
 from specpipe.engine.quantize import dequantize_rows, quantize_rows
@@ -19,9 +19,9 @@ from specpipe.pipelines.builder import build_pipeline, compose_config, load_mode
 from test_engine import needs_compiler
 
 ISAS = ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(
-    "avx512f" not in cpu.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
+    "avx512f" not in cpuinfo.cpu_flags(), reason="the AVX-512 build runs on CPUs with AVX-512F")),
     pytest.param("avx512_bf16", marks=pytest.mark.skipif(
-        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu.cpu_flags(), reason="pair products need AVX512_BF16"))]
+        not {"avx512f", "avx512bw", "avx512_bf16"} <= cpuinfo.cpu_flags(), reason="pair products need AVX512_BF16"))]
 
 
 def test_each_weight_lands_within_half_a_step_of_its_row():
@@ -41,10 +41,10 @@ def test_each_weight_lands_within_half_a_step_of_its_row():
 @needs_compiler
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_kernels_int8_product_equals_an_fp32_product_of_the_codes_times_their_scales(isa):
-    from specpipe.engine import cpu_kernel
+    from specpipe.engine import cpu_kernel_build, cpu_kernel_checks
 
-    built = cpu_kernel._build(None, isa)
-    cpu_kernel._self_check(built.weight_product, built.quantized_product)
+    built = cpu_kernel_build.build_kernel(None, isa)
+    cpu_kernel_checks.self_check(built.weight_product, built.quantized_product)
     product = built.quantized_product
     generator = torch.Generator().manual_seed(7)
     # a vector tail (75, 9, 600 inputs: AVX2 reads 8, AVX-512 16, pairs 32 values a step); every group size of

@@ -11,7 +11,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest

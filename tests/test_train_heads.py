@@ -15,8 +15,9 @@ import torch
 from specpipe.distill.training import frozen_product
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
-from specpipe.tasks.distill_draft import Example
-from specpipe.tasks.train_heads import HeadBatch, run_train_heads
+from specpipe.tasks.train_heads import run_train_heads
+from specpipe.training.examples import Example
+from specpipe.training.heads import HeadBatch
 from test_distill_draft import assert_pins_the_corpus_ranking, write_corpus
 
 
@@ -214,7 +215,7 @@ def test_the_loss_of_a_head_that_predicts_the_true_features(tiny_mixed):
     """The loss counts what it should: with the target's own next features as the prediction, the
     regression part is 0, top-1 agrees at every scored position (the answer is the target's greedy
     continuation), and the classification part is the target's own entropy (its minimum)."""
-    from specpipe.tasks.train_heads import head_loss
+    from specpipe.training.eagle import head_loss
 
     prompt = [5, 6, 7, 8]
     answer = tiny_mixed.greedy_loop(prompt, 6, eos_token_ids=[])
@@ -262,7 +263,7 @@ def test_features_follow_the_engine_and_examples_cut_elsewhere_are_extracted_aga
     transformers' own forward up to rounding); an example cached at another max_seq_len (another
     number of rows) is extracted again, the others are not, and the new rows are the ones read."""
     from specpipe.engine.onednn import OneDNNEngine
-    from specpipe.tasks.train_heads import FeatureCache, extract_features
+    from specpipe.training.features import FeatureCache, extract_features
 
     reference = tiny_mixed.reference
     fast = copy.deepcopy(reference)
@@ -317,7 +318,7 @@ def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_
     """eagle_rollout_loss with one rollout equals the plain EAGLE-1 loss (rollout 0 reads the target's
     features under a causal mask); with two, rollout 1 scores the labelled rows but the first (no
     committed row under its chain), and the total is rollout 0's loss plus decay times rollout 1's."""
-    from specpipe.tasks.train_heads import eagle_rollout_loss, head_loss, run_net
+    from specpipe.training.eagle import eagle_rollout_loss, head_loss, run_net
     from test_eagle import drafter_for
 
     net = copy.deepcopy(drafter_for(tiny_mixed).net).float()
@@ -346,7 +347,7 @@ def test_one_rollout_is_the_plain_loss_and_more_rollouts_score_only_rows_with_a_
     # rollout 1 by hand: rows read rollout 0's output one position earlier, under rollout_mask(valid, 1)
     from transformers.cache_utils import DynamicCache
 
-    from specpipe.tasks.train_heads import rollout_mask
+    from specpipe.training.eagle3 import rollout_mask
 
     width = batch.tokens.shape[1]
     positions = torch.arange(width)[None].expand(len(examples), -1)
@@ -367,7 +368,7 @@ def test_init_from_fine_tunes_a_trained_head_with_rollouts(tmp_path):
     with another kind is refused."""
     from safetensors.torch import load_file
 
-    from specpipe.tasks.train_heads import head_from
+    from specpipe.training.eagle import head_from
 
     corpus, first, second = tmp_path / "corpus.parquet", tmp_path / "first", tmp_path / "second"
     write_corpus(corpus)
@@ -457,7 +458,7 @@ def test_the_medusa_eval_pools_its_batches_into_the_whole_split_s_numbers(tiny_m
     from omegaconf import OmegaConf
 
     from specpipe.stages.draft.medusa import HydraHeads
-    from specpipe.tasks.train_heads import evaluate_medusa, medusa_loss, medusa_rows
+    from specpipe.training.medusa import evaluate_medusa, medusa_loss, medusa_rows
 
     model = tiny_mixed.reference
     torch.manual_seed(0)

@@ -24,8 +24,6 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specpipe.errors import ConfigError
-# The file this search writes is read by drafter=layer_skip: its format lives beside that stage (re-exported here).
-from specpipe.stages.draft.layer_search_file import FORMAT, read_searched_layers, searched_layers_path  # noqa: F401
 from specpipe.stages.draft.layer_skip import share_modules
 
 

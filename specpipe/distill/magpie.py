@@ -23,8 +23,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from specpipe.distill.prompts import (ChatPrompt, PromptSource, dev_prompt_files, display_path, find_overlaps,
-                                      load_dev_turns, normalise, prompt_id)
+from specpipe.distill.dev_overlap import dev_prompt_files, find_overlaps, load_dev_turns, normalise
+from specpipe.paths import display_path
+from specpipe.distill.prompts import ChatPrompt, PromptSource, prompt_id
 from specpipe.errors import ConfigError
 
 CATEGORY = SOURCE = "magpie"

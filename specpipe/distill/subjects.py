@@ -2,7 +2,7 @@
 values, situated requests and follow-ups, kept as data (`data/*.json`) and loaded here.
 
 Everything in `data/` was written for specpipe. Each category pairs a few task templates (with a `{}`
-slot) with a pool of subjects; `specpipe.distill.prompts` samples the product. The subjects are
+slot) with a pool of subjects; `specpipe.distill.builders` samples the product. The subjects are
 deliberately broad and everyday: the corpus should look like what people ask a small chat model, so
 that the target's own answers to it resemble its answers at benchmark time.
 

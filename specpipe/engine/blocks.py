@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, eager_attention_forward
 
-from specpipe.engine.cpu_kernel import serves_gate
+from specpipe.engine.cpu_kernel_checks import serves_gate
 from specpipe.engine.packed_weight import OneDNNLinear, PackedWeight
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-# What the CPU and ATen run, probed in a leaf module that specpipe.engine.cpu_kernel asks too (re-exported here)
-from specpipe.engine.cpuinfo import aten_capability, cpu_flags, cpu_model_and_flags, kernel_isa
+# What the CPU and ATen run, probed in a leaf module that the kernel's build asks too
+from specpipe.engine.cpuinfo import aten_capability, cpu_model_and_flags, kernel_isa
 from specpipe.engine.cpuinfo import first_line as _first_line
 
 # Rows the weight layout is prepacked for. The packed weight serves any number of rows; packed
@@ -123,7 +123,7 @@ def auto_split_rows(onednn_kernel: str) -> int:
 
 def auto_kernel_rows(path: "LinearPath", kernel_isa: str) -> int:
     """engine.fp32_kernel_rows / bf16_kernel_rows = auto: how many rows specpipe's kernel (built for
-    `kernel_isa`, specpipe.engine.cpu_kernel.kernel_isa) serves for a model whose linears take `path` on
+    `kernel_isa`, specpipe.engine.cpu_kernel_build.kernel_isa) serves for a model whose linears take `path` on
     this CPU (see AUTO_FP32_KERNEL_ROWS and the constants beside it): 16 fp32 rows where oneDNN's fp32
     kernel is AVX2, 32 bf16 rows where bf16 weights are packed in fp32, 8 rows where oneDNN's kernel is
     AVX-512 (24 bf16 rows where the kernel multiplies bf16 pairs, 64 in column blocks), 12 bf16 rows in column blocks

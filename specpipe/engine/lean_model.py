@@ -1,12 +1,10 @@
 """A lean forward for transformers' LlamaModel under engine=fast: the same modules and weights,
 the same expressions in the same order, without the per-layer machinery around them.
-
 Why: with the linears prepacked and the attention/MLP blocks lean, a one-token fp32 step of
 SmolLM2-135M on a 2-core AVX2 CPU still took ~42 ms for ~24 ms of matrix products. The rest was
 mostly fixed cost per layer: module calls (each decoder layer also runs transformers' output
 capturing hook), the decoder layer's keyword plumbing, and eight small ops per RMSNorm behind a
 module call. A throwaway loop over the same products measured 33 ms, bit-identical logits.
-
 `swap_lean_model` turns a `LlamaModel` instance into a `LeanLlamaModel` (a subclass that only
 overrides `forward`), so its modules, state dict and `isinstance` checks stay transformers' own.
 It is swapped only where every decoder layer and norm runs transformers' own forward and no
@@ -30,8 +28,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
                                                       eager_attention_forward)
 
-from specpipe.engine.cpu_kernel import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
+from specpipe.engine.cpu_kernel_checks import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.rotary import RotaryTables
 from specpipe.target import folded_attention_bias, sdpa_forward, tree_attention_forward
 
@@ -46,7 +44,8 @@ LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"
 # The most query rows the attention kernel serves, per build of it (CpuKernel.isa) and dtype: a step and a
 # tree verify (SDPA folds the heads and costs several times more there), and a prompt's causal block (the
 # prefill, a drafter fed its committed text) up to where SDPA's flash path becomes faster for SmolLM2-135M's
-# 9 heads over 3 KV heads (2-core AVX-512 VM, ATen held to AVX2 for avx2: docs/notebook/run-46.md).
+# 9 heads over 3 KV heads (on a 2-core AVX-512 CPU, ATen held to AVX2 for avx2; docs/notebook/ has the
+# measurements).
 # Longer blocks go to SDPA.
 KERNEL_ATTENTION_MAX_ROWS = {"avx512_bf16": {torch.bfloat16: 2048, torch.float32: 512},
                              "avx512": {torch.bfloat16: 512, torch.float32: 512},
@@ -234,214 +233,6 @@ def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable
         if recorded is not None:
             recorded.append(hidden)
     return hidden
-
-
-def block_layer_arguments(layers) -> tuple[list[tuple], list[int], list[float], int] | None:
-    """What the kernel's block_decoder_layer takes of each of `layers` (its weight arguments, in its order), their
-    attentions' layer_idx and score scales, and the most rows all their products run over column blocks; None where
-    a layer is not served (another block, another dtype, a product the engine runs elsewhere)."""
-    from specpipe.engine.blocks import FusedGatedMLP
-    from specpipe.engine.packed_weight import OneDNNLinear
-
-    arguments, layer_ids, scalings, max_rows = [], [], [], []
-    for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        if type(attention) is not FusedQKVAttention or type(mlp) is not FusedGatedMLP:
-            return None
-        linears = [attention.o_proj, mlp.down_proj]
-        if not all(isinstance(linear, OneDNNLinear) and len(linear.packed.splits) == 1 for linear in linears):
-            return None
-        packed = [attention.qkv, linears[0].packed, mlp.gate_up, linears[1].packed]
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if (any(weight.blocks is None or weight.kernel_rows < 1 for weight in packed)
-                or type(norms[1]) is not LlamaRMSNorm or type(norms[0]) not in (nn.Identity, LlamaRMSNorm)
-                or any(norm.weight.dtype != torch.bfloat16 or norm.weight.dim() != 1
-                       for norm in norms if type(norm) is LlamaRMSNorm)
-                or (type(norms[0]) is LlamaRMSNorm and norms[0].variance_epsilon != norms[1].variance_epsilon)):
-            return None
-        input_norm = norms[0].weight if type(norms[0]) is LlamaRMSNorm else None
-        arguments.append((input_norm, norms[1].weight, norms[1].variance_epsilon,
-                          [weight.blocks for weight in packed], [weight.scale for weight in packed],
-                          [weight.kernel_bias for weight in packed], attention.query_heads, attention.kv_heads,
-                          mlp.intermediate_size))
-        layer_ids.append(attention.layer_idx)
-        scalings.append(attention.scaling)
-        max_rows.append(min(weight.kernel_rows for weight in packed))
-    return (arguments, layer_ids, scalings, min(max_rows)) if arguments else None
-
-
-class BlockLayers:
-    """A draft head's Llama decoder layers, each run in one call of the CPU kernel's block_decoder_layer
-    (its AVX512_BF16 build): the norms, the products over the weights' column blocks, the rotary embedding,
-    the cache writes, the attention and the residual adds of a layer without a torch op between them.
-
-    Why: op by op, about half of a level of the embedded model's bf16 EAGLE head is ~100 small torch ops and
-    the Python around them. The layer's SiLU rounds like transformers' but
-    for an exp that may differ by a bf16 step now and then (see the source), so only draft heads run it:
-    their drafts are verified, the target's forward stays the op-by-op lean loop that is bitwise transformers'.
-    `of` gives None where a layer is not served (another block, another dtype, a product the engine runs
-    elsewhere); `serves` says which calls it takes (one bf16 sequence on the CPU, up to the rows the
-    engine routes to the kernel, a PositionIndexedCache)."""
-
-    def __init__(self, layer_kernel, arguments: list[tuple], layer_ids: list[int], scalings: list[float],
-                 max_rows: int) -> None:
-        self.layer_kernel = layer_kernel
-        self.arguments = arguments  # per layer: block_decoder_layer's weight arguments, in its order
-        self.layer_ids = layer_ids  # per layer: its attention's layer_idx (its rows in the cache)
-        self.scalings = scalings  # per layer: its attention's score scale
-        self.max_rows = max_rows
-
-    @classmethod
-    def of(cls, layer_kernel, layers) -> BlockLayers | None:
-        if layer_kernel is None:
-            return None
-        found = block_layer_arguments(layers)
-        return cls(layer_kernel, *found) if found is not None else None
-
-    def serves(self, hidden: Tensor, mask: Tensor | None, cache) -> bool:
-        """hidden [batch, q, hidden_size]; mask as `__call__` takes it; cache: what the layers append to."""
-        from specpipe.kv_cache import PositionIndexedCache
-
-        return (hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and hidden.shape[0] == 1
-                and 1 <= hidden.shape[1] <= self.max_rows and isinstance(cache, PositionIndexedCache)
-                and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4
-                                      and mask.shape[:3] == (1, 1, hidden.shape[1]))))
-
-    def __call__(self, hidden: Tensor, mask: Tensor | None, position_embeddings: tuple[Tensor, Tensor],
-                 cache) -> Tensor:
-        """hidden [1, q, hidden_size]; mask [1, 1, q, kv] bool over the cached rows then these, or None (causal);
-        position_embeddings (cos, sin) [1, q, head_dim] -> [1, q, hidden_size]. Appends q rows to `cache`."""
-        q = hidden.shape[1]
-        cos, signed_sin = (table[0, :, 0].contiguous() for table in rotary_tables(position_embeddings))  # [q, hd]
-        rows = hidden[0].contiguous()  # [q, hidden_size]
-        started = cache.get_seq_length()
-        try:
-            for arguments, layer_idx, scaling in zip(self.arguments, self.layer_ids, self.scalings):
-                like = rows.new_empty(1, arguments[7], 0, cos.shape[-1])  # [1, kv_heads, 0, head_dim]
-                keys, values, length = cache.rows_to_write(layer_idx, like, q)
-                layer_mask = mask[0, 0] if mask is not None else (
-                    torch.ones(q, length + q, dtype=torch.bool).tril(length) if q > 1 else None)  # [q, kv]
-                rows = self.layer_kernel(rows, *arguments, cos, signed_sin, keys, values, length, layer_mask, scaling)
-        except BaseException:
-            cache.crop(started)  # rows_to_write counted rows a failed call never wrote
-            raise
-        return rows[None]
-
-
-class KernelDraftLevel:
-    """A draft's whole level in one call of the CPU kernel's block_draft_level (its AVX512_BF16 build): an EAGLE
-    head's (the rows' token embeddings beside their features through `fc`) or a draft model's (the embeddings alone,
-    and its final norm after the layers), the decoder layers as BlockLayers runs them, and the output layer's
-    log-probs, without a torch op or a line of Python between them.
-
-    Why: with the layers one kernel call each, about a third of a bf16 level of the embedded model's EAGLE head
-    is still outside its products and attention: the embedding, the cat, `fc`, the rotary lookup, the cache's
-    bookkeeping, the output layer and its log-softmax are small torch ops with the Python around them.
-    The call runs the same ops and products: an EAGLE level's outputs are bitwise those
-    of its level op by op (its layers through BlockLayers). `of` gives None where a part is not served (a layer
-    BlockLayers does not take, an embedding that renormalizes, a product the engine does not run over column blocks,
-    no rotary tables); `serves` says which calls it takes: those whose products every path runs over the column
-    blocks (up to `max_rows` rows, the output layer's up to `max_logprob_rows`), over a plain PositionIndexedCache."""
-
-    def __init__(self, level_kernel, layer_arguments: tuple, fc, head, embedding: Tensor, rotary: RotaryTables,
-                 final_norm: Tensor | None) -> None:
-        arguments, self.layer_ids, scalings, max_rows = layer_arguments  # block_layer_arguments' of the layers
-        self.level_kernel = level_kernel
-        self.fc, self.head = fc, head  # PackedWeight (fc: None for a draft model), each one member over column blocks
-        self.embedding = embedding  # [vocab, hidden_size] bf16
-        self.rotary = rotary
-        self.final_norm = final_norm  # [hidden_size] bf16 or None
-        self.max_rows = min(max_rows, fc.kernel_rows) if fc is not None else max_rows
-        self.max_logprob_rows = head.kernel_rows
-        self.input_norms, self.post_norms, self.blocks, self.scales, self.biases = [], [], [], [], []
-        for input_norm, post_norm, _, blocks, scales, biases, *_ in arguments:
-            self.input_norms.append(input_norm)
-            self.post_norms.append(post_norm)
-            self.blocks.extend(blocks)
-            self.scales.extend(scales)
-            self.biases.extend(biases)
-        _, _, self.eps, _, _, _, self.heads, self.kv_heads, self.intermediate = arguments[0]
-        self.scaling = scalings[0]
-
-    @classmethod
-    def of(cls, level_kernel, layers, fc: nn.Module | None, head: nn.Module | None, embedding: nn.Module,
-           rotary: RotaryTables | None, final_norm: nn.Module | None = None) -> KernelDraftLevel | None:
-        """layers: the draft's decoder layers; fc: an EAGLE head's nn.Linear slot (None: a draft model's level reads
-        the embeddings alone); head: the module whose product gives the logits the log-probs are over; embedding:
-        the token embedding; rotary: the draft's RotaryTables; final_norm: a draft model's norm after its layers."""
-        found = block_layer_arguments(layers) if level_kernel is not None and rotary is not None else None
-        products = [_block_product(fc) if fc is not None else None, _block_product(head)]
-        if found is None or products[1] is None or (fc is not None and products[0] is None):
-            return None
-        if (type(embedding) is not nn.Embedding or embedding.max_norm is not None
-                or embedding.weight.dtype != torch.bfloat16 or embedding.weight.device.type != "cpu"):
-            return None  # max_norm renormalizes rows in place
-        arguments, _, scalings, _ = found
-        width = embedding.weight.shape[1]
-        eps = {layer_arguments[2] for layer_arguments in arguments}
-        if (len({(layer_arguments[2], *layer_arguments[6:9]) for layer_arguments in arguments}) != 1
-                or len(set(scalings)) != 1
-                or (fc is not None and (products[0].in_features, products[0].out_features) != (2 * width, width))
-                or products[1].in_features != width):
-            return None
-        if final_norm is not None and (type(final_norm) is not LlamaRMSNorm or final_norm.variance_epsilon not in eps
-                                       or final_norm.weight.dtype != torch.bfloat16 or final_norm.weight.dim() != 1):
-            return None
-        return cls(level_kernel, found, products[0], products[1], embedding.weight, rotary,
-                   final_norm.weight if final_norm is not None else None)
-
-    def serves(self, rows: int, logprob_rows: int, cache) -> bool:
-        from specpipe.kv_cache import PositionIndexedCache
-
-        return (1 <= rows <= self.max_rows and 1 <= logprob_rows <= min(rows, self.max_logprob_rows)
-                and type(cache) is PositionIndexedCache)  # a subclass (LayerSubsetCache) lays its rows out otherwise
-
-    def __call__(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, mask: Tensor | None, cache,
-                 logprob_rows: int) -> tuple[Tensor, Tensor] | None:
-        """token_ids [q] int64, features [q, hidden_size] bf16 (an EAGLE head's; None for a draft model), positions [q]
-        int64, mask [q, length + q] bool over the cached rows then these (None: causal) -> (hidden [q, hidden_size]:
-        an EAGLE head's predicted features, a draft model's normed last hidden states; log-probs [logprob_rows, vocab]
-        fp32 of the last rows), q rows appended to `cache`; None (nothing written) where the rotary tables no longer
-        serve."""
-        q = token_ids.shape[0]
-        tables = self.rotary.signed_tables(self.embedding, int(positions.max()) + 1)
-        if tables is None:
-            return None
-        started = cache.get_seq_length()
-        try:
-            keys, values, lengths = [], [], set()
-            like = self.embedding.new_empty(1, self.kv_heads, 0, tables[0].shape[-1])  # [1, kv_heads, 0, head_dim]
-            for layer_idx in self.layer_ids:
-                key_buffer, value_buffer, length = cache.rows_to_write(layer_idx, like, q)
-                keys.append(key_buffer)
-                values.append(value_buffer)
-                lengths.add(length)
-            if len(lengths) != 1:
-                raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(lengths)})")
-            if mask is None and q > 1:
-                mask = torch.ones(q, length + q, dtype=torch.bool).tril(length)
-            fc = (self.fc.blocks, self.fc.scale, self.fc.kernel_bias) if self.fc is not None else (None, None, None)
-            hidden, logprobs = self.level_kernel(
-                token_ids, features, self.embedding, *fc, *tables,
-                positions, self.input_norms, self.post_norms, self.eps, self.blocks, self.scales, self.biases,
-                self.heads, self.kv_heads, self.intermediate, keys, values, length, mask, self.scaling,
-                self.final_norm, self.head.blocks, self.head.out_features, self.head.scale, self.head.kernel_bias,
-                logprob_rows)
-        except BaseException:
-            cache.crop(started)  # rows_to_write counted rows a failed call never wrote
-            raise
-        return hidden, logprobs
-
-
-def _block_product(module: nn.Module | None):
-    """The PackedWeight of a lone OneDNNLinear whose products the engine runs over column blocks, else None."""
-    from specpipe.engine.packed_weight import OneDNNLinear
-
-    packed = getattr(module, "packed", None)
-    if (isinstance(module, OneDNNLinear) and len(packed.splits) == 1 and packed.blocks is not None
-            and packed.kernel_rows >= 1):
-        return packed
-    return None
 
 
 class KernelAttention:

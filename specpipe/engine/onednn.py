@@ -1,15 +1,13 @@
 """A faster CPU forward for transformers' models: every linear layer runs through oneDNN with
 its weight prepacked once, and projections that read the same input run as one product.
-
 Why: a decoding step on CPU is dominated by small-M matrix products over weights streamed from
 memory. `F.linear` goes through a plain sgemm whose cost jumps from 1 to 2 rows (so verifying
 two tokens costs ~2x one) and leaves most of the memory bandwidth unused; oneDNN with a
 prepacked (blocked) weight reads it at close to bandwidth for any small M on an AVX-512 CPU. On
 AVX2 CPUs oneDNN's kernels stream only ~13 GB/s for a few rows, and one-row fp32 products run
 instead as one batched GEMM over row blocks of a plain copy of the weight, a block per thread
-(`split_linear`). Each
-call also has a fixed cost, so q/k/v (and gate/up) are packed together and computed in one call.
-
+(`split_linear`). Each call also has a fixed cost, so q/k/v (and gate/up) are packed together and
+computed in one call.
 The model definition stays transformers' own: only `nn.Linear` children are swapped for modules
 with the same call signature. A fused group hands each member its slice of the shared product;
 a member called with any other input computes its own slice, so a model that uses the
@@ -33,7 +31,8 @@ from specpipe.engine.packed_weight import OneDNNLinear, PackedWeight
 from specpipe.engine.quantize import checked_quantization
 
 if TYPE_CHECKING:
-    from specpipe.engine.cpu_kernel import BlockProduct, CpuKernel
+    from specpipe.engine.cpu_kernel import CpuKernel
+    from specpipe.engine.cpu_kernel_build import BlockProduct
     from specpipe.engine.gguf_weights import GgufWeight
 
 log = logging.getLogger(__name__)
@@ -94,9 +93,9 @@ class OneDNNEngine:
     # false = over the weights as loaded (the row-by-row product, weight_product)
     kernel_blocks: bool = True
     # with the blocks, the norm and the attention kernel: a draft head's Llama decoder layers (an EAGLE head's)
-    # run one kernel call each (lean_model.BlockLayers); false = op by op like the target's
+    # run one kernel call each (draft_level.BlockLayers); false = op by op like the target's
     draft_layers: bool = True
-    # with draft_layers: a draft's whole level in one kernel call (lean_model.KernelDraftLevel): an EAGLE head's (fc,
+    # with draft_layers: a draft's whole level in one kernel call (draft_level.KernelDraftLevel): an EAGLE head's (fc,
     # its layers, its output layer's log-probs), and a draft model's where the model is applied as a drafter; false =
     # the layers' calls (an EAGLE head's) or the lean forward (a draft model's) with torch ops and Python between them
     draft_level: bool = True
@@ -137,17 +136,17 @@ class OneDNNEngine:
             rows = getattr(self, name)
             if rows != "auto" and not (isinstance(rows, int) and rows >= 0):
                 raise ConfigError(f"engine.{name} must be 'auto' or a row count >= 0, got {rows!r}")
-        from specpipe.engine.cpu_kernel import WEIGHT_PREFETCH_HINTS
+        from specpipe.engine.cpu_kernel_build import WEIGHT_PREFETCH_HINTS
 
         if self.weight_prefetch not in WEIGHT_PREFETCH_HINTS:
             raise ConfigError(f"engine.weight_prefetch must be one of {sorted(WEIGHT_PREFETCH_HINTS)}, got "
                               f"{self.weight_prefetch!r}")
-        from specpipe.engine.cpu_kernel import MAX_BLOCK_LOOKAHEAD_KB
+        from specpipe.engine.cpu_kernel_build import MAX_BLOCK_LOOKAHEAD_KB
 
         if not (type(self.block_lookahead_kb) is int and 0 <= self.block_lookahead_kb <= MAX_BLOCK_LOOKAHEAD_KB):
             raise ConfigError(f"engine.block_lookahead_kb must be an integer from 0 to {MAX_BLOCK_LOOKAHEAD_KB} (KiB), "
                               f"got {self.block_lookahead_kb!r}")
-        from specpipe.engine.cpu_kernel import MAX_BLOCK_LOOKAHEAD_ROWS
+        from specpipe.engine.cpu_kernel_build import MAX_BLOCK_LOOKAHEAD_ROWS
 
         rows = self.block_lookahead_rows
         if rows != "auto" and not (type(rows) is int and 1 <= rows <= MAX_BLOCK_LOOKAHEAD_ROWS):
@@ -170,18 +169,14 @@ class OneDNNEngine:
         """Rewrites `model` in place. `quantize="int8"` (a drafter's weights, specpipe.engine.quantize): its
         products of up to the kernel's rows run over int8 weights; where the kernel does not serve, a warning
         says why and the weights stay in the model's dtype. "auto": the same without the warning. `drafter`: a
-        draft model, whose drafter may run its whole level in one kernel call (lean_model.KernelDraftLevel; its
+        draft model, whose drafter may run its whole level in one kernel call (draft_level.KernelDraftLevel; its
         layers' SiLU may differ from transformers' by a bf16 step, which a target's forward must not). `native`: given
         for the target only (None for a drafter or a stage's modules): its linears in the GGUF blocks of the file it
         was loaded from by module name (LoadedModel.native, maybe empty), used as `target_weights` says."""
         checked_quantization(quantize, f"engine={self.name}")
         path = self._linear_path(model)
         if isinstance(path, str):
-            if native is not None and self.target_weights not in ("auto", "dense"):
-                raise ConfigError(f"engine.target_weights={self.target_weights} needs engine=fast's own products, "
-                                  f"which do not serve this model ({path}); use target_weights=dense")
-            kept = f" ({quantize} weights need specpipe's CPU kernel: they stay as loaded)" if quantize == "int8" else ""
-            log.warning("engine=%s: %s; running transformers' own forward%s", self.name, path, kept)
+            self._leave_as_loaded(path, quantize, native)
             return model
         if getattr(model, ENGINE_ATTRIBUTE, "hf") == self.name:
             return model  # already rewritten (a model shared by several pipelines)
@@ -193,21 +188,56 @@ class OneDNNEngine:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
         native, native_kernel, native_rows = self._native(model, native, kernel, path)
-        try:
-            swaps = [(module, name, replacement) for prefix, module in model.named_modules()
-                     for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
-                                                                 native, native_kernel, native_rows)]
-        except RuntimeError as error:  # the probe passed but a real weight cannot be packed
-            log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
-                        self.name, str(error).splitlines()[0])
+        swaps = self._packed_swaps(model, path, product, quantized, blocks, native, native_kernel, native_rows)
+        if swaps is None:
             return model
         claim_model(model, self.name)
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
         if blocks is not None and kernel.tiles is not None:
             setattr(model, TILES_ATTRIBUTE, kernel.tiles)
-        lean = 0
         extension = kernel if kernel is not None else self._extension(path)
+        lean, lean_models, layers, whys = self._swap_lean(model, path, extension, blocks, drafter)
+        names = _native_names(swaps)
+        rewrite = self._rewrite_line(path, names, native_rows, quantized is not None, layers, lean, lean_models, whys)
+        setattr(model, REWRITE_ATTRIBUTE, rewrite)
+        weights = (f"native {names} weights" if names is not None else
+                   f"{DTYPE_NAMES.get(path.dtype, path.dtype)} weights")
+        kernel_name = f"specpipe's CPU kernel ({extension.isa})" if extension is not None else "no native kernel"
+        log.info("engine=%s: %s, %s, %d attention/MLP blocks lean (the whole path at log level DEBUG)", self.name, weights,
+                 kernel_name, lean)
+        log.debug("engine=%s: %s", self.name, rewrite)
+        return model
+
+    def _leave_as_loaded(self, why: str, quantize: str | None, native: dict[str, GgufWeight] | None) -> None:
+        """Where oneDNN's prepacked products do not serve the model (`why`): ConfigError where the target's weights
+        were asked for in another form than loaded, else a warning that transformers' own forward runs."""
+        if native is not None and self.target_weights not in ("auto", "dense"):
+            raise ConfigError(f"engine.target_weights={self.target_weights} needs engine=fast's own products, "
+                              f"which do not serve this model ({why}); use target_weights=dense")
+        kept = f" ({quantize} weights need specpipe's CPU kernel: they stay as loaded)" if quantize == "int8" else ""
+        log.warning("engine=%s: %s; running transformers' own forward%s", self.name, why, kept)
+
+    def _packed_swaps(self, model: nn.Module, path: LinearPath, product: Callable | None, quantized: Callable | None,
+                      blocks: BlockProduct | None, native: dict[str, GgufWeight], native_kernel: Callable | None,
+                      native_rows: int) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
+        """(module, child name, OneDNNLinear) for every linear of `model` (`_replacements`), all built before the
+        first is swapped in; None, with a warning, where a real weight cannot be packed."""
+        try:
+            return [(module, name, replacement) for prefix, module in model.named_modules()
+                    for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
+                                                                native, native_kernel, native_rows)]
+        except RuntimeError as error:  # the probe passed but a real weight cannot be packed
+            log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
+                        self.name, str(error).splitlines()[0])
+            return None
+
+    def _swap_lean(self, model: nn.Module, path: LinearPath, extension: CpuKernel | None, blocks: BlockProduct | None,
+                   drafter: bool) -> tuple[int, int, str, list[str]]:
+        """Swaps in the lean attention/MLP blocks and model forwards, with the extension's parts where they serve;
+        returns how many blocks and model forwards went lean, what of a draft's layers the kernel runs in one call
+        (for the rewrite line) and why parts that were asked for run in torch."""
+        lean = 0
         gate, gate_why = self._kernel_part(self.kernel_gate, path, extension, "gate", "SiLU gate in torch",
                                            "SiLU gate in the kernel")
         if self.fuse and self.lean_blocks:
@@ -215,6 +245,7 @@ class OneDNNEngine:
 
             lean = swap_lean_blocks(model, gate_kernel=gate)
         lean_models, layer, level = 0, None, None
+        norm_why = attention_why = ""  # read only where a model forward went lean
         if self.lean_forward:
             from specpipe.engine.lean_model import swap_lean_model
 
@@ -230,37 +261,34 @@ class OneDNNEngine:
                                           else None,
                                           attention_isa=extension.isa if extension is not None else "avx2",
                                           layer_kernel=layer, level_kernel=level, draft_model=drafter)
-        int8 = f"; int8 weights for products of up to {path.kernel_rows} rows" if quantized is not None else ""
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
             getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
         if layers and level is not None:
             layers += ", its whole draft level one call where the head's other products serve"
         elif drafter and lean_models and level is not None:
             layers = "; a draft model's whole level one kernel call where its products serve"
-        native_formats = sorted({replacement.packed.native_format for _, _, replacement in swaps
-                                 if replacement.packed.native_blocks is not None})
-        if native_formats:
-            from specpipe.engine.gguf_weights import NATIVE_FORMATS
-
-            names = "/".join(name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats)
-            source = ("the model file's GGUF blocks" if self.target_weights in ("auto", "native") else
-                      f"{self.target_weights}: quantized at load to GGUF blocks")
-            natives = f"native {names} weights ({source}, widened in registers) for up to {native_rows} rows, then "
-        else:
-            natives = ""
-        rewrite = (f"{natives}{path.describe()}{int8}{layers}; {lean} attention/MLP blocks lean, {lean_models} model "
-                   f"forward{'' if lean_models == 1 else 's'} lean")
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         whys += [gate_why] if lean and gate_why else []
+        return lean, lean_models, layers, whys
+
+    def _rewrite_line(self, path: LinearPath, native_names: str | None, native_rows: int, int8: bool, layers: str,
+                      lean: int, lean_models: int, whys: list[str]) -> str:
+        """The whole path in one line (the model's REWRITE_ATTRIBUTE, logged at DEBUG, part of a cost curve's key):
+        native blocks (`native_names`' formats) for up to `native_rows` rows, then `path`, int8 weights, the draft
+        layers' kernel calls, how many blocks and model forwards went lean, and `whys`."""
+        int8_rows = f"; int8 weights for products of up to {path.kernel_rows} rows" if int8 else ""
+        if native_names is not None:
+            source = ("the model file's GGUF blocks" if self.target_weights in ("auto", "native") else
+                      f"{self.target_weights}: quantized at load to GGUF blocks")
+            natives = (f"native {native_names} weights ({source}, widened in registers) for up to {native_rows} rows, "
+                       f"then ")
+        else:
+            natives = ""
+        rewrite = (f"{natives}{path.describe()}{int8_rows}{layers}; {lean} attention/MLP blocks lean, {lean_models} "
+                   f"model forward{'' if lean_models == 1 else 's'} lean")
         if whys:
             rewrite += f" ({'; '.join(whys)})"
-        setattr(model, REWRITE_ATTRIBUTE, rewrite)
-        weights = (f"native {names} weights" if native_formats else f"{DTYPE_NAMES.get(path.dtype, path.dtype)} weights")
-        kernel_name = f"specpipe's CPU kernel ({extension.isa})" if extension is not None else "no native kernel"
-        log.info("engine=%s: %s, %s, %d attention/MLP blocks lean (the whole path at log level DEBUG)", self.name, weights,
-                 kernel_name, lean)
-        log.debug("engine=%s: %s", self.name, rewrite)
-        return model
+        return rewrite
 
     def _linear_path(self, model: nn.Module) -> LinearPath | str:
         spread = spread_description(model)
@@ -321,7 +349,7 @@ class OneDNNEngine:
 
     def _auto_rows_as_asked(self, path: LinearPath) -> int:
         """`auto_kernel_rows` for `path` on this CPU's kernel build, were it to load with the blocks asked for."""
-        from specpipe.engine.cpu_kernel import kernel_isa
+        from specpipe.engine.cpu_kernel_build import kernel_isa
 
         return auto_kernel_rows(replace(path, kernel_blocks=self._blocks_asked(path)), kernel_isa())
 
@@ -445,3 +473,14 @@ class OneDNNEngine:
                                   members, native_kernel, native_rows)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements
+
+
+def _native_names(swaps: list[tuple[nn.Module, str, OneDNNLinear]]) -> str | None:
+    """The GGUF formats the swapped-in linears multiply in their native blocks ("Q8_0/Q6_K"), None where none does."""
+    native_formats = sorted({replacement.packed.native_format for _, _, replacement in swaps
+                             if replacement.packed.native_blocks is not None})
+    if not native_formats:
+        return None
+    from specpipe.engine.gguf_weights import NATIVE_FORMATS
+
+    return "/".join(name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats)

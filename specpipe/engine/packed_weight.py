@@ -21,7 +21,7 @@ from specpipe.engine.cpu import pack_weight, packed_linear, row_blocks, split_li
 from specpipe.engine.quantize import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
-    from specpipe.engine.cpu_kernel import BlockProduct
+    from specpipe.engine.cpu_kernel_build import BlockProduct
     from specpipe.engine.gguf_weights import GgufWeight
 
 

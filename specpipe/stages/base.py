@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -76,20 +77,22 @@ class StepDrafter(Proposer, Protocol):
     Per step the builder calls `start` once, then `step` once per depth with the tree grown so
     far; nodes only ever get appended to that tree within a step.
 
-    A drafter that drafts for the sequences of a batch in one forward has `start_many(states)` and
+    A drafter that drafts for the sequences of a batch in one forward overrides `start_many(states)` and
     `step_many(calls)` (calls: (state, tokens, parents, frontier) per sequence), giving per sequence what `start`
-    and `step` give; the tree builder calls them through `start_each` / `step_each`. Without them each sequence
-    drafts in its own forwards.
-
-    A drafter that scores only part of the vocabulary may have a `draft_vocab` attribute: a tensor
-    [k] of target token ids. Its `start` and `step` then return log-probs over those tokens only
-    ([k], [m, k]; column j is token draft_vocab[j]), sparing the builder a top-k over the whole
-    vocabulary. Without it (or with None) they cover the whole vocabulary.
+    and `step` give; the tree builder calls them through `start_each` / `step_each`. The defaults here call
+    `start` / `step` once per sequence.
     """
 
     # ms per draft level of q rows: set by the pipeline builder, measured on `resources().cost_runner` (None
     # there: stays None, and the tree builder counts levels as free)
     cost_curve: CostFunction | None = None
+    # A drafter that scores only part of the vocabulary sets this to the [k] target token ids of its columns:
+    # `start` and `step` then return log-probs over those tokens only ([k], [m, k]; column j is token
+    # draft_vocab[j]), sparing the builder a top-k over the whole vocabulary. None: they cover the whole vocabulary.
+    draft_vocab: Tensor | None = None
+    # Where the drafter's checkpoint was read, for the files that belong beside it (tree=static's calibrated
+    # tree.json); None where it has no folder.
+    folder: Path | None = None
 
     def start(self, state: DecodeState) -> Tensor:
         """Catches up with the committed tokens; returns the draft's log-probs [vocab] after the root."""
@@ -99,23 +102,25 @@ class StepDrafter(Proposer, Protocol):
         expand (-1 = the root). Returns the draft's next-token log-probs [m, vocab] after each
         frontier node; the tree builder takes the top children or samples them."""
 
+    def start_many(self, states: list[DecodeState]) -> list[Tensor]:
+        """`start` for each of `states`, in one draft forward where the drafter batches."""
+        return [self.start(state) for state in states]
+
+    def step_many(self, calls: list[tuple[DecodeState, list[int], list[int], list[int]]]) -> list[Tensor]:
+        """`step(*call)` for each call (one per sequence), in one draft forward where the drafter batches."""
+        return [self.step(*call) for call in calls]
+
 
 def start_each(drafter: StepDrafter, states: list[DecodeState]) -> list[Tensor]:
-    """`drafter.start` for the sequences of a batch: in one draft forward where the drafter batches
-    (`start_many(states)`, same results as one `start` each), else one call each."""
-    start_many = getattr(drafter, "start_many", None)
-    if start_many is not None and len(states) > 1:
-        return start_many(states)
-    return [drafter.start(state) for state in states]
+    """`drafter.start` for the sequences of a batch: `start_many` for two or more (one draft forward where the
+    drafter batches, the same results as one `start` each), `start` for one."""
+    return drafter.start_many(states) if len(states) > 1 else [drafter.start(state) for state in states]
 
 
 def step_each(drafter: StepDrafter, calls: list[tuple[DecodeState, list[int], list[int], list[int]]]) -> list[Tensor]:
-    """`drafter.step(state, tokens, parents, frontier)` for each call of a batch (one per sequence): in one draft
-    forward where the drafter batches (`step_many(calls)`), else one call each."""
-    step_many = getattr(drafter, "step_many", None)
-    if step_many is not None and len(calls) > 1:
-        return step_many(calls)
-    return [drafter.step(*call) for call in calls]
+    """`drafter.step(state, tokens, parents, frontier)` for each call of a batch (one per sequence): `step_many`
+    for two or more, `step` for one."""
+    return drafter.step_many(calls) if len(calls) > 1 else [drafter.step(*call) for call in calls]
 
 
 def draft_token_ids(columns: Tensor, draft_vocab: Tensor | None) -> Tensor:

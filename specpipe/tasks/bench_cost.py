@@ -32,8 +32,9 @@ from specpipe.cost import (OtherProcessesLoad, measure_cost_curves, measure_read
                            streamed_weight_bytes)
 from specpipe.errors import ConfigError, InvalidRequest
 from specpipe.models import parse_dtype
-from specpipe.tasks.bench import output_dir
-from specpipe.tasks.bench_report import machine_info, machine_line, write_atomically, write_text
+from specpipe.tasks.bench_machine import machine_info, machine_line
+from specpipe.tasks.bench_report import write_atomically, write_text
+from specpipe.tasks.bench_settings import output_dir
 from specpipe.paths import CONFIG_DIR
 from specpipe.pipelines.builder import compose_config, load_model
 from specpipe.stages.draft.draft_model import root_and_tree_rows

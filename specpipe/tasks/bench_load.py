@@ -25,17 +25,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from specpipe.cost import OtherProcessesLoad
-from specpipe.errors import ConfigError, InvalidRequest
-from specpipe.models import parse_dtype
+from specpipe.errors import InvalidRequest
 from specpipe.pipelines.builder import assemble_pipeline, build_target, load_model, with_pipeline
 from specpipe.pipelines.pipeline import Pipeline, PreparedPrompt
 from specpipe.serving import RequestHandle, SchedulerLimits
-from specpipe.tasks.bench import VANILLA, hydra_job_info, output_dir, read_questions, resolve_prompts_path, select_questions
-from specpipe.tasks.bench_report import machine_info, machine_line, write_text
+from specpipe.tasks.bench_machine import machine_info, machine_line
+from specpipe.tasks.bench_metrics import VANILLA
+from specpipe.tasks.bench_questions import read_questions, resolve_prompts_path, select_questions
+from specpipe.tasks.bench_report import write_text
+from specpipe.tasks.bench_settings import benchmark_settings, hydra_job_info, output_dir
 
 T = TypeVar("T")
 
@@ -70,12 +72,7 @@ class RequestRecord:
 
 
 def read_settings(cfg: DictConfig) -> LoadSettings:
-    bench = cfg.get("bench_load")
-    if bench is None:
-        raise ConfigError("task=bench_load needs the bench_load settings of conf/task/bench_load.yaml")
-    if parse_dtype(cfg.model.dtype) != parse_dtype(bench.dtype):
-        raise ConfigError(f"the load benchmark sets the model dtype from bench_load.dtype ({bench.dtype}), but "
-                          f"model.dtype was set to {cfg.model.dtype}; use bench_load.dtype={cfg.model.dtype}")
+    bench = benchmark_settings(cfg, "bench_load", "the load benchmark")
 
     def positive_ints(key: str) -> tuple[int, ...]:
         values = bench.get(key)

@@ -1,7 +1,6 @@
 """The benchmark's result records: a question, and what one method did with each of its turns.
 
-`specpipe.tasks.bench` makes them and `specpipe.tasks.bench_report` reports them; they live apart so that
-the report does not import the benchmark, which imports the report when a run ends.
+The benchmark's run (`specpipe.tasks.bench_run`) makes them; its metrics, tables and report files read them.
 """
 from __future__ import annotations
 

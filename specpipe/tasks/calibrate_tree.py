@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from specpipe.distill.prompts import display_path
+from specpipe.paths import display_path
 from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings, progress_bar
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
+from specpipe.stages.draft.medusa import MedusaDrafter
 from specpipe.stages.tree.calibration import best_size, count_paths, heads_sha256, ranked_paths, write_calibration
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.paths import local_path, package_path
@@ -54,7 +55,7 @@ def run_calibrate_tree(cfg: DictConfig) -> dict:
         raise ConfigError(f"calibrate_tree.max_rank and calibrate_tree.paths must be >= 1, got {c.max_rank} "
                           f"and {c.paths}")
     pipeline = build_pipeline(cfg)
-    drafter = next((d for d in pipeline.decoder.drafters if hasattr(d, "true_path_ranks")), None)
+    drafter = next((d for d in pipeline.decoder.drafters if isinstance(d, MedusaDrafter)), None)
     if drafter is None:
         raise ConfigError(f"task=calibrate_tree calibrates Medusa or Hydra heads: pipeline={cfg.pipeline.name} has "
                           f"none under pipeline.drafters (use pipeline=medusa or pipeline=hydra)")

@@ -16,11 +16,12 @@ import torch
 from omegaconf import DictConfig
 
 from specpipe.distill.corpus import write_atomically
-from specpipe.distill.layer_search import (FORMAT, AgreementProbe, ProbeSequence, agreement_interval,
-                                           backward_elimination, elimination_forwards, searched_layers_path)
+from specpipe.distill.layer_search import (AgreementProbe, ProbeSequence, agreement_interval, backward_elimination,
+                                           elimination_forwards)
 from specpipe.pipelines.builder import load_model
-from specpipe.stages.draft.draft_model import corpus_ranking
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
+from specpipe.stages.draft.layer_search_file import FORMAT, searched_layers_path
+from specpipe.stages.draft.reduced_vocab import corpus_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
 from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings
 from specpipe.paths import local_path, package_path

@@ -22,8 +22,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from specpipe.tasks.bench_report import (ROW_SEPARATOR, TABLE_LEGEND, machine_line, markdown_table, plot_speedup,
-                                         sources_section, write_text)
+from specpipe.tasks.bench_machine import machine_line
+from specpipe.tasks.bench_render import ROW_SEPARATOR, TABLE_LEGEND, markdown_table, plot_speedup, sources_section
+from specpipe.tasks.bench_report import write_text
 
 log = logging.getLogger(__name__)
 SUMMARY = "summary.json"

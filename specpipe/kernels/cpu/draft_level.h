@@ -6,7 +6,7 @@
 //
 // Why: around its products and attention a draft level spent much of its time in small torch ops and the Python
 // between them. Each op here is the one the op-by-op path runs, rounded as that path rounds it, so a level's outputs
-// are that path's (specpipe.engine.lean_model.BlockLayers, KernelDraftLevel).
+// are that path's (specpipe.engine.draft_level.BlockLayers, KernelDraftLevel).
 // A part of kernel.cpp's one translation unit (see there).
 
 #pragma once

@@ -1,6 +1,6 @@
 // specpipe's CPU kernel, the MLP's silu(gate) * up in one call over all threads (silu_gate, engine.kernel_gate), with
 // ATen's own vector exp (Sleef's, which libtorch_cpu exports) and its order of roundings: bitwise F.silu(gate) * up
-// where ATen runs that silu in vectors on one thread (specpipe.engine.cpu_kernel.serves_gate; checked over every bf16
+// where ATen runs that silu in vectors on one thread (specpipe.engine.cpu_kernel_checks.serves_gate; checked over every bf16
 // value when the kernel loads).
 //
 // Why: for a verify's few rows ATen runs the two elementwise ops one after the other on one thread.

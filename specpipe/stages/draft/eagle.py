@@ -23,17 +23,17 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.lean_model import KernelDraftLevel
+from specpipe.engine.draft_level import KernelDraftLevel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids
-from specpipe.stages.draft.draft_model import (ReducedVocabHead, causal_rows, head_logprobs, output_weight, reduced_ids,
-                                               root_and_tree_rows, tree_rows, unfed_ancestors_first)
+from specpipe.stages.draft.draft_model import causal_rows, root_and_tree_rows, tree_rows, unfed_ancestors_first
 from specpipe.stages.draft.draft_vocab import pinned_vocab_path
 from specpipe.stages.draft.eagle_checkpoint import default_eagle_dir, read_eagle_net
 from specpipe.stages.draft.eagle_net import EagleNet
 from specpipe.stages.draft.head_checkpoint import head_folder
+from specpipe.stages.draft.reduced_vocab import ReducedVocabHead, head_logprobs, output_weight, reduced_ids
 from specpipe.target import RaggedBatch, TargetModel
 from specpipe.types import DecodeState, DraftTree, Proposal, VerifyResult
 

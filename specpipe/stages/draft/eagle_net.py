@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from specpipe.engine.blocks import FusedQKVAttention
-from specpipe.engine.lean_model import BlockLayers, LeanLlamaModel, lean_decoder_layers, norm_function
+from specpipe.engine.draft_level import BlockLayers
+from specpipe.engine.lean_model import LeanLlamaModel, lean_decoder_layers, norm_function
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.target import SDPA_ATTENTION, RaggedBatch
 
@@ -28,7 +29,7 @@ class EagleNet(nn.Module):
     (specpipe.engine.lean_model.lean_decoder_layers), without the module calls between the ops, paid
     at every draft level, of which a step runs several. Where the kernel's build multiplies
     weights in column blocks it also hands `layer_kernel`, and a bf16 head's layers run one kernel call
-    each (specpipe.engine.lean_model.BlockLayers)."""
+    each (specpipe.engine.draft_level.BlockLayers)."""
 
     accepts_lean_kernels = True  # specpipe.engine.lean_model.swap_lean_model sets the six below
     norm_kernel = None
@@ -39,7 +40,7 @@ class EagleNet(nn.Module):
     layer_kernel = None
     rotary_lookup = None  # RotaryTables over rotary_emb (specpipe.engine.rotary)
     # the kernel's whole draft level (fc, the layers, the output layer's log-probs), which EagleDrafter runs through
-    # specpipe.engine.lean_model.KernelDraftLevel where every part is served
+    # specpipe.engine.draft_level.KernelDraftLevel where every part is served
     level_kernel = None
 
     def __init__(self, config: LlamaConfig, fc_bias: bool = True) -> None:

@@ -18,7 +18,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
-from specpipe.stages.draft.draft_model import DraftModelDrafter, reduce_vocabulary
+from specpipe.stages.draft.draft_model import DraftModelDrafter
+from specpipe.stages.draft.reduced_vocab import reduce_vocabulary
 from specpipe.target import TargetModel
 
 

@@ -34,12 +34,13 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.stages.base import StageResources, StepDrafter, draft_token_ids
-from specpipe.stages.draft.draft_model import ReducedVocabHead, head_logprobs, path_to
+from specpipe.stages.draft.draft_model import path_to
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path
 from specpipe.stages.draft.eagle import frequent_ids, output_head
 from specpipe.stages.draft.head_checkpoint import (HYDRA_KEY, MEDUSA_CONVERTED_KEY, MEDUSA_ORIGINAL_KEY, MEDUSA_PREFIX,
                                                    check_tokenizer, head_folder, load_fitting, read_checkpoint,
                                                    write_head_folder)
+from specpipe.stages.draft.reduced_vocab import ReducedVocabHead, head_logprobs
 from specpipe.target import TargetModel
 from specpipe.types import DecodeState, Proposal, VerifyResult
 

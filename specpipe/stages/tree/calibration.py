@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from specpipe.cost import CostCurve

@@ -108,7 +108,7 @@ class Eagle2TreeBuilder(TreeBuilder):
         grown: list[list[Proposal]] = [[] for _ in states]
         drafting_ms = [0.0] * len(states)
         for drafter in drafters:
-            name = getattr(drafter, "name", "draft")
+            name = drafter.name
             members = [i for i, plan in enumerate(plans) if plan.grows(self, name)]
             together = [i for i in members if states[i].sampling.greedy]
             for index in (i for i in members if not states[i].sampling.greedy):
@@ -155,7 +155,7 @@ class Eagle2TreeBuilder(TreeBuilder):
                            ) -> list[tuple[Proposal, float]]:
         """Greedy growth of each state's tree (`_grow_top`), every level one `step_each` call for all the states that
         expand at it; a level's time teaches the drafter's curve, at all the rows it fed."""
-        draft_cost = None if self.fixed_size else getattr(drafter, "cost_curve", None)
+        draft_cost = None if self.fixed_size else drafter.cost_curve
         growers = {index: self._grow_top(state, drafter, others, draft_cost)
                    for index, (state, others) in enumerate(zip(states, other_scores))}
         results: list = [None] * len(states)
@@ -187,7 +187,7 @@ class Eagle2TreeBuilder(TreeBuilder):
         """EAGLE-2's greedy growth of one tree, as a generator: it yields each level it wants drafted as (depth,
         tokens, parents, frontier) and is sent (the drafter's log-probs [m, vocab] or [m, k] after each frontier node,
         the rows the batch's other sequences fed at that level); it returns (the proposal, the priced ms)."""
-        draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
+        draft_vocab = drafter.draft_vocab  # [k] target ids of the columns, or None
         tokens: list[int] = []
         parents: list[int] = []
         log_scores: list[float] = []
@@ -220,14 +220,14 @@ class Eagle2TreeBuilder(TreeBuilder):
                 break
             frontier = [first_new + index for index in best.indices.tolist()]
         proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                            scores=torch.tensor(log_scores).exp(), source=getattr(drafter, "name", "draft"))
+                            scores=torch.tensor(log_scores).exp(), source=drafter.name)
         return proposal, drafting_ms
 
     def _grow_sampled(self, state: DecodeState, drafter: StepDrafter, root_logprobs: Tensor,
                       other_scores: list[float]) -> tuple[Proposal, float]:
         sampling = state.sampling
-        draft_cost = None if self.fixed_size else getattr(drafter, "cost_curve", None)
-        draft_vocab = getattr(drafter, "draft_vocab", None)
+        draft_cost = None if self.fixed_size else drafter.cost_curve
+        draft_vocab = drafter.draft_vocab
 
         def full_vocab(logprobs: Tensor) -> Tensor:  # the verifier needs each node's whole distribution
             if draft_vocab is None:  # the rows cover the whole vocabulary (state.logits may be unset)
@@ -273,7 +273,7 @@ class Eagle2TreeBuilder(TreeBuilder):
             frontier, frontier_scores = ranked, [scores[node] for node in ranked]
         vocab = frontier_probs.shape[-1]
         proposal = Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                            scores=torch.tensor(scores, dtype=torch.float32), source=getattr(drafter, "name", "draft"),
+                            scores=torch.tensor(scores, dtype=torch.float32), source=drafter.name,
                             draft_probs=torch.stack(draft_probs) if draft_probs else frontier_probs.new_empty(0, vocab))
         return proposal, drafting_ms
 

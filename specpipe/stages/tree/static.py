@@ -78,7 +78,7 @@ class StaticTreeBuilder(TreeBuilder):
         at its first step otherwise."""
         if self._auto:
             self._auto = False
-            folders = [getattr(d, "folder", None) for d in drafters]
+            folders = [d.folder for d in drafters]
             found = [f / self.CALIBRATION_FILE for f in folders if f is not None and (f / self.CALIBRATION_FILE).is_file()]
             if found and not fits_heads(found[0], found[0].parent):
                 log.warning("tree=static: %s was measured on other heads than those beside it; drafting along "
@@ -104,7 +104,7 @@ class StaticTreeBuilder(TreeBuilder):
         scores: the product of the draft's probabilities on the path)."""
         choices = self.choices if choices is None else choices
         drafter.start(state)
-        draft_vocab = getattr(drafter, "draft_vocab", None)  # [k] target ids of the columns, or None
+        draft_vocab = drafter.draft_vocab  # [k] target ids of the columns, or None
         node_of: dict[tuple[int, ...], int] = {(): ROOT}
         tokens: list[int] = []
         parents: list[int] = []
@@ -135,4 +135,4 @@ class StaticTreeBuilder(TreeBuilder):
             if not any(path in node_of for path in level):
                 break
         return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long),
-                        scores=torch.tensor(scores, dtype=torch.float32), source=getattr(drafter, "name", "draft"))
+                        scores=torch.tensor(scores, dtype=torch.float32), source=drafter.name)
