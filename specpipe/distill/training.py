@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from specpipe.distill.corpus import write_atomically
 from specpipe.engine.cpu import onednn_available, pack_weight, packed_linear
@@ -73,7 +72,7 @@ TASK_SETTING_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
 SCORED_SHARE_RULE = {"eval_fraction": (lambda v: 0 < v <= 1, "in (0, 1] (the share of answers scored; 1: all)")}
 
 
-def check_task_settings(node: DictConfig, prefix: str,
+def check_task_settings(node: Mapping[str, object], prefix: str,
                         extra: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
     """Refuses a task's settings outside their rules (TASK_SETTING_RULES, for the keys the task has, and
     `extra`), naming `prefix.key`; a null setting is left to the task (limit: the whole corpus)."""
@@ -226,13 +225,14 @@ class ResumableTrainer:
                                     "teacher_only", "feature_batch", "teacher_batch", "loss_chunk", "corpus", "limit",
                                     "eval_of", "eagle_layers"})
 
-    def __init__(self, module: torch.nn.Module, examples: list, lengths: Callable[[object], int], cfg: DictConfig,
-                 folder: Path, params=None) -> None:
-        self.module, self.examples, self.cfg, self.folder = module, examples, cfg, Path(folder)
+    def __init__(self, module: torch.nn.Module, examples: list, lengths: Callable[[object], int],
+                 task_settings: Mapping[str, object], folder: Path, params=None) -> None:
+        # the task's settings as plain values (the task resolves its config node into them)
+        self.task_settings, self.module, self.examples, self.folder = dict(task_settings), module, examples, Path(folder)
         self.lengths = [lengths(example) for example in examples]
         self.params = list(params if params is not None else module.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=float(cfg.lr), betas=(0.9, 0.95),
-                                           weight_decay=float(cfg.weight_decay))
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(self.task_settings["lr"]),
+                                           betas=(0.9, 0.95), weight_decay=float(self.task_settings["weight_decay"]))
         self.step, self.positions, self.seconds = 0, 0, 0.0
         for name in self.extra_counters:
             setattr(self, name, 0)
@@ -250,10 +250,10 @@ class ResumableTrainer:
     def _epoch(self, epoch: int) -> list[list[int]]:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        rng = np.random.default_rng([int(self.cfg.seed), epoch])
+        rng = np.random.default_rng([int(self.task_settings["seed"]), epoch])
         order = rng.permutation(len(self.examples))
         batches = [[int(order[i]) for i in batch]
-                   for batch in token_batches([self.lengths[i] for i in order], int(self.cfg.batch))]
+                   for batch in token_batches([self.lengths[i] for i in order], int(self.task_settings["batch"]))]
         batches = [batches[i] for i in rng.permutation(len(batches))]
         self._epoch_cache = (epoch, batches)
         return batches
@@ -264,7 +264,7 @@ class ResumableTrainer:
     def settings(self) -> dict[str, str]:
         """The task settings this run's checkpoints must share with a run that resumes them."""
         return {key: json.dumps(value, sort_keys=True, default=str)
-                for key, value in OmegaConf.to_container(self.cfg, resolve=True).items()
+                for key, value in self.task_settings.items()
                 if key not in self.RESUMABLE_SETTINGS}
 
     def checkpoints(self) -> list[Path]:
@@ -302,7 +302,7 @@ class ResumableTrainer:
                  **{name: getattr(self, name) for name in self.extra_counters}}
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: torch.save(state, tmp))
-        for old in self.checkpoints()[: -int(self.cfg.keep_checkpoints)]:
+        for old in self.checkpoints()[: -int(self.task_settings["keep_checkpoints"])]:
             old.unlink(missing_ok=True)
         return path
 

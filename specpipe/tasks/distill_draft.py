@@ -110,7 +110,7 @@ def train(cfg: DictConfig, loaded, draft, teacher: dict, split: CorpusSplit, fol
     grown_tag = f"-from-{init_sha256[:12]}" if init_sha256 else ""
     run_folder = folder / f"train-layers-{'-'.join(map(str, layers))}{grown_tag}"
     run_folder.mkdir(parents=True, exist_ok=True)
-    trainer = DraftTrainer(draft, split.train, teacher, d, run_folder, pad_id)
+    trainer = DraftTrainer(draft, split.train, teacher, OmegaConf.to_container(d, resolve=True), run_folder, pad_id)
     command = task_command("distill_draft")
     grown = ({"init_from": {"file": str(d.init_from), "sha256": init_sha256,
                             "target_layers": draft.grown_from["target_layers"]}} if init_from else {})

@@ -175,7 +175,7 @@ def train(h: DictConfig, net: torch.nn.Module, inputs: HeadInputs, settings: Hea
     """Trains `net` (resumed from `run_folder`'s checkpoints, which pin the settings `h`), exporting to `out`."""
     loss_of = KINDS[settings.kind].loss_of(net, inputs, settings)
     run_folder.mkdir(parents=True, exist_ok=True)
-    trainer = HeadTrainer(net, loss_of, split.train, h, run_folder)
+    trainer = HeadTrainer(net, loss_of, split.train, OmegaConf.to_container(h, resolve=True), run_folder)
     schedule = Schedule(int(h.steps), int(h.checkpoint_every), int(h.eval_every), bool(h.eval_init), bool(h.progress))
     run = HeadRun(net, inputs, settings, ranking, trainer, schedule, split, out, run_records, _log)
     run.start()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from specpipe.distill.draft_model import save_draft
 from specpipe.distill.training import ExampleShards, frozen_loss_head, progress_bar
@@ -85,15 +84,16 @@ def distill_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, teacher_idx: to
 
 
 class DraftTrainer(StepTrainer):
-    """The draft's decoder layers only (the embedding, norm and LM head are the target's, frozen). `cfg`: the
-    task's settings, which ResumableTrainer reads its optimizer and batches from and pins in every checkpoint."""
+    """The draft's decoder layers only (the embedding, norm and LM head are the target's, frozen). `task_settings`:
+    the task's settings as plain values, which ResumableTrainer reads its optimizer and batches from and pins in
+    every checkpoint."""
 
     state_key = "layers"
     extra_counters = ("tokens",)
 
-    def __init__(self, draft, examples: list[Example], teacher: dict, cfg: DictConfig, folder: Path,
+    def __init__(self, draft, examples: list[Example], teacher: dict, task_settings: Mapping[str, object], folder: Path,
                  pad_id: int) -> None:
-        super().__init__(draft.model.layers, examples, lambda e: len(e.tokens), cfg, folder)
+        super().__init__(draft.model.layers, examples, lambda e: len(e.tokens), task_settings, folder)
         self.draft, self.teacher, self.pad_id = draft, teacher, pad_id
         # the frozen LM head's products, forward and back, are most of a step (0.9 of 1.45 s)
         self.loss_head = frozen_loss_head(draft.lm_head)
@@ -111,7 +111,7 @@ class DraftTrainer(StepTrainer):
         # detached copy of the hidden states, and their gradient flows back through the layers once.
         detached = hidden.detach().requires_grad_(True)
         n, total = len(rows), 0.0
-        chunk = int(self.cfg.loss_chunk)
+        chunk = int(self.task_settings["loss_chunk"])
         for start in range(0, n, chunk):
             part = distill_loss(detached[start:start + chunk], self.loss_head, idx[start:start + chunk],
                                 val[start:start + chunk]) / n

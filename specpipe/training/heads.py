@@ -6,13 +6,12 @@ eagle, eagle3, medusa) adds its net, loss, eval and export."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from specpipe.distill.training import progress_bar
 from specpipe.training.examples import Example, example_batches
@@ -205,12 +204,13 @@ def format_eval(result: dict, title: str) -> str:
 
 # ---- train --------------------------------------------------------------------------------------
 class HeadTrainer(StepTrainer):
-    """`loss_of(examples)` -> (loss, stats with "positions" and "top1") is the head kind's own. `cfg`: the
-    task's settings, which ResumableTrainer reads its optimizer and batches from and pins in every checkpoint."""
+    """`loss_of(examples)` -> (loss, stats with "positions" and "top1") is the head kind's own. `task_settings`:
+    the task's settings as plain values, which ResumableTrainer reads its optimizer and batches from and pins in
+    every checkpoint."""
 
-    def __init__(self, net: torch.nn.Module, loss_of: LossFn, examples: list[Example], cfg: DictConfig,
+    def __init__(self, net: torch.nn.Module, loss_of: LossFn, examples: list[Example], task_settings: Mapping[str, object],
                  folder) -> None:
-        super().__init__(net, examples, lambda e: len(e.tokens), cfg, folder)
+        super().__init__(net, examples, lambda e: len(e.tokens), task_settings, folder)
         self.net, self.loss_of = net, loss_of
 
     def train_step(self) -> dict:

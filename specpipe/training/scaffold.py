@@ -98,13 +98,14 @@ class StepTrainer(ResumableTrainer):
 
     def apply_schedule(self) -> None:
         """This step's learning rate (warmup, then cosine decay) on every parameter group."""
-        cfg = self.cfg
+        given = self.task_settings
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, float(cfg.lr), int(cfg.warmup), int(cfg.steps), float(cfg.min_lr_ratio))
+            group["lr"] = lr_at(self.step, float(given["lr"]), int(given["warmup"]), int(given["steps"]),
+                                float(given["min_lr_ratio"]))
 
     def optimizer_step(self) -> None:
         """The gradients clipped to `grad_clip`, one AdamW step, the gradients dropped."""
-        torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg.grad_clip))
+        torch.nn.utils.clip_grad_norm_(self.params, float(self.task_settings["grad_clip"]))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
