@@ -40,6 +40,7 @@ LLAMA_CPP = "llama_cpp"
 REFERENCE = "hf_generate"
 
 # The measurements each part of the page quotes (folder names under docs/results/).
+DEV_SET = ("run-76-dev-fp32", "run-76-dev-bf16")
 AGAINST_LLAMA_CPP = ("run-74-llamacpp-amx-fp32-1", "run-74-llamacpp-amx-fp32-2")
 AVX2_HELD_BACK = ("run-74-llamacpp-avx2-fp32-four-accumulators", "run-74-llamacpp-avx2-fp32-two-accumulators-1",
                   "run-74-llamacpp-avx2-fp32-two-accumulators-2")
@@ -252,8 +253,21 @@ def render_page(measurements: dict[str, Measurement]) -> str:
     server = measurements[SERVER_LOAD]
     bench_meta = amx_runs[0]["meta"]
     load_settings = measurements[LOAD_NATIVE[0]].summary["meta"]["settings"]
+    dev = [measurements[name] for name in DEV_SET]
+    dev_meta = dev[0].summary["meta"]
     parts = [
         INTRO,
+        "## The dev set in both dtypes",
+        prose(f"`task=bench` on the first {dev_meta['per_category']} dev questions of each category "
+              f"({dev_meta['questions']} questions, every turn), every method on the same prompts in one run per "
+              "dtype: transformers' greedy `generate` (`hf_generate`, the reference), its prompt lookup "
+              "(`hf_pld`), specpipe's loop without drafting (`vanilla`) and two pipelines. Per category, speedup "
+              "over `hf_generate` (ratio of mean tok/s), with the overall mean accepted tokens per target forward; "
+              "in bf16 `exact` compares with `hf_generate` on the bf16 model, whose products round otherwise than "
+              "specpipe's kernel over the file's blocks (and than one verify size another), so most answers part "
+              "after some tokens: an exact bf16 answer is issue 84's work."),
+        *(f"{measurement.dtype}:\n\n{provenance([measurement])}\n\n{per_category_table([measurement.summary])}"
+          for measurement in dev),
         "## Against llama.cpp on the same file",
         prose(f"`task=bench` on the first {bench_meta['per_category']} dev questions of each category "
               f"({bench_meta['questions']} questions), specpipe and llama.cpp's `llama-server` (the `llama_cpp` "
@@ -284,6 +298,10 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               f"GGUF of the same weights ([plot]({server.source['plot']})):"),
         provenance([server]),
         server_table(server.summary),
+        "## On a GPU",
+        prose("The end-to-end runs on an H100 ([run 36](notebook/run-36.md), the first full table in "
+              "[run 42](notebook/run-42.md)) were measured on a lent machine whose summaries were not kept: their "
+              "tables stay on those pages."),
         "## The whole dev set",
         prose("All 72 dev questions with both turns, the mixed pipelines over `lookahead_trie` with paired "
               f"bootstrap intervals, on a 2-core AMD Zen 5 EPYC: [run 71](notebook/{WHOLE_DEV_SET_PAGE}) (its "
