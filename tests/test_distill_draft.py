@@ -302,7 +302,7 @@ def test_distill_task_trains_resumes_and_exports(tmp_path, capsys):
     teacher_shards = sorted((checkpoints / "teacher").glob("*.npy"))
     assert teacher_shards
 
-    from specpipe.distill.training import lock_folder
+    from specpipe.training.resumable import lock_folder
 
     held = lock_folder(checkpoints, "distill_draft")  # another run using the folder: refused, nothing written
     with pytest.raises(ConfigError, match=r"another task=distill_draft run \(pid \d+\)"):
@@ -402,7 +402,7 @@ def test_bad_distillation_settings_are_refused_before_the_teacher_pass(tmp_path,
 def test_the_loss_head_runs_onednn_with_torchs_products_and_gradient():
     """frozen_loss_head: a frozen fp32 output layer's product and its gradient to the input equal
     torch's (float rounding apart); a layer that trains, has a bias or is bf16 stays as it is."""
-    from specpipe.distill.training import FrozenPackedLinear, frozen_loss_head
+    from specpipe.training.resumable import FrozenPackedLinear, frozen_loss_head
     from specpipe.engine.cpu import onednn_available
 
     torch.manual_seed(0)

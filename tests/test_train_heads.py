@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.distill.training import frozen_product
+from specpipe.training.resumable import frozen_product
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config, load_model
 from specpipe.tasks.train_heads import run_train_heads

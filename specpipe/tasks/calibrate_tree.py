@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from specpipe.paths import display_path
-from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings, progress_bar
+from specpipe.training.resumable import SCORED_SHARE_RULE, check_output_file, check_task_settings, progress_bar
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline
 from specpipe.stages.draft.medusa import MedusaDrafter

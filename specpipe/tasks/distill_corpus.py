@@ -25,7 +25,7 @@ from specpipe.distill.corpus import (AnswerStream, BatchedGreedy, DistillStats, 
                                      merge_shards, shards_from_corpus)
 from specpipe.distill.magpie import QUERIES_FILE, MagpieSampler, MagpieSettings
 from specpipe.distill.prompts import ChatPrompt, build_prompt_source, follow_up_prompts
-from specpipe.distill.training import check_folder, check_output_file, check_task_settings
+from specpipe.training.resumable import check_folder, check_output_file, check_task_settings
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import load_model
 from specpipe.stores.manifest import tokenizer_fingerprint

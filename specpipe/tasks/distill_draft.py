@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specpipe.distill.draft_model import build_draft, grow_draft
-from specpipe.distill.training import AT_LEAST_ONE, check_folder, check_output_file, check_task_settings, lock_folder
+from specpipe.training.resumable import AT_LEAST_ONE, check_folder, check_output_file, check_task_settings, lock_folder
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.paths import local_path, package_path

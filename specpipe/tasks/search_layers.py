@@ -23,7 +23,7 @@ from specpipe.stages.draft.draft_vocab import pinned_vocab_path, write_ranking
 from specpipe.stages.draft.layer_search_file import FORMAT, searched_layers_path
 from specpipe.stages.draft.reduced_vocab import corpus_ranking
 from specpipe.stores.manifest import sha256_file, tokenizer_fingerprint
-from specpipe.distill.training import SCORED_SHARE_RULE, check_output_file, check_task_settings
+from specpipe.training.resumable import SCORED_SHARE_RULE, check_output_file, check_task_settings
 from specpipe.paths import local_path, package_path
 from specpipe.tasks import task_command
 from specpipe.training.examples import read_task_corpus, split_held_out

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.distill.training import AT_LEAST_ONE, check_folder, check_task_settings, lock_folder
+from specpipe.training.resumable import AT_LEAST_ONE, check_folder, check_task_settings, lock_folder
 from specpipe.errors import ConfigError
 from specpipe.models import cache_root
 from specpipe.paths import local_path, package_path

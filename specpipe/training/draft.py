@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specpipe.distill.draft_model import save_draft
-from specpipe.distill.training import ExampleShards, frozen_loss_head, progress_bar
+from specpipe.training.resumable import ExampleShards, frozen_loss_head, progress_bar
 from specpipe.errors import ConfigError
 from specpipe.stages.draft.draft_vocab import TokenRanking, pinned_vocab_path, write_ranking
 from specpipe.training.examples import Example, example_batches, fill_shards, pad_examples

@@ -15,7 +15,7 @@ import torch
 
 from specpipe.distill.corpus import chat_prompt_ids, check_corpus_tokenizer, read_corpus, read_corpus_metadata
 from specpipe.distill.prompts import prompt_id as text_id
-from specpipe.distill.training import ExampleShards, progress_bar, token_batches
+from specpipe.training.resumable import ExampleShards, progress_bar, token_batches
 from specpipe.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpipe.distill.training import ExampleShards
+from specpipe.training.resumable import ExampleShards
 from specpipe.errors import ConfigError
 from specpipe.training.examples import Example, fill_shards, pad_examples
 from specpipe.training.scaffold import task_log

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpipe.distill.training import frozen_product, write_json
+from specpipe.training.resumable import frozen_product, write_json
 from specpipe.errors import ConfigError
 from specpipe.stages.draft.draft_vocab import VOCAB_FILE, TokenRanking, pinned_vocab_path, read_ranking
 from specpipe.stages.draft.eagle import frequent_ids

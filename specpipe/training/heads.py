@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpipe.distill.training import progress_bar
+from specpipe.training.resumable import progress_bar
 from specpipe.training.examples import Example, example_batches
 from specpipe.training.scaffold import StepTrainer, Window
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specpipe.distill.training import ResumableTrainer, finished_message, progress_bar, write_json
+from specpipe.training.resumable import ResumableTrainer, finished_message, progress_bar, write_json
 from specpipe.errors import ConfigError
 from specpipe.stores.manifest import sha256_file
 from specpipe.training.examples import Example, read_task_corpus, split_held_out

@@ -1,5 +1,6 @@
-"""What the training tasks share (task=distill_draft, task=train_heads): per-example arrays cached in
-.npy shards, seeded batches packed by length, and a trainer that checkpoints and resumes."""
+"""The training tasks' plumbing (task=distill_draft, task=train_heads; the setting checks also serve the tasks that
+only read a corpus): per-example arrays cached in .npy shards, seeded batches packed by length, and a trainer that
+checkpoints and resumes."""
 from __future__ import annotations
 
 import json
