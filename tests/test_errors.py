@@ -42,6 +42,21 @@ def test_unknown_pipeline_lists_options():
         assert option in message
 
 
+def test_a_missing_config_folder_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config_dirs: no such folder: .*nowhere"):
+        compose_config(["pipeline=mine"], config_dirs=[tmp_path / "nowhere"])
+
+
+def test_a_pipeline_from_an_own_config_folder_composes_beside_the_shipped_ones(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - lookahead_trie\n  - _self_\n\npipeline:\n  name: mine\n")
+    config = compose_config(["pipeline=mine"], config_dirs=[tmp_path])
+    assert config.pipeline.name == "mine" and "ngram" in config.pipeline.proposers
+    with pytest.raises(ConfigError, match="mine"):  # not found without the folder
+        compose_config(["pipeline=mine"])
+
+
 @pytest.mark.parametrize("override,group,options", [
     ("retriever@pipeline.proposers.ngram=nope", "retriever", ("prompt_ngram", "ngram_trie")),
     ("tree@pipeline.tree=nope", "tree", ("trie",)),

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
@@ -33,7 +32,6 @@ from specpipe.target import TargetModel
 from specpipe.types import SamplingConfig
 
 log = logging.getLogger(__name__)
-
 
 
 def compose_config(overrides: Sequence[str] = (), config_dirs: Sequence[str | Path] = ()) -> DictConfig:
