@@ -264,8 +264,9 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "(`hf_pld`), specpipe's loop without drafting (`vanilla`) and two pipelines. Per category, speedup "
               "over `hf_generate` (ratio of mean tok/s), with the overall mean accepted tokens per target forward; "
               "in bf16 `exact` compares with `hf_generate` on the bf16 model, whose products round otherwise than "
-              "specpipe's kernel over the file's blocks (and than one verify size another), so most answers part "
-              "after some tokens: an exact bf16 answer is issue 84's work."),
+              "specpipe's kernel over the file's blocks, so most answers part after some tokens (run 76 predates "
+              "`engine.batch_invariant`, which makes every pipeline's bf16 answer specpipe's own bf16 `vanilla`'s: "
+              "run 77)."),
         *(f"{measurement.dtype}:\n\n{provenance([measurement])}\n\n{per_category_table([measurement.summary])}"
           for measurement in dev),
         "## Against llama.cpp on the same file",

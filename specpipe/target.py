@@ -18,7 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specpipe.engine.base import tiles_permitted
+from specpipe.engine.base import row_invariant, tiles_permitted
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.base import LookaheadRows
@@ -332,11 +332,12 @@ class TargetModel:
         plain forward over its own cache, as `forward_tree` always has."""
         built = [verify_inputs(item.root_token, item.tree, item.cache.get_seq_length(), item.lookahead)
                  for item in batch]
-        # a branched tree's rows cannot be bitwise one-token steps (the attention's sums depend on where a row's
-        # ancestors sit): its products may take AMX tiles; a chain's keep the vector product and stay bitwise.
-        # In a batch, only when every sequence's tree is branched.
+        # Where the engine offers it (engine.batch_invariant), every row is computed as its one-row forward would
+        # be: a node's logits are its path's one-token step's, whatever the tree and the batch. Otherwise a
+        # branched tree's products may take AMX tiles, while a chain's keep the vector product (in a batch, only when
+        # every sequence's tree is branched).
         permitted = all(not item.tree.is_chain() for item in batch)
-        with tiles_permitted(self.model, permitted):
+        with row_invariant(self.model), tiles_permitted(self.model, permitted):
             if len(batch) == 1:
                 input_ids, position_ids, mask = built[0]
                 outputs = [self.forward_masked(input_ids, position_ids, mask, batch[0].cache)]

@@ -581,17 +581,23 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
                   torch.randn(1, 2, 5, 64).to(dtype), None, 0.125)
     with pytest.raises(RuntimeError, match=r"mask: bool \[q, kv\]"):
         attention(query, key, value, torch.ones(2, 39, dtype=torch.bool), 0.125)
-    # AVX-512 builds: a row whose last keys are masked gets, bit for bit, what it gets over the keys it sees alone,
-    # whether they fill the score blocks or not (a chain's verify rows then equal its one-token steps); the AVX2
-    # build sums a block's dot products and a lone key's in other orders
-    for head_dim in (64, 128) if isa != "avx2" else ():
-        for kv in (1, 5, 16, 17, 40, 47):
-            cache = torch.randn(2, 1, 3, kv + 9, head_dim, generator=generator).to(dtype)  # [K|V, 1, 3, kv + 9, hd]
-            query = torch.randn(1, 9, 1, head_dim, generator=generator).to(dtype)
-            mask = torch.ones(1, kv + 9, dtype=torch.bool)
-            mask[0, kv:] = False
-            assert torch.equal(attention(query, cache[0], cache[1], mask, 0.125),
-                               attention(query, cache[0, :, :, :kv], cache[1, :, :, :kv], None, 0.125)), (head_dim, kv)
+    # every build: a row gets, bit for bit, what one row gets over the keys it sees stored one after another (a
+    # tree node's verify row is then its path's one-token step), whether its unseen keys trail, sit between the
+    # ones it sees (a side branch's ancestors), or none are hidden, for every path's head size and grouping
+    for head_dim in (64, 128, 24):
+        for kv in (1, 5, 16, 17, 40, 47, 70):
+            for groups in (1, 3, 4):
+                cache = torch.randn(2, 1, 2, kv + 9, head_dim, generator=generator).to(dtype)  # [K|V, 1, 2, kv + 9, hd]
+                query = torch.randn(1, 2 * groups, 6, head_dim, generator=generator).to(dtype)
+                mask = torch.rand(6, kv + 9, generator=generator) < 0.6
+                mask[:, :kv] = True  # a committed prefix, then tree rows seen or not
+                mask[0, kv:] = False
+                got = attention(query, cache[0], cache[1], mask, 0.125)
+                for row in range(6):
+                    seen = mask[row].nonzero().flatten()
+                    alone = attention(query[:, :, row:row + 1], cache[0][:, :, seen], cache[1][:, :, seen], None,
+                                      0.125)
+                    assert torch.equal(got[:, row:row + 1], alone), (head_dim, kv, groups, row)
 
 
 @needs_compiler

@@ -6,6 +6,8 @@ records its name on the model, so one instance is never run under two engines by
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 from typing import ContextManager, Protocol, runtime_checkable
 
 from torch import nn
@@ -19,6 +21,9 @@ REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
 # Where an engine's products can run on AMX tiles for forwards that permit them: its
 # specpipe.engine.cpu_kernel.TileRows (absent elsewhere); see `tiles_permitted`.
 TILES_ATTRIBUTE = "specpipe_amx_tiles"
+# Where an engine computes every row of a decoding step or verify as a one-row forward would (engine.batch_invariant):
+# its RowInvariance (absent elsewhere); see `row_invariant`.
+ROW_INVARIANCE_ATTRIBUTE = "specpipe_row_invariance"
 
 
 @runtime_checkable
@@ -75,3 +80,39 @@ def tiles_permitted(model: nn.Module, permitted: bool) -> ContextManager:
     (a forward whose rows need not be bitwise one-token steps'); a no-op otherwise."""
     tiles = getattr(model, TILES_ATTRIBUTE, None) if permitted else None
     return tiles.permitted() if tiles is not None else contextlib.nullcontext()
+
+
+class RowInvariance:
+    """Whether this thread's forward must compute each row as that row's one-row forward would, bit for bit: inside
+    `within()` an engine's products take only paths whose per-row sums do not depend on how many rows came with the
+    row (never oneDNN's or AMX tiles', whose blocking changes with the row count), at any row count. The target
+    enters it for its decoding steps and verifies, not for prefills (which vanilla and speculation share). Per
+    thread: requests decoded in parallel threads share one model."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def active(self) -> bool:
+        return getattr(self._local, "active", False)
+
+    @contextlib.contextmanager
+    def within(self) -> Iterator[None]:
+        before = self.active()
+        self._local.active = True
+        try:
+            yield
+        finally:
+            self._local.active = before
+
+
+def row_invariant(model: nn.Module) -> ContextManager:
+    """Runs a forward of `model` with every row computed as its one-row forward would be, where the engine offers
+    that (engine.batch_invariant); a no-op otherwise."""
+    invariance = getattr(model, ROW_INVARIANCE_ATTRIBUTE, None)
+    return invariance.within() if invariance is not None else contextlib.nullcontext()
+
+
+def row_invariance_active(module: nn.Module) -> bool:
+    """Whether this thread runs a forward of `module` inside its RowInvariance (`row_invariant`)."""
+    invariance = getattr(module, ROW_INVARIANCE_ATTRIBUTE, None)
+    return invariance is not None and invariance.active()

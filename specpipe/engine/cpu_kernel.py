@@ -58,11 +58,10 @@ class TileRows:
     """From how many rows the column blocks' products run on AMX tiles: `min_rows` inside `permitted()`, never outside.
 
     The tiles' fp32 sums are not bitwise the vector product's, so a forward whose rows must
-    give bitwise a one-token step's bf16 logits keeps the vector product: a chain's verify, which is how a bf16
-    pipeline that drafts chains emits exactly `vanilla`'s tokens. A branched tree's verify cannot promise that anyway
-    (its attention's sums depend on where a row's ancestors sit in the block), so the target permits the tiles
-    there (specpipe.target.TargetModel.forward_tree). The permission is per thread: requests decoded in parallel
-    threads share one model."""
+    give bitwise a one-token step's bf16 logits keeps the vector product. With engine.batch_invariant the target
+    never takes them; without it, it permits them for a branched tree's verify (specpipe.target.TargetModel.forward_trees)
+    and a chain's keeps the vector product. The permission is per thread: requests decoded in parallel threads share
+    one model."""
 
     def __init__(self, min_rows: int) -> None:
         self.min_rows = min_rows

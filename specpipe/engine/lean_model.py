@@ -28,6 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaModel, LlamaRMSNorm,
                                                       eager_attention_forward)
 
+from specpipe.engine.base import row_invariance_active
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
 from specpipe.engine.cpu_kernel_checks import NORM_DTYPES, NORM_MAX_WIDTH
 from specpipe.engine.rotary import RotaryTables
@@ -131,14 +132,16 @@ class LeanLlamaModel(LlamaModel):
 
 
 def kernel_attends(attention_kernel, max_rows: Mapping[torch.dtype, int], config, hidden: Tensor,
-                   mask: Tensor | None) -> bool:
+                   mask: Tensor | None, any_rows: bool = False) -> bool:
     """Whether `attention_kernel` (None: not loaded) serves a forward of a model with `config`: hidden
     [batch, q, hidden_size], mask as the attention function receives it. One sequence of up to
     `max_rows[dtype]` rows (KERNEL_ATTENTION_MAX_ROWS of the kernel's build) on the CPU, with an explicit
     boolean mask [1, 1, q, kv], or none: one row, or a causal block (a prefill; `lean_decoder_layers` gives
-    the kernel its mask)."""
+    the kernel its mask). `any_rows`: however many rows (a row-invariant forward, which SDPA cannot give), where
+    the kernel's build serves the dtype at all."""
     batch, q = hidden.shape[:2]
-    if (attention_kernel is None or batch != 1 or not 1 <= q <= max_rows.get(hidden.dtype, 0)
+    most = max_rows.get(hidden.dtype, 0)
+    if (attention_kernel is None or batch != 1 or not 1 <= q <= (q if any_rows and most else most)
             or hidden.device.type != "cpu" or config.num_attention_heads % config.num_key_value_heads):
         return False
     return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (1, 1, q))
@@ -180,7 +183,7 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
         return _ragged_layers(owner, layers, hidden, normalize, position_ids, position_embeddings, recorded,
                               ragged_batch, lean_attention)
     kernel_serves = attention_function in KERNEL_REPLACES and kernel_attends(
-        owner.attention_kernel, owner.attention_max_rows, config, hidden, mask)
+        owner.attention_kernel, owner.attention_max_rows, config, hidden, mask, row_invariance_active(owner))
     if kernel_serves:
         lean_attention["attention_function"] = KernelAttention(owner.attention_kernel)
         q = hidden.shape[1]
@@ -211,7 +214,8 @@ def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable
     over its own cache through the kernel's attention where it serves every sequence's rows, else SDPA."""
     attention_function = lean_attention["attention_function"]
     if attention_function in KERNEL_REPLACES and all(
-            kernel_attends(owner.attention_kernel, owner.attention_max_rows, owner.config, hidden[:, :rows], None)
+            kernel_attends(owner.attention_kernel, owner.attention_max_rows, owner.config, hidden[:, :rows], None,
+                           row_invariance_active(owner))
             for rows in ragged_batch.rows):
         ragged_kernel = getattr(owner, "ragged_attention_kernel", None)
         if ragged_kernel is not None:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specpipe.engine.base import ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, TILES_ATTRIBUTE, claim_model, spread_description
+from specpipe.engine.base import (ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, ROW_INVARIANCE_ATTRIBUTE, TILES_ATTRIBUTE,
+                                  RowInvariance, claim_model, spread_description)
 from specpipe.engine.cpu import DTYPE_NAMES, LinearPath, auto_kernel_rows, probe_linear_path
 from specpipe.errors import ConfigError
 # The linear layers this engine swaps in (re-exported here: `from specpipe.engine.onednn import PackedWeight` works).
@@ -109,7 +110,7 @@ class OneDNNEngine:
     # with the lookahead on: from how many rows of a product on it asks (1-16); "auto" =
     # cpu_kernel.auto_block_lookahead_rows (1 on AMX CPUs, 5 elsewhere)
     block_lookahead_rows: int | str = "auto"
-    # with column blocks on CPUs with AMX: a branched tree's verify runs its products of this many rows and more on
+    # with column blocks on CPUs with AMX, batch_invariant off (and a drafter's products): a branched tree's verify runs its products of this many rows and more on
     # AMX tiles (one TDPBF16PS does 16 rows x 16 pairs of k of a block), so up to 16 rows cost about what the weights'
     # memory costs; fewer rows keep the vector product, faster there (below 7). Only branched trees: the
     # tiles' sums are not bitwise the vector product's, and a chain's verify keeps giving bitwise a one-token step's
@@ -127,6 +128,12 @@ class OneDNNEngine:
     # With native weights: products of up to this many rows run over the blocks (larger ones, prompts, over the dense
     # weights); "auto" = 64
     native_rows: int | str = "auto"
+    # The target's decoding steps and verifies compute every row as its one-row forward would, bit for bit: their
+    # products run over the native blocks or the kernel at any row count (never oneDNN's or AMX tiles', whose sums
+    # change with the row count), so a tree node's logits are its path's one-token step's, in every dtype, whatever
+    # the tree or the batch around it. Prefills keep the fastest paths. false = today's fastest paths for every
+    # forward (bf16 and quantized answers may then differ from vanilla's where a near-tie flips).
+    batch_invariant: bool = True
     name: str = "fast"
 
     def __post_init__(self) -> None:
@@ -154,6 +161,8 @@ class OneDNNEngine:
                               f"{MAX_BLOCK_LOOKAHEAD_ROWS}, got {rows!r}")
         if self.amx_rows != "auto" and not (type(self.amx_rows) is int and self.amx_rows >= 0):
             raise ConfigError(f"engine.amx_rows must be 'auto' or a row count >= 0 (0 = never), got {self.amx_rows!r}")
+        if type(self.batch_invariant) is not bool:
+            raise ConfigError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
         if type(self.attention_pairs) is not bool:
             raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
         if self.target_weights not in TARGET_WEIGHTS:
@@ -187,19 +196,30 @@ class OneDNNEngine:
         if quantize == "int8" and quantized is None:
             log.warning("engine=%s: %s weights need specpipe's CPU kernel, which does not serve here (%s); the "
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
+        target = native is not None
         native, native_kernel, native_rows = self._native(model, native, kernel, path)
-        swaps = self._packed_swaps(model, path, product, quantized, blocks, native, native_kernel, native_rows)
+        invariance = RowInvariance() if target and self.batch_invariant else None
+        swaps = self._packed_swaps(model, path, product, quantized, blocks, native, native_kernel, native_rows,
+                                   invariance)
         if swaps is None:
             return model
         claim_model(model, self.name)
         for module, name, replacement in swaps:
             setattr(module, name, replacement)
-        if blocks is not None and kernel.tiles is not None:
+        if invariance is not None:
+            setattr(model, ROW_INVARIANCE_ATTRIBUTE, invariance)
+            path = replace(path, kernel_amx_rows=0)  # the target's tiles are never permitted
+        elif blocks is not None and kernel.tiles is not None:
             setattr(model, TILES_ATTRIBUTE, kernel.tiles)
         extension = kernel if kernel is not None else self._extension(path)
         lean, lean_models, layers, whys = self._swap_lean(model, path, extension, blocks, drafter)
         names = _native_names(swaps)
         rewrite = self._rewrite_line(path, names, native_rows, quantized is not None, layers, lean, lean_models, whys)
+        if invariance is not None:
+            for module in model.modules():  # the lean forwards: their steps' and verifies' attention at any row count
+                if getattr(module, "attention_kernel", None) is not None:
+                    setattr(module, ROW_INVARIANCE_ATTRIBUTE, invariance)
+            rewrite += f"; {self._invariance_line(swaps, model)}"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
         weights = (f"native {names} weights" if names is not None else
                    f"{DTYPE_NAMES.get(path.dtype, path.dtype)} weights")
@@ -208,6 +228,22 @@ class OneDNNEngine:
                  kernel_name, lean)
         log.debug("engine=%s: %s", self.name, rewrite)
         return model
+
+    def _invariance_line(self, swaps: list[tuple[nn.Module, str, OneDNNLinear]], model: nn.Module) -> str:
+        """What engine.batch_invariant gives the target's steps and verifies, in words, with a warning where a part
+        of the forward cannot promise it (a product without the kernel, the attention in SDPA)."""
+        gaps = []
+        if any(replacement.packed.native_kernel is None and replacement.packed.blocks is None
+               for _, _, replacement in swaps):
+            gaps.append("products of dense weights outside the column blocks (fp32, or bf16 without AVX512_BF16) sum "
+                        "in an order that depends on the row count")
+        if not any(getattr(module, "attention_kernel", None) is not None for module in model.modules()):
+            gaps.append("the attention runs in SDPA")
+        if gaps:
+            log.info("engine=%s: engine.batch_invariant is on, but %s: a verify row's logits may differ from its "
+                        "one-token step's", self.name, " and ".join(gaps))
+            return f"batch_invariant asked, not held ({', '.join(gaps)})"
+        return "steps and verifies row-invariant (batch_invariant: kernel products at any row count, no AMX tiles)"
 
     def _leave_as_loaded(self, why: str, quantize: str | None, native: dict[str, GgufWeight] | None) -> None:
         """Where oneDNN's prepacked products do not serve the model (`why`): ConfigError where the target's weights
@@ -220,13 +256,14 @@ class OneDNNEngine:
 
     def _packed_swaps(self, model: nn.Module, path: LinearPath, product: Callable | None, quantized: Callable | None,
                       blocks: BlockProduct | None, native: dict[str, GgufWeight], native_kernel: Callable | None,
-                      native_rows: int) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
+                      native_rows: int, invariance: RowInvariance | None = None
+                      ) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
         """(module, child name, OneDNNLinear) for every linear of `model` (`_replacements`), all built before the
         first is swapped in; None, with a warning, where a real weight cannot be packed."""
         try:
             return [(module, name, replacement) for prefix, module in model.named_modules()
                     for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
-                                                                native, native_kernel, native_rows)]
+                                                                native, native_kernel, native_rows, invariance)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -442,7 +479,8 @@ class OneDNNEngine:
     def _replacements(self, module: nn.Module, path: LinearPath, kernel: Callable | None = None,
                       quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
                       prefix: str = "", native: dict[str, GgufWeight] | None = None,
-                      native_kernel: Callable | None = None, native_rows: int = 0) -> list[tuple[str, nn.Module]]:
+                      native_kernel: Callable | None = None, native_rows: int = 0,
+                      invariance: RowInvariance | None = None) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. Linears with
         native blocks (`native`, by module name) multiply them; a group fuses only where its members' blocks are of
         one format (a K-quant file holds q and k in Q4_K, v in Q6_K)."""
@@ -470,7 +508,7 @@ class OneDNNEngine:
             members = members if all(members) else None
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
                                   path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel,
-                                  members, native_kernel, native_rows)
+                                  members, native_kernel, native_rows, invariance)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements
 

@@ -21,6 +21,7 @@ from specpipe.engine.cpu import pack_weight, packed_linear, row_blocks, split_li
 from specpipe.engine.quantize import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
+    from specpipe.engine.base import RowInvariance
     from specpipe.engine.cpu_kernel_build import BlockProduct
     from specpipe.engine.gguf_weights import GgufWeight
 
@@ -34,8 +35,13 @@ class PackedWeight(nn.Module):
                  kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None, kernel_rows: int = 0,
                  quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None,
                  block_kernel: BlockProduct | None = None, native: Sequence[GgufWeight] | None = None,
-                 native_kernel: Callable | None = None, native_rows: int = 0) -> None:
+                 native_kernel: Callable | None = None, native_rows: int = 0,
+                 invariance: RowInvariance | None = None) -> None:
         super().__init__()
+        # Inside invariance.within() (a decoding step's or verify's forward, engine.batch_invariant) a product runs over
+        # the native blocks or the column blocks, whose per-row sums do not depend on the row count, at any row count
+        # (the row-by-row kernel's accumulators per row do: it keeps its rows).
+        self.invariance = invariance
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         # The weights as the model's GGUF file holds them (the members' blocks, one format): products of up to
         # `native_rows` rows run `native_kernel` (CpuKernel.gguf_product) over them, widened in registers to the very
@@ -104,10 +110,12 @@ class PackedWeight(nn.Module):
 
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
-        if (self.native_kernel is not None and x.numel() <= self.native_rows * self.in_features
+        invariant = self.invariance is not None and self.invariance.active()
+        if (self.native_kernel is not None and (invariant or x.numel() <= self.native_rows * self.in_features)
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self.native_kernel(x, self.native_blocks, self.native_format, self.in_features, self.kernel_bias)
-        if x.numel() <= self.kernel_rows * self.in_features and x.dtype == self.kernel_input:
+        if ((x.numel() <= self.kernel_rows * self.in_features or (invariant and self.blocks is not None))
+                and x.dtype == self.kernel_input):
             # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias
             # added to the fp32 sums, and they are rounded to bf16
             if self.blocks is not None:

@@ -8,6 +8,11 @@
 // Why: for a few query rows over a cache, SDPA's own cost per call and the transposes and folded masks a verify needs
 // around it outweighed the arithmetic (engine.kernel_attention). The result agrees with SDPA to float rounding, not
 // bitwise (specpipe.engine.cpu_kernel checks it when the kernel loads).
+//
+// Every row is computed over the keys its mask lets it see, taken in cache order as one run (SeenKeys), never over
+// masked keys: a key's place in every reduction (its lane, its group of four or sixteen scores, its value pair) is its
+// index in that run, so a tree node's row gets bitwise what the one-row forward of its own path gets over the same
+// keys stored one after another, whatever the tree's shape or the rows beside it.
 // A part of kernel.cpp's one translation unit (see there).
 
 #pragma once
@@ -15,6 +20,38 @@
 #include "lanes.h"
 
 namespace {
+
+// The keys one query row sees, in cache order, as a run of `count` keys: cache rows [0, prefix) where they lie,
+// then the cache rows `later` lists (ascending). A one-row forward sees every row of its cache: prefix = count.
+struct SeenKeys {
+  int64_t count = 0;
+  int64_t prefix = 0;
+  const int64_t* later = nullptr;
+  int64_t operator[](int64_t j) const { return j < prefix ? j : later[j - prefix]; }
+};
+
+// Each of q mask rows ([q, kv] bool, or null: every row sees all kv keys) as the run of keys it sees; `later`
+// holds the rows' keys past their leading visible run.
+inline std::vector<SeenKeys> seen_keys_of(const bool* mask, int64_t q, int64_t kv, std::vector<int64_t>& later) {
+  std::vector<SeenKeys> rows(q);
+  if (mask == nullptr) {
+    for (auto& row : rows) row.count = row.prefix = kv;
+    return rows;
+  }
+  std::vector<int64_t> offsets(q);
+  later.clear();
+  for (int64_t r = 0; r < q; ++r) {
+    const bool* visible = mask + r * kv;
+    const int64_t prefix = std::find(visible, visible + kv, false) - visible;
+    rows[r].prefix = prefix;
+    offsets[r] = static_cast<int64_t>(later.size());
+    for (int64_t k = prefix; k < kv; ++k)
+      if (visible[k]) later.push_back(k);
+    rows[r].count = prefix + static_cast<int64_t>(later.size()) - offsets[r];
+  }
+  for (int64_t r = 0; r < q; ++r) rows[r].later = later.data() + offsets[r];  // `later` no longer grows
+  return rows;
+}
 
 inline void store_value(float* p, float v) { *p = v; }
 // rounded to the nearest bf16 (ties to even), as casting an fp32 tensor to bf16 rounds
@@ -51,21 +88,17 @@ float softmax_weights(float* scores, int64_t kv) {
   return lanes_sum(total);
 }
 
-// One query row of one head: softmax(q k^T * scale) v over the kv keys that `visible` ([kv], or null:
-// every key) lets it see, summed in fp32, for any head_dim. Keys and values are rows of the KV cache
-// (`*_stride` apart); `scores` [kv] and `sums` [head_dim] are the calling thread's scratch.
+// One query row of one head: softmax(q k^T * scale) v over the keys it sees, summed in fp32, for any
+// head_dim. Keys and values are rows of the KV cache (`*_stride` apart); `scores` [seen.count] and `sums`
+// [head_dim] are the calling thread's scratch.
 template <typename T>
 void attend_row(const T* query, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
-                const bool* visible, int64_t kv, int64_t head_dim, float scale, T* out, float* scores, float* sums) {
-  const int64_t vector_end = head_dim - head_dim % kLanes;
+                const SeenKeys& seen, int64_t head_dim, float scale, T* out, float* scores, float* sums) {
+  const int64_t vector_end = head_dim - head_dim % kLanes, kv = seen.count;
   float* row = sums;  // the query row, widened, until the scores are made
   for (int64_t d = 0; d < head_dim; ++d) row[d] = as_float(query[d]);
   for (int64_t j = 0; j < kv; ++j) {
-    if (visible != nullptr && !visible[j]) {
-      scores[j] = -INFINITY;
-      continue;
-    }
-    const T* key = keys + j * key_stride;
+    const T* key = keys + seen[j] * key_stride;
     Lanes acc = lanes_zero();
     for (int64_t d = 0; d < vector_end; d += kLanes) acc = lanes_fma(load_weights(key + d), lanes_load(row + d), acc);
     float dot = lanes_sum(acc);
@@ -76,8 +109,8 @@ void attend_row(const T* query, const T* keys, int64_t key_stride, const T* valu
   std::fill(sums, sums + head_dim, 0.0f);
   for (int64_t j = 0; j < kv; ++j) {
     const float weight = scores[j];
-    if (weight == 0.0f) continue;  // masked (or vanishing): adds nothing
-    const T* value = values + j * value_stride;
+    if (weight == 0.0f) continue;  // vanishing: adds nothing
+    const T* value = values + seen[j] * value_stride;
     const Lanes weight_lanes = lanes_set(weight);
     for (int64_t d = 0; d < vector_end; d += kLanes)
       lanes_store(sums + d, lanes_fma(load_weights(value + d), weight_lanes, lanes_load(sums + d)));
@@ -139,11 +172,12 @@ constexpr int max_heads_together() {
 // in flight at once (one at a time waited on its chain of multiply-adds). Grouped-query models read each
 // KV head for several query heads (SmolLM2-135M: 3, Llama-3-70B: 8): one head at a time re-read them
 // from the caches G times, so a verify's rows over long contexts waited on those reads. `scores` [G, kv]
-// is scratch; `visible` [kv] or null.
+// is scratch.
 template <int NV, int G, typename T>
 void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, const T* values, int64_t value_stride,
-                  const bool* visible, int64_t kv, float scale, T* const* outs, float* scores) {
+                  const SeenKeys& seen, float scale, T* const* outs, float* scores) {
   constexpr int64_t kHeadDim = NV * kLanes;
+  const int64_t kv = seen.count;
   QueryRow<NV, T> rows[G];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) rows[g].load(queries[g]);
@@ -151,28 +185,23 @@ void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, co
   for (; j + 4 <= kv; j += 4) {
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      lanes_sum4(rows[g].dot(keys + j * key_stride), rows[g].dot(keys + (j + 1) * key_stride),
-                 rows[g].dot(keys + (j + 2) * key_stride), rows[g].dot(keys + (j + 3) * key_stride),
+      lanes_sum4(rows[g].dot(keys + seen[j] * key_stride), rows[g].dot(keys + seen[j + 1] * key_stride),
+                 rows[g].dot(keys + seen[j + 2] * key_stride), rows[g].dot(keys + seen[j + 3] * key_stride),
                  scores + g * kv + j);
     }
   }
   for (; j < kv; ++j)
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) scores[g * kv + j] = lanes_sum(rows[g].dot(keys + j * key_stride));
+    for (int g = 0; g < G; ++g) scores[g * kv + j] = lanes_sum(rows[g].dot(keys + seen[j] * key_stride));
   float inverse[G];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
     float* head_scores = scores + g * kv;
-    if (visible == nullptr) {
-      for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
-    } else {  // a select, not a branch per key: the compiler makes vectors of it
-      for (int64_t k = 0; k < kv; ++k) head_scores[k] = visible[k] ? head_scores[k] * scale : -INFINITY;
-    }
+    for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
     const float sum = softmax_weights(head_scores, kv);
     inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
-  // a masked key's weight is exactly 0 and adds exactly nothing, so every key runs the same loop; one head
-  // alone sums even and odd keys apart, which keeps as many multiply-adds in flight as G heads do
+  // one head alone sums even and odd keys apart, which keeps as many multiply-adds in flight as G heads do
   constexpr int kSplit = G == 1 ? 2 : 1;
   Lanes acc[kSplit][G][NV];
   for (int u = 0; u < kSplit; ++u)
@@ -188,7 +217,7 @@ void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, co
       for (int g = 0; g < G; ++g) weight[g] = lanes_set(scores[g * kv + j + u]);
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const Lanes value = load_weights(values + (j + u) * value_stride + v * kLanes);
+        const Lanes value = load_weights(values + seen[j + u] * value_stride + v * kLanes);
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) acc[u][g][v] = lanes_fma(value, weight[g], acc[u][g][v]);
       }
@@ -197,7 +226,7 @@ void attend_heads(const T* const* queries, const T* keys, int64_t key_stride, co
   for (; j < kv; ++j) {
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      const Lanes value = load_weights(values + j * value_stride + v * kLanes);
+      const Lanes value = load_weights(values + seen[j] * value_stride + v * kLanes);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) acc[0][g][v] = lanes_fma(value, lanes_set(scores[g * kv + j]), acc[0][g][v]);
     }
@@ -250,11 +279,12 @@ inline void value_pairs(const uint16_t* first, const uint16_t* second, __m512i* 
   }
 }
 
-// sums[h][v] += the HC heads' weight pairs times the values' pairs, over the keys [0, kv): two keys per
+// sums[h][v] += the HC heads' weight pairs times the values' pairs, over the keys seen: two keys per
 // vdpbf16ps, each pair of value rows interleaved once for all HC heads; an odd last key pairs with zeros
 template <int NV, int HC>
-void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
-                            int64_t pairs_per_head, __m512* sums) {
+void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, const SeenKeys& seen,
+                            const uint32_t* weight_pairs, int64_t pairs_per_head, __m512* sums) {
+  const int64_t kv = seen.count;
   __m512 acc[HC][NV];
 #pragma GCC unroll 4
   for (int h = 0; h < HC; ++h)
@@ -263,7 +293,7 @@ void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_
   __m512i pairs[NV];
   const int64_t even_end = kv - kv % 2;
   for (int64_t j = 0; j < even_end; j += 2) {
-    value_pairs<NV>(values + j * value_stride, values + (j + 1) * value_stride, pairs);
+    value_pairs<NV>(values + seen[j] * value_stride, values + seen[j + 1] * value_stride, pairs);
 #pragma GCC unroll 4
     for (int h = 0; h < HC; ++h) {
       const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + j / 2]);
@@ -273,7 +303,7 @@ void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_
   }
   if (even_end < kv) {
     alignas(64) uint16_t zeros[NV * 16] = {};
-    value_pairs<NV>(values + even_end * value_stride, zeros, pairs);
+    value_pairs<NV>(values + seen[even_end] * value_stride, zeros, pairs);
 #pragma GCC unroll 4
     for (int h = 0; h < HC; ++h) {
       const __m512bh weight = (__m512bh)_mm512_set1_epi32(weight_pairs[h * pairs_per_head + even_end / 2]);
@@ -290,14 +320,14 @@ void accumulate_value_pairs(const uint16_t* values, int64_t value_stride, int64_
 // accumulate_value_pairs for heads [First, G), as many at once as their sums and the value pairs leave
 // registers for (4 heads of 64 dims, 2 of 128)
 template <int NV, int G, int First>
-void accumulate_heads(const uint16_t* values, int64_t value_stride, int64_t kv, const uint32_t* weight_pairs,
-                      int64_t pairs_per_head, __m512* sums) {
+void accumulate_heads(const uint16_t* values, int64_t value_stride, const SeenKeys& seen,
+                      const uint32_t* weight_pairs, int64_t pairs_per_head, __m512* sums) {
   if constexpr (First < G) {
     constexpr int kAtOnce = NV <= 4 ? 4 : 2;
     constexpr int kCount = G - First < kAtOnce ? G - First : kAtOnce;
-    accumulate_value_pairs<NV, kCount>(values, value_stride, kv, weight_pairs + First * pairs_per_head,
+    accumulate_value_pairs<NV, kCount>(values, value_stride, seen, weight_pairs + First * pairs_per_head,
                                        pairs_per_head, sums + First * NV);
-    accumulate_heads<NV, G, First + kCount>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+    accumulate_heads<NV, G, First + kCount>(values, value_stride, seen, weight_pairs, pairs_per_head, sums);
   }
 }
 
@@ -306,27 +336,20 @@ void accumulate_heads(const uint16_t* values, int64_t value_stride, int64_t kv, 
 // bound it (one per 16 values of a value row per head, each key alone): here 16 keys' scores come out of
 // one vector reduction and are scaled and masked 16 at a time, and the weights, rounded to bf16 (as
 // transformers' eager attention and ATen's flash attention round them before their products with the
-// values), multiply two value rows per vdpbf16ps. `scores` [G, kv] and `weight_pairs` [G, kv / 2 + 1]
-// are scratch.
+// values), multiply two value rows per vdpbf16ps. `scores` [G, seen.count] and `weight_pairs`
+// [G, seen.count / 2 + 1] are scratch.
 template <int NV, int G>
 void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, int64_t key_stride,
-                         const uint16_t* values, int64_t value_stride, const bool* visible, int64_t kv, float scale,
+                         const uint16_t* values, int64_t value_stride, const SeenKeys& seen, float scale,
                          uint16_t* const* outs, float* scores, uint32_t* weight_pairs) {
   constexpr int kPairRegisters = NV / 2;  // a row of head_dim bf16 values
-  const __m512 scale_lanes = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-INFINITY);
+  const int64_t kv = seen.count;
+  const __m512 scale_lanes = _mm512_set1_ps(scale);
   // every key's score comes out of lanes_sum16 (a last, partial block padded with zero dots), so a key's
-  // score has the same bits whatever keys follow it: a chain's verify rows equal its one-token steps
+  // score has the same bits whatever keys follow it
   for (int64_t j = 0; j < kv; j += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, kv - j));
     const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
-    __mmask16 seen = present;
-    if (visible != nullptr && count == 16) {
-      seen = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(visible + j))),
-                                    _mm512_set1_epi32(1));
-    } else if (visible != nullptr) {
-      seen = 0;
-      for (int k = 0; k < count; ++k) seen |= static_cast<__mmask16>(visible[j + k] ? 1u << k : 0u);
-    }
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       __m512i row[kPairRegisters];
@@ -339,12 +362,11 @@ void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, i
         if (count == 16 || k < count)
 #pragma GCC unroll 8
           for (int v = 0; v < kPairRegisters; ++v)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(keys + (j + k) * key_stride + 32 * v),
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(keys + seen[j + k] * key_stride + 32 * v),
                                    (__m512bh)row[v]);
         dots[k] = acc;
       }
-      _mm512_mask_storeu_ps(scores + g * kv + j, present,
-                            _mm512_mask_blend_ps(seen, masked, _mm512_mul_ps(lanes_sum16(dots), scale_lanes)));
+      _mm512_mask_storeu_ps(scores + g * kv + j, present, _mm512_mul_ps(lanes_sum16(dots), scale_lanes));
     }
   }
   const int64_t pairs_per_head = kv / 2 + 1;
@@ -362,7 +384,7 @@ void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, i
     rounded[kv] = 0;  // an odd last key's partner
   }
   __m512 sums[G * NV];
-  accumulate_heads<NV, G, 0>(values, value_stride, kv, weight_pairs, pairs_per_head, sums);
+  accumulate_heads<NV, G, 0>(values, value_stride, seen, weight_pairs, pairs_per_head, sums);
   // back to the dims' order: per 32 dims, lo's and hi's blocks of four alternate
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -390,23 +412,23 @@ void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, i
 #endif
 template <int NV, typename T>
 void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t key_stride, const T* values,
-                     int64_t value_stride, const bool* visible, int64_t kv, float scale, T* const* outs,
+                     int64_t value_stride, const SeenKeys& seen, float scale, T* const* outs,
                      float* scores, uint32_t* weight_pairs) {
 #if defined(__AVX512BF16__) && SPECPIPE_ATTENTION_PAIRS
   if constexpr (std::is_same_v<T, uint16_t> && (NV == 4 || NV == 8)) {
     switch (count) {
       case 4:
-        return attend_heads_paired<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+        return attend_heads_paired<NV, 4>(queries, keys, key_stride, values, value_stride, seen, scale, outs,
                                           scores, weight_pairs);
       case 3:
-        return attend_heads_paired<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+        return attend_heads_paired<NV, 3>(queries, keys, key_stride, values, value_stride, seen, scale, outs,
                                           scores, weight_pairs);
       case 2:
-        return attend_heads_paired<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs,
+        return attend_heads_paired<NV, 2>(queries, keys, key_stride, values, value_stride, seen, scale, outs,
                                           scores, weight_pairs);
     }
     for (int g = 0; g < count; ++g)
-      attend_heads_paired<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g,
+      attend_heads_paired<NV, 1>(queries + g, keys, key_stride, values, value_stride, seen, scale, outs + g,
                                  scores, weight_pairs);
     return;
   }
@@ -414,19 +436,19 @@ void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t 
   switch (count) {
     case 4:
       if constexpr (max_heads_together<NV, T>() >= 4)
-        return attend_heads<NV, 4>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+        return attend_heads<NV, 4>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
       break;
     case 3:
       if constexpr (max_heads_together<NV, T>() >= 3)
-        return attend_heads<NV, 3>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+        return attend_heads<NV, 3>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
       break;
     case 2:
       if constexpr (max_heads_together<NV, T>() >= 2)
-        return attend_heads<NV, 2>(queries, keys, key_stride, values, value_stride, visible, kv, scale, outs, scores);
+        return attend_heads<NV, 2>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
       break;
   }
   for (int g = 0; g < count; ++g)
-    attend_heads<NV, 1>(queries + g, keys, key_stride, values, value_stride, visible, kv, scale, outs + g, scores);
+    attend_heads<NV, 1>(queries + g, keys, key_stride, values, value_stride, seen, scale, outs + g, scores);
 }
 
 // How many query heads attend together: the largest count up to the vector path's limit that divides the
@@ -444,20 +466,20 @@ int heads_together(int nv, int64_t groups) {
 // (queries / outs: `together` row pointers), through the vector path of its head size.
 template <typename Raw>
 void attend_unit(int nv, int together, const Raw* const* queries, const Raw* head_keys, int64_t key_stride,
-                 const Raw* head_values, int64_t value_stride, const bool* visible, int64_t kv, int64_t head_dim,
+                 const Raw* head_values, int64_t value_stride, const SeenKeys& seen, int64_t head_dim,
                  float scale, Raw* const* outs, float* scores, float* sums, uint32_t* weight_pairs) {
   switch (nv) {
     case 4:
-      return attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+      return attend_heads_of<4>(together, queries, head_keys, key_stride, head_values, value_stride, seen,
                                 scale, outs, scores, weight_pairs);
     case 8:
-      return attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+      return attend_heads_of<8>(together, queries, head_keys, key_stride, head_values, value_stride, seen,
                                 scale, outs, scores, weight_pairs);
     case 16:
-      return attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, visible, kv,
+      return attend_heads_of<16>(together, queries, head_keys, key_stride, head_values, value_stride, seen,
                                  scale, outs, scores, weight_pairs);
     default:
-      attend_row(queries[0], head_keys, key_stride, head_values, value_stride, visible, kv, head_dim, scale, outs[0],
+      attend_row(queries[0], head_keys, key_stride, head_values, value_stride, seen, head_dim, scale, outs[0],
                  scores, sums);
   }
 }
@@ -479,6 +501,8 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   const int together = heads_together<Raw>(nv, groups);
   const int64_t chunks = groups / together;  // per KV head
   const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
+  std::vector<int64_t> later;
+  const std::vector<SeenKeys> seen = seen_keys_of(mask, q, kv, later);
   // one (KV head, chunk of its query heads, row) per unit, the rows of one chunk next to each other (they
   // read the same keys); a verify's units spread evenly over the threads
   at::parallel_for(0, kv_heads * chunks * q, 1, [&](int64_t begin, int64_t end) {
@@ -495,8 +519,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
         outs[i] = out_data + (r * heads + first + i) * head_dim;
       }
       attend_unit(nv, together, queries, key_data + g * key.stride(1), key_stride, value_data + g * value.stride(1),
-                  value_stride, mask != nullptr ? mask + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
-                  sums.data(), weight_pairs.data());
+                  value_stride, seen[r], head_dim, scale, outs, scores.data(), sums.data(), weight_pairs.data());
     }
   });
 }
@@ -518,9 +541,12 @@ void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>&
   const int64_t chunks = groups / together;
   std::vector<int64_t> first_unit(sequences + 1, 0);  // each sequence's units follow the previous one's
   int64_t longest = 0;
+  std::vector<std::vector<int64_t>> later(sequences);
+  std::vector<std::vector<SeenKeys>> seen(sequences);
   for (int64_t b = 0; b < sequences; ++b) {
     first_unit[b + 1] = first_unit[b] + kv_heads * chunks * (starts[b + 1] - starts[b]);
     longest = std::max<int64_t>(longest, keys[b].size(2));
+    seen[b] = seen_keys_of(masks[b], starts[b + 1] - starts[b], keys[b].size(2), later[b]);
   }
   at::parallel_for(0, first_unit[sequences], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(together * longest), sums(head_dim);
@@ -533,7 +559,7 @@ void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>&
       const int64_t r = local % q, chunk = local / q;
       const int64_t g = chunk / chunks;
       const int64_t first = g * groups + (chunk % chunks) * together;
-      const int64_t row = starts[b] + r, kv = keys[b].size(2);
+      const int64_t row = starts[b] + r;
       for (int i = 0; i < together; ++i) {
         queries[i] = query_data + (first + i) * query.stride(1) + row * query.stride(2);
         outs[i] = out_data + (row * heads + first + i) * head_dim;
@@ -541,9 +567,8 @@ void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>&
       const Raw* key_data = reinterpret_cast<const Raw*>(keys[b].data_ptr<T>());
       const Raw* value_data = reinterpret_cast<const Raw*>(values[b].data_ptr<T>());
       attend_unit(nv, together, queries, key_data + g * keys[b].stride(1), keys[b].stride(2),
-                  value_data + g * values[b].stride(1), values[b].stride(2),
-                  masks[b] != nullptr ? masks[b] + r * kv : nullptr, kv, head_dim, scale, outs, scores.data(),
-                  sums.data(), weight_pairs.data());
+                  value_data + g * values[b].stride(1), values[b].stride(2), seen[b][r], head_dim, scale, outs,
+                  scores.data(), sums.data(), weight_pairs.data());
     }
   });
 }

@@ -1,0 +1,126 @@
+"""engine.batch_invariant: every row of the target's decoding steps and verifies is computed as the one-row forward
+of its own path would compute it, bit for bit, in bf16, fp32 and the native quantized formats, on both CPU classes
+(run these under ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for the AVX2 one). So speculation emits exactly
+the engine's own `vanilla` tokens in every dtype, whatever the trees, the cost curve or the batch around a request."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from specpipe.pipelines.builder import build_pipeline, compose_config
+from specpipe.types import DraftTree
+
+TREE_SIZES = (1, 5, 17, 40, 64)
+
+
+def random_parents(size: int, generator: torch.Generator) -> list[int]:
+    """A random tree of `size` nodes: each node's parent an earlier node or the root (-1)."""
+    return [int(torch.randint(-1, node, (1,), generator=generator)) if node else -1 for node in range(size)]
+
+
+def node_paths(parents: list[int]) -> list[list[int]]:
+    paths = []
+    for node in range(len(parents)):
+        path, walk = [], node
+        while walk != -1:
+            path.append(walk)
+            walk = parents[walk]
+        paths.append(path[::-1])
+    return paths
+
+
+def differing_rows(target, context: list[int], parents: list[int], tokens: list[int]) -> list[int]:
+    """The verify rows (0: the root, i + 1: node i) whose logits are not bitwise those of the one-token steps
+    over their own path from the same prefilled context."""
+    cache = target.new_cache()
+    target.prefill(context[:-1], cache)
+    prefix = cache.get_seq_length()
+    verified = target.forward_tree(context[-1], DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents)),
+                                   cache).logits
+    differing = []
+    for row, path in enumerate([[], *node_paths(parents)]):
+        cache.crop(prefix)
+        logits = target.forward_tree(context[-1], DraftTree.empty(), cache).logits[0]
+        for node in path:
+            logits = target.forward_tree(tokens[node], DraftTree.empty(), cache).logits[0]
+        if not torch.equal(verified[row], logits):
+            differing.append(row)
+    return differing
+
+
+def trees_rows_differing(overrides: list[str], sizes=TREE_SIZES, seed: int = 3) -> dict[int, list[int]]:
+    pipe = build_pipeline(compose_config(["pipeline=vanilla", "cost_curve=flat", *overrides]))
+    generator = torch.Generator().manual_seed(seed)
+    context = random_prompts(1, seed=seed)[0][:40]
+    result = {}
+    for size in sizes:
+        parents = random_parents(size, generator)
+        tokens = torch.randint(300, 1300, (size,), generator=generator).tolist()
+        result[size] = differing_rows(pipe.target, context, parents, tokens)
+    return result
+
+
+def column_blocks() -> bool:
+    """Whether this machine's kernel build (ATen held to AVX2 holds it back too) has the bf16 column blocks."""
+    from specpipe.engine.cpu_kernel_build import kernel_isa
+
+    return kernel_isa() == "avx512_bf16"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=tiny_random", "model.dtype=fp32", "engine.target_weights=int4"],
+    ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=int8"],
+    ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=int4"],
+    pytest.param(["model=tiny_random", "model.dtype=bf16", "engine.target_weights=dense"], marks=pytest.mark.skipif(
+        not column_blocks(), reason="dense bf16 weights are row-invariant in the column blocks (AVX512_BF16)")),
+    pytest.param(["model=smollm2_135m", "model.dtype=bf16"], marks=pytest.mark.embedded),
+    pytest.param(["model=smollm2_135m", "model.dtype=fp32"], marks=pytest.mark.embedded),
+], ids=["tiny-int4-fp32", "tiny-int8-bf16", "tiny-int4-bf16", "tiny-dense-bf16", "embedded-q4_1-bf16",
+        "embedded-q4_1-fp32"])
+def test_every_verify_row_is_bitwise_its_paths_one_token_step(overrides):
+    """Random trees of 1-64 nodes (65 verify rows: past engine.native_rows, the kernel attention's row limit on
+    AVX2, the AMX tiles' threshold): every node's logits equal those of the one-token steps over its own path."""
+    differing = trees_rows_differing(overrides)
+    assert differing == {size: [] for size in TREE_SIZES}
+
+
+@pytest.mark.embedded
+def test_without_batch_invariance_a_large_verify_takes_other_paths_and_differs():
+    """What the switch buys: off, a 65-row verify of the native weights runs the dense products (past
+    native_rows), whose rows are not their one-token steps' (so the test above can fail)."""
+    differing = trees_rows_differing(["model=smollm2_135m", "model.dtype=bf16", "engine.batch_invariant=false"],
+                                     sizes=(64,))
+    assert len(differing[64]) > 0
+
+
+PROMPTS = ["Write a haiku about the sea.", "What does the with statement do in Python?",
+           "Summarize: the cat sat on the mat because the mat was warm and the sun was out.",
+           "List three prime numbers and explain why they are prime."]
+
+
+@pytest.mark.embedded
+def test_bf16_pipelines_emit_vanilla_tokens_alone_and_in_a_batch():
+    """The embedded model in bf16 on its Q4_1 blocks: every greedy pipeline's answer is the engine's own
+    vanilla answer, with the flat and the online cost curve (other trees), and decoded together as a batch."""
+    vanilla = build_pipeline(compose_config(["model=smollm2_135m", "model.dtype=bf16", "pipeline=vanilla"]))
+    expected = [vanilla.generate(prompt, max_new_tokens=40).token_ids for prompt in PROMPTS]
+    for pipeline in ("lookahead_trie", "eagle_mix", "prompt_lookup"):
+        for curve in ("flat", "online"):
+            pipe = build_pipeline(compose_config(["model=smollm2_135m", "model.dtype=bf16", f"pipeline={pipeline}",
+                                                  f"cost_curve={curve}"]))
+            alone = [pipe.generate(prompt, max_new_tokens=40).token_ids for prompt in PROMPTS]
+            assert alone == expected, (pipeline, curve)
+        together = [generation.token_ids for generation in pipe.generate_many(PROMPTS, max_new_tokens=40)]
+        assert together == expected, pipeline
+
+
+def test_the_engine_line_says_whether_the_rows_are_invariant():
+    on = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "engine.target_weights=int4",
+                                        "pipeline=vanilla"]))
+    assert "row-invariant (batch_invariant" in on.target.model.specpipe_engine_rewrite
+    dense = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "pipeline=vanilla"]))
+    assert "batch_invariant asked, not held (products of dense weights" in dense.target.model.specpipe_engine_rewrite
+    off = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "engine.target_weights=int4",
+                                         "engine.batch_invariant=false", "pipeline=vanilla"]))
+    assert "batch_invariant" not in off.target.model.specpipe_engine_rewrite
