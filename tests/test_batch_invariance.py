@@ -61,26 +61,22 @@ def trees_rows_differing(overrides: list[str], sizes=TREE_SIZES, seed: int = 3) 
     return result
 
 
-def column_blocks() -> bool:
-    """Whether this machine's kernel build (ATen held to AVX2 holds it back too) has the bf16 column blocks."""
-    from specpipe.engine.cpu_kernel_build import kernel_isa
-
-    return kernel_isa() == "avx512_bf16"
-
-
 @pytest.mark.parametrize("overrides", [
     ["model=tiny_random", "model.dtype=fp32", "engine.target_weights=int4"],
     ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=int8"],
     ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=int4"],
-    pytest.param(["model=tiny_random", "model.dtype=bf16", "engine.target_weights=dense"], marks=pytest.mark.skipif(
-        not column_blocks(), reason="dense bf16 weights are row-invariant in the column blocks (AVX512_BF16)")),
+    ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=dense"],
+    ["model=tiny_random", "model.dtype=fp32", "engine.target_weights=dense"],
+    ["model=tiny_random", "model.dtype=bf16", "engine.target_weights=dense", "engine.kernel_blocks=false"],
     pytest.param(["model=smollm2_135m", "model.dtype=bf16"], marks=pytest.mark.embedded),
     pytest.param(["model=smollm2_135m", "model.dtype=fp32"], marks=pytest.mark.embedded),
-], ids=["tiny-int4-fp32", "tiny-int8-bf16", "tiny-int4-bf16", "tiny-dense-bf16", "embedded-q4_1-bf16",
-        "embedded-q4_1-fp32"])
+], ids=["tiny-int4-fp32", "tiny-int8-bf16", "tiny-int4-bf16", "tiny-dense-bf16", "tiny-dense-fp32",
+        "tiny-dense-bf16-row-by-row", "embedded-q4_1-bf16", "embedded-q4_1-fp32"])
 def test_every_verify_row_is_bitwise_its_paths_one_token_step(overrides):
     """Random trees of 1-64 nodes (65 verify rows: past engine.native_rows, the kernel attention's row limit on
-    AVX2, the AMX tiles' threshold): every node's logits equal those of the one-token steps over its own path."""
+    AVX2, the AMX tiles' threshold, the kernel's rows before oneDNN): every node's logits equal those of the
+    one-token steps over its own path. Weights in GGUF blocks (quantized at load, or the embedded model's file),
+    dense bf16 (column blocks on AVX512_BF16 builds, else row by row) and dense fp32 (row by row)."""
     differing = trees_rows_differing(overrides)
     assert differing == {size: [] for size in TREE_SIZES}
 
@@ -120,7 +116,11 @@ def test_the_engine_line_says_whether_the_rows_are_invariant():
                                         "pipeline=vanilla"]))
     assert "row-invariant (batch_invariant" in on.target.model.specpipe_engine_rewrite
     dense = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "pipeline=vanilla"]))
-    assert "batch_invariant asked, not held (products of dense weights" in dense.target.model.specpipe_engine_rewrite
+    assert "row-invariant (batch_invariant" in dense.target.model.specpipe_engine_rewrite
+    without_kernel = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "pipeline=vanilla",
+                                                    "engine.fp32_kernel_rows=0"]))
+    assert "batch_invariant asked, not held (some products have no row-invariant kernel path" in (
+        without_kernel.target.model.specpipe_engine_rewrite)
     off = build_pipeline(compose_config(["model=tiny_random", "model.dtype=fp32", "engine.target_weights=int4",
                                          "engine.batch_invariant=false", "pipeline=vanilla"]))
     assert "batch_invariant" not in off.target.model.specpipe_engine_rewrite

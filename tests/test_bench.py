@@ -116,6 +116,7 @@ def test_reference_is_one_and_greedy_methods_are_exact(bench_run):
         assert group["prompt_lookup"]["speedup_vs_vanilla"] == pytest.approx(
             group["prompt_lookup"]["tok_s"] / group["vanilla"]["tok_s"])
         assert group["hf_pld"]["exact_rate"] == 1.0
+        assert group["prompt_lookup"]["same_as_vanilla_rate"] == 1.0 and group["vanilla"]["same_as_vanilla_rate"] == 1.0
         assert group["prompt_lookup"]["mean_accepted"] >= 1.0
     assert summary["overall"]["prompt_lookup"]["mean_accepted"] > 1.0  # some drafts were accepted
     assert summary["overall"]["hf_pld"]["mean_accepted"] > 1.0

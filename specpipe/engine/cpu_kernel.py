@@ -27,7 +27,7 @@ from specpipe import native_cache
 from specpipe.engine.cpu_kernel_build import (DEFAULT_BLOCK_LOOKAHEAD_ROWS, BlockProduct, build_kernel, build_name,
                                               kernel_isa)
 from specpipe.engine.cpu_kernel_checks import (amx_mismatch, attention_mismatch, gate_mismatch, gguf_check,
-                                               norm_mismatch, ragged_mismatch, self_check)
+                                               invariant_mismatch, norm_mismatch, ragged_mismatch, self_check)
 from specpipe.engine.cpuinfo import cpu_flags
 from specpipe.engine.cpuinfo import first_line as _first_line
 
@@ -102,6 +102,10 @@ class CpuKernel:
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
         self.quantized_product = None
+        # invariant_product(x, weight, bias): `product` with each row summed in the order a row alone gets, whatever
+        # rows come with it (engine.batch_invariant); None where its check fails (`invariant_reason` says why)
+        self.invariant_product = None
+        self.invariant_reason = ""
         self.blocks: BlockProduct | None = None  # bf16 weights in column blocks: the AVX512_BF16 build only
         # with `amx_rows` > 0: whether the blocks' products of that many rows and more run on AMX tiles
         # (amx_block_product) inside `tiles.permitted()`, and if not, why
@@ -151,6 +155,8 @@ class CpuKernel:
                                            module.block_decoder_layer, module.block_draft_level)
             self_check(self.product, self.quantized_product, self.blocks)
             gguf_check(self.gguf_product, self.gguf_widen)
+            self.invariant_reason = invariant_mismatch(module.invariant_weight_product)
+            self.invariant_product = None if self.invariant_reason else module.invariant_weight_product
             if amx_rows > 0:
                 self._take_amx(module, amx_rows)
         except native_cache.UnsafeFolder as error:  # said whole: the folder and the fix

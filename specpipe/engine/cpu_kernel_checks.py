@@ -59,6 +59,26 @@ def self_check(product, quantized_product, blocks: BlockProduct | None = None) -
                 raise RuntimeError(f"the kernel's column blocks disagree with an fp32 product for {rows} bf16 rows")
 
 
+def invariant_mismatch(invariant_product) -> str:
+    """'' where the row-invariant product agrees with an fp32 product (bf16 and fp32 weights and rows, a vector tail,
+    odd features) and gives every row of a 1-33-row product bitwise that row's one-row product; else what differs."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(37, 75, generator=generator)  # [out, in]
+    bias = torch.randn(37, generator=generator)  # [out]
+    x = torch.randn(33, 75, generator=generator)  # [rows, in]
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        for x_dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2 ** -7)):
+            w, rows = weight.to(weight_dtype), x.to(x_dtype)
+            expected = rows.float() @ w.float().t() + bias
+            alone = torch.cat([invariant_product(rows[r:r + 1], w, bias) for r in range(len(rows))])
+            if not torch.allclose(alone.float(), expected, rtol=tolerance, atol=1e-3):
+                return f"it disagrees with an fp32 product ({weight_dtype} weights, {x_dtype} rows)"
+            for count in (2, 3, 7, 8, 11, 12, 13, 33):
+                if not torch.equal(invariant_product(rows[:count], w, bias), alone[:count]):
+                    return f"a row of {count} differs from its one-row product ({weight_dtype} weights, {x_dtype} rows)"
+    return ""
+
+
 def gguf_check(gguf_product, gguf_widen) -> None:
     """The GGUF product's weights bitwise gguf-py's dequantization (every format it reads), its sums near an fp32
     product of them, and each row's output the same with any rows beside it."""

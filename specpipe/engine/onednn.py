@@ -129,8 +129,8 @@ class OneDNNEngine:
     # weights); "auto" = 64
     native_rows: int | str = "auto"
     # The target's decoding steps and verifies compute every row as its one-row forward would, bit for bit: their
-    # products run over the native blocks or the kernel at any row count (never oneDNN's or AMX tiles', whose sums
-    # change with the row count), so a tree node's logits are its path's one-token step's, in every dtype, whatever
+    # products run over the native blocks, the column blocks or the kernel's invariant_product at any row count (never
+    # oneDNN's or AMX tiles', whose sums change with the row count), so a tree node's logits are its path's one-token step's, in every dtype, whatever
     # the tree or the batch around it. Prefills keep the fastest paths. false = today's fastest paths for every
     # forward (bf16 and quantized answers may then differ from vanilla's where a near-tie flips).
     batch_invariant: bool = True
@@ -199,8 +199,9 @@ class OneDNNEngine:
         target = native is not None
         native, native_kernel, native_rows = self._native(model, native, kernel, path)
         invariance = RowInvariance() if target and self.batch_invariant else None
+        invariant_product = kernel.invariant_product if kernel is not None and invariance is not None else None
         swaps = self._packed_swaps(model, path, product, quantized, blocks, native, native_kernel, native_rows,
-                                   invariance)
+                                   invariance, invariant_product)
         if swaps is None:
             return model
         claim_model(model, self.name)
@@ -233,17 +234,17 @@ class OneDNNEngine:
         """What engine.batch_invariant gives the target's steps and verifies, in words, with a warning where a part
         of the forward cannot promise it (a product without the kernel, the attention in SDPA)."""
         gaps = []
-        if any(replacement.packed.native_kernel is None and replacement.packed.blocks is None
-               for _, _, replacement in swaps):
-            gaps.append("products of dense weights outside the column blocks (fp32, or bf16 without AVX512_BF16) sum "
-                        "in an order that depends on the row count")
+        if any(packed.native_kernel is None and packed.blocks is None and packed.invariant_kernel is None
+               for packed in (replacement.packed for _, _, replacement in swaps)):
+            gaps.append("some products have no row-invariant kernel path (the kernel does not serve them here)")
         if not any(getattr(module, "attention_kernel", None) is not None for module in model.modules()):
             gaps.append("the attention runs in SDPA")
         if gaps:
             log.info("engine=%s: engine.batch_invariant is on, but %s: a verify row's logits may differ from its "
                         "one-token step's", self.name, " and ".join(gaps))
             return f"batch_invariant asked, not held ({', '.join(gaps)})"
-        return "steps and verifies row-invariant (batch_invariant: kernel products at any row count, no AMX tiles)"
+        return ("steps and verifies row-invariant (batch_invariant: blocks or the row-invariant kernel product at any "
+                "row count, no AMX tiles)")
 
     def _leave_as_loaded(self, why: str, quantize: str | None, native: dict[str, GgufWeight] | None) -> None:
         """Where oneDNN's prepacked products do not serve the model (`why`): ConfigError where the target's weights
@@ -256,14 +257,15 @@ class OneDNNEngine:
 
     def _packed_swaps(self, model: nn.Module, path: LinearPath, product: Callable | None, quantized: Callable | None,
                       blocks: BlockProduct | None, native: dict[str, GgufWeight], native_kernel: Callable | None,
-                      native_rows: int, invariance: RowInvariance | None = None
-                      ) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
+                      native_rows: int, invariance: RowInvariance | None = None,
+                      invariant_product: Callable | None = None) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
         """(module, child name, OneDNNLinear) for every linear of `model` (`_replacements`), all built before the
         first is swapped in; None, with a warning, where a real weight cannot be packed."""
         try:
             return [(module, name, replacement) for prefix, module in model.named_modules()
                     for name, replacement in self._replacements(module, path, product, quantized, blocks, prefix,
-                                                                native, native_kernel, native_rows, invariance)]
+                                                                native, native_kernel, native_rows, invariance,
+                                                                invariant_product)]
         except RuntimeError as error:  # the probe passed but a real weight cannot be packed
             log.warning("engine=%s: packing the weights failed (%s); running transformers' own forward",
                         self.name, str(error).splitlines()[0])
@@ -480,7 +482,8 @@ class OneDNNEngine:
                       quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
                       prefix: str = "", native: dict[str, GgufWeight] | None = None,
                       native_kernel: Callable | None = None, native_rows: int = 0,
-                      invariance: RowInvariance | None = None) -> list[tuple[str, nn.Module]]:
+                      invariance: RowInvariance | None = None,
+                      invariant_product: Callable | None = None) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. Linears with
         native blocks (`native`, by module name) multiply them; a group fuses only where its members' blocks are of
         one format (a K-quant file holds q and k in Q4_K, v in Q6_K)."""
@@ -508,7 +511,7 @@ class OneDNNEngine:
             members = members if all(members) else None
             packed = PackedWeight([linears[name] for name in group], path.compute_dtype, path.small_rows,
                                   path.split_rows, kernel, path.kernel_rows, quantized_kernel, block_kernel,
-                                  members, native_kernel, native_rows, invariance)
+                                  members, native_kernel, native_rows, invariance, invariant_product)
             replacements += [(name, OneDNNLinear(packed, index)) for index, name in enumerate(group)]
         return replacements
 

@@ -36,11 +36,11 @@ class PackedWeight(nn.Module):
                  quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None,
                  block_kernel: BlockProduct | None = None, native: Sequence[GgufWeight] | None = None,
                  native_kernel: Callable | None = None, native_rows: int = 0,
-                 invariance: RowInvariance | None = None) -> None:
+                 invariance: RowInvariance | None = None, invariant_kernel: Callable | None = None) -> None:
         super().__init__()
         # Inside invariance.within() (a decoding step's or verify's forward, engine.batch_invariant) a product runs over
-        # the native blocks or the column blocks, whose per-row sums do not depend on the row count, at any row count
-        # (the row-by-row kernel's accumulators per row do: it keeps its rows).
+        # the native blocks, the column blocks or `invariant_kernel` (the row-by-row product with one order per row),
+        # whose per-row sums do not depend on the row count, at any row count.
         self.invariance = invariance
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum out, in]
         # The weights as the model's GGUF file holds them (the members' blocks, one format): products of up to
@@ -101,6 +101,8 @@ class PackedWeight(nn.Module):
             self.bias = torch.cat([bias if bias is not None else weight.new_zeros(linear.out_features)
                                    for bias, linear in zip(biases, linears)]).to(self.compute_dtype)  # [sum out]
         self.small_bias = self.bias.to(weight.dtype) if self.small_rows and self.bias is not None else None
+        self.invariant_kernel = (invariant_kernel if self.kernel is not None and self.blocks is None
+                                 and self.codes is None else None)
         # the kernel adds an fp32 bias to its fp32 sums (a bf16 packing's bias is bf16: widened exactly)
         self.kernel_bias = (self.bias.float() if (self.kernel is not None or self.native_kernel is not None)
                             and self.bias is not None else None)
@@ -114,6 +116,8 @@ class PackedWeight(nn.Module):
         if (self.native_kernel is not None and (invariant or x.numel() <= self.native_rows * self.in_features)
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self.native_kernel(x, self.native_blocks, self.native_format, self.in_features, self.kernel_bias)
+        if invariant and self.invariant_kernel is not None and x.dtype == self.kernel_input:
+            return self.invariant_kernel(x, self.small_weight, self.kernel_bias)
         if ((x.numel() <= self.kernel_rows * self.in_features or (invariant and self.blocks is not None))
                 and x.dtype == self.kernel_input):
             # one call: a bf16 x is summed in fp32 inside (widened, or multiplied in bf16 pairs), the fp32 bias

@@ -17,10 +17,12 @@ VANILLA = "vanilla"  # specpipe's own loop without drafting: the second baseline
 
 # ---- per-prompt records ----------------------------------------------------------------
 def run_records(runs: Sequence["QuestionRun"], groups: dict[str, str] | None = None) -> list[dict]:
-    """One flat record per question x method, with `exact` against hf_generate's output and the
-    `group` (reported category) of its category under `groups`."""
+    """One flat record per question x method, with `exact` against hf_generate's output, `same_as_vanilla`
+    against specpipe's own `vanilla` (the engine's plain greedy answer, the one speculation must reproduce in every
+    dtype) and the `group` (reported category) of its category under `groups`."""
     groups = groups or {}
     reference = {run.question.question_id: run.output_ids for run in runs if run.method == REFERENCE}
+    vanilla = {run.question.question_id: run.output_ids for run in runs if run.method == VANILLA}
     records = []
     for run in runs:
         q = run.question
@@ -37,6 +39,7 @@ def run_records(runs: Sequence["QuestionRun"], groups: dict[str, str] | None = N
             "forwards": run.forwards,
             "mean_accepted": run.new_tokens / run.forwards if run.forwards else 0.0,
             "exact": run.output_ids == reference[q.question_id] if q.question_id in reference else None,
+            "same_as_vanilla": run.output_ids == vanilla[q.question_id] if q.question_id in vanilla else None,
             "new_tokens_per_turn": [len(t.tokens) for t in run.turns],
             "seconds_per_turn": [t.seconds for t in run.turns],
             "forwards_per_turn": [t.forwards for t in run.turns],
@@ -99,6 +102,8 @@ def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanill
       total forwards of the group);
     - `exact_rate`: the share of prompts whose output tokens, all turns, equal `hf_generate`'s (null when
       `hf_generate` was not run);
+    - `same_as_vanilla_rate`: the share of prompts whose output tokens equal specpipe's `vanilla`'s (null when it
+      was not run): 1 for every greedy pipeline in every dtype where the engine's rows are batch-invariant;
     - `speedup_vs_vanilla`: the same ratio of means over specpipe's `vanilla` (`vanilla_tok_s`; null when it
       was not run);
     - `drafted_by_source`: for specpipe's methods, the share of all new tokens that came from accepted drafts of
@@ -108,6 +113,7 @@ def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanill
     tok_s = sum(r["tok_s"] for r in records) / len(records)
     forwards = sum(r["forwards"] for r in records)
     exact = [r["exact"] for r in records if r["exact"] is not None]
+    same = [r["same_as_vanilla"] for r in records if r.get("same_as_vanilla") is not None]
     shares, bonus_share = source_shares(records)
     return {
         "speedup": tok_s / reference_tok_s if reference_tok_s else None,
@@ -115,6 +121,7 @@ def group_metrics(records: Sequence[dict], reference_tok_s: float | None, vanill
         "tok_s": tok_s,
         "mean_accepted": sum(r["new_tokens"] for r in records) / forwards if forwards else 0.0,
         "exact_rate": sum(exact) / len(exact) if exact else None,
+        "same_as_vanilla_rate": sum(same) / len(same) if same else None,
         "drafted_by_source": shares,
         "bonus_share": bonus_share,
         "prompts": len(records),

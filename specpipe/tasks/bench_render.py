@@ -30,13 +30,14 @@ def _cell(metrics: dict | None) -> str:
 def markdown_table(summary: dict) -> str:
     """Rows = methods (or `JOB / METHOD`), columns = categories + overall; cells `speedup / mean accepted`."""
     categories = list(summary["categories"])
-    header = ["method", *categories, "overall", "vs vanilla", "tok/s", "exact"]
+    header = ["method", *categories, "overall", "vs vanilla", "tok/s", "exact", "= vanilla"]
     rows = []
     for row, overall in summary["overall"].items():
         exact = "n/a" if overall.get("exact_rate") is None else f"{overall['exact_rate']:.2f}"
+        same = "n/a" if overall.get("same_as_vanilla_rate") is None else f"{overall['same_as_vanilla_rate']:.2f}"
         vs_vanilla = "n/a" if overall.get("speedup_vs_vanilla") is None else f"{overall['speedup_vs_vanilla']:.2f}x"
         rows.append([row, *(_cell(summary["categories"][c].get(row)) for c in categories), _cell(overall),
-                     vs_vanilla, f"{overall['tok_s']:.1f}", exact])
+                     vs_vanilla, f"{overall['tok_s']:.1f}", exact, same])
     return _markdown(header, rows)
 
 
@@ -73,7 +74,8 @@ def sources_section(summary: dict) -> list[str]:
 TABLE_LEGEND = ("Cells: wall-clock speedup over `hf_generate` (ratio of mean tok/s over prompts) / mean "
                 "accepted tokens per target forward (prefill counted). `vs vanilla`: overall speedup over specpipe's "
                 "own loop without drafting (same engine). `tok/s`: mean over prompts; `exact`: "
-                "share of prompts whose output tokens (all turns) equal `hf_generate`'s.")
+                "share of prompts whose output tokens (all turns) equal `hf_generate`'s; `= vanilla`: equal to "
+                "specpipe's own `vanilla`'s (the engine's plain greedy answer, in any dtype).")
 
 
 

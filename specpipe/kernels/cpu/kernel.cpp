@@ -7,7 +7,8 @@
 // speed or spend their time in many small ops. Each part is a header of this one translation unit:
 //
 //   lanes.h        the fp32 vector layer (AVX-512 or AVX2) the other parts are written in
-//   product.h      weight_product, quantized_product: bf16, fp32 and int8 weights, row by row
+//   product.h      weight_product, invariant_weight_product, quantized_product: bf16, fp32 and int8 weights, row by
+//                  row
 //   gguf.h         gguf_product, gguf_widen: weights in GGUF blocks, widened in registers
 //   blocks.h       pair_blocks, block_product, amx_block_product: bf16 and int8 weights in column blocks
 //   norm.h         rms_norm: LlamaRMSNorm, bitwise transformers'
@@ -33,6 +34,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 m.def("weight_product", torch::wrap_pybind_function(weight_product), "weight_product");
+m.def("invariant_weight_product", torch::wrap_pybind_function(invariant_weight_product), "invariant_weight_product");
 m.def("quantized_product", torch::wrap_pybind_function(quantized_product), "quantized_product");
 m.def("pair_blocks", torch::wrap_pybind_function(pair_blocks), "pair_blocks");
 m.def("int8_pair_blocks", torch::wrap_pybind_function(int8_pair_blocks), "int8_pair_blocks");

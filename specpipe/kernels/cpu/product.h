@@ -204,13 +204,29 @@ template <>
 struct RowGroups<Int8PairStep> : RowGroups<PairStep> {};
 #endif
 
-// Rows [x, x + count) of the product for output features [begin, end), count <= RowGroups<Step>::kMaxRows.
-template <typename Step, int R = 1, typename W, typename Out>
+// Row-invariant groups (invariant_weight_product, engine.batch_invariant): one accumulator per row and output
+// feature whatever the group's size, so each row's sum runs over k in one order, the order a row alone gets; the
+// chains in flight come from several output features at a time instead (as many as the registers hold beside their
+// weights), which leaves every feature's order as it is.
+template <typename Step>
+struct InvariantRowGroups {
+  static constexpr int64_t kMaxRows = RowGroups<Step>::kMaxRows;
+  template <int R>
+  static constexpr int accumulators() { return 1; }
+  template <int R>
+  static constexpr int outputs() {
+    constexpr int fit = (kRegisters - 2) / (R + 1);
+    return fit < 1 ? 1 : fit > 8 ? 8 : fit;
+  }
+};
+
+// Rows [x, x + count) of the product for output features [begin, end), count <= Groups::kMaxRows.
+template <typename Step, typename Groups, int R = 1, typename W, typename Out>
 void product_rows(int64_t count, const typename Step::X* x, const W* w, Epilogue epilogue, Out* out, int64_t in,
                   int64_t out_stride, int64_t begin, int64_t end) {
-  using Groups = RowGroups<Step>;
   if constexpr (R < Groups::kMaxRows) {
-    if (count != R) return product_rows<Step, R + 1>(count, x, w, epilogue, out, in, out_stride, begin, end);
+    if (count != R)
+      return product_rows<Step, Groups, R + 1>(count, x, w, epilogue, out, in, out_stride, begin, end);
   }
   product_block<Step, R, Groups::template accumulators<R>(), Groups::template outputs<R>()>(
       x, w, epilogue, out, in, out_stride, begin, end);
@@ -221,7 +237,7 @@ constexpr int64_t kTileBytes = 32768;
 // The weight streams from memory once for all rows: each thread walks its output features in tiles of
 // ~32 KB of weight rows and runs every group of rows (RowGroups) over a tile while it is in L1/L2.
 // Groups are balanced (AVX2, 11 rows: 6 + 5), as more rows per group means fewer passes over the tile.
-template <typename Step, typename W, typename Out>
+template <typename Step, typename Groups = RowGroups<Step>, typename W, typename Out>
 void product(const typename Step::X* xs, const W* w, Epilogue epilogue, Out* os, int64_t rows, int64_t in,
              int64_t out_features) {
   const int64_t tile = std::max<int64_t>(4, kTileBytes / (static_cast<int64_t>(sizeof(W)) * in));
@@ -230,9 +246,9 @@ void product(const typename Step::X* xs, const W* w, Epilogue epilogue, Out* os,
     for (int64_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
       const int64_t tile_end = std::min(end, tile_begin + tile);
       for (int64_t first = 0, count = 0; first < rows; first += count) {
-        const int64_t left = rows - first, most = RowGroups<Step>::kMaxRows, groups = (left + most - 1) / most;
+        const int64_t left = rows - first, most = Groups::kMaxRows, groups = (left + most - 1) / most;
         count = (left + groups - 1) / groups;
-        product_rows<Step>(count, xs + first * in, w, epilogue, os + first * out_features, in, out_features,
+        product_rows<Step, Groups>(count, xs + first * in, w, epilogue, os + first * out_features, in, out_features,
                            tile_begin, tile_end);
       }
     }
@@ -274,21 +290,19 @@ const float* checked_fp32(const c10::optional<torch::Tensor>& values, int64_t ou
 }
 
 // The widened product over weights w of type W into out (x's dtype), rows of x already widened to fp32.
-template <typename W>
+template <typename Groups, typename W>
 void widened_product(const float* xs, const W* w, Epilogue epilogue, torch::Tensor& out, int64_t rows, int64_t in,
                      int64_t out_features) {
   if (out.scalar_type() == torch::kBFloat16)
-    product<WidenedStep>(xs, w, epilogue, out.data_ptr<at::BFloat16>(), rows, in, out_features);
+    product<WidenedStep, Groups>(xs, w, epilogue, out.data_ptr<at::BFloat16>(), rows, in, out_features);
   else
-    product<WidenedStep>(xs, w, epilogue, out.data_ptr<float>(), rows, in, out_features);
+    product<WidenedStep, Groups>(xs, w, epilogue, out.data_ptr<float>(), rows, in, out_features);
 }
 
-}  // namespace
-
-// x [..., in] fp32 or bf16, weight [out, in] bf16 or fp32, bias [out] fp32 or None -> [..., out] in x's dtype.
-// A bf16 x is widened here and the output rounded here, so a bf16 model's product is one call: the
-// casts around it were two more ops per linear, ~240 per forward of SmolLM2-135M.
-torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+// weight_product in the row groups `Groups` picks its chains by
+template <template <typename> class Groups>
+torch::Tensor grouped_weight_product(torch::Tensor& x, const torch::Tensor& weight,
+                                     const c10::optional<torch::Tensor>& bias) {
   const bool bf16_weight = weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (bf16_weight || weight.scalar_type() == torch::kFloat32) && weight.is_contiguous(),
               "weight: contiguous bf16 or fp32 [out, in]");
@@ -298,20 +312,35 @@ torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optiona
   const Epilogue epilogue{nullptr, checked_fp32(bias, out_features, "bias")};
 #ifdef __AVX512BF16__
   if (x.scalar_type() == torch::kBFloat16 && bf16_weight) {  // pairs of bf16 values straight from both
-    product<PairStep>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), epilogue,
-                      out.data_ptr<at::BFloat16>(), rows, in, out_features);
+    product<PairStep, Groups<PairStep>>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                                        reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), epilogue,
+                                        out.data_ptr<at::BFloat16>(), rows, in, out_features);
     return out;
   }
 #endif
   torch::Tensor widened;
   const float* xs = widened_rows(x, widened);
   if (bf16_weight)
-    widened_product(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), epilogue, out, rows, in,
-                    out_features);
+    widened_product<Groups<WidenedStep>>(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()),
+                                         epilogue, out, rows, in, out_features);
   else
-    widened_product(xs, weight.data_ptr<float>(), epilogue, out, rows, in, out_features);
+    widened_product<Groups<WidenedStep>>(xs, weight.data_ptr<float>(), epilogue, out, rows, in, out_features);
   return out;
+}
+
+}  // namespace
+
+// x [..., in] fp32 or bf16, weight [out, in] bf16 or fp32, bias [out] fp32 or None -> [..., out] in x's dtype.
+// A bf16 x is widened here and the output rounded here, so a bf16 model's product is one call: the
+// casts around it were two more ops per linear, ~240 per forward of SmolLM2-135M.
+torch::Tensor weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  return grouped_weight_product<RowGroups>(x, weight, bias);
+}
+
+// weight_product with each row's sums in the order a row alone gets, whatever rows come with it (InvariantRowGroups):
+// engine.batch_invariant's steps and verifies over dense weights outside the column blocks.
+torch::Tensor invariant_weight_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  return grouped_weight_product<InvariantRowGroups>(x, weight, bias);
 }
 
 // x [..., in] fp32 or bf16, weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None -> [..., out] in
@@ -334,6 +363,7 @@ torch::Tensor quantized_product(torch::Tensor x, torch::Tensor weight, torch::Te
   }
 #endif
   torch::Tensor widened;
-  widened_product(widened_rows(x, widened), weight.data_ptr<int8_t>(), epilogue, out, rows, in, out_features);
+  widened_product<RowGroups<WidenedStep>>(widened_rows(x, widened), weight.data_ptr<int8_t>(), epilogue, out, rows,
+                                          in, out_features);
   return out;
 }
