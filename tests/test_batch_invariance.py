@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import PIPELINES, _make, random_prompts
 from specpipe.pipelines.builder import build_pipeline, compose_config
 from specpipe.types import DraftTree
 
@@ -93,6 +93,29 @@ def test_without_batch_invariance_a_large_verify_takes_other_paths_and_differs()
 PROMPTS = ["Write a haiku about the sea.", "What does the with statement do in Python?",
            "Summarize: the cat sat on the mat because the mat was warm and the sun was out.",
            "List three prime numbers and explain why they are prime."]
+
+
+@pytest.fixture(scope="module")
+def embedded_bf16():
+    """The embedded SmolLM2-135M-Instruct in bf16 on its Q4_1 blocks, its shipped heads and draft."""
+    return _make("embedded", ("model=smollm2_135m", "model.dtype=bf16"))
+
+
+@pytest.mark.embedded
+def test_every_greedy_pipeline_emits_vanilla_tokens_in_bf16(embedded_bf16):
+    """Every pipeline config, flat cost curve (its largest trees), on two chat prompts: the engine's own bf16
+    vanilla tokens for the prompt the pipeline decoded (a RAG pipeline's holds the chunks it retrieved)."""
+    prompts = ["Write a haiku about the sea.", "Explain what a hash table is, in two sentences."]
+    vanilla = embedded_bf16.pipeline("vanilla")
+    plain: dict[tuple[int, ...], list[int]] = {}
+    for name in PIPELINES:
+        pipe = embedded_bf16.pipeline(name)
+        for prompt in prompts:
+            generation = pipe.generate(prompt, max_new_tokens=24)
+            key = tuple(generation.prompt_ids)
+            if key not in plain:
+                plain[key] = vanilla.generate(list(key), max_new_tokens=24).token_ids
+            assert generation.token_ids == plain[key], (name, prompt)
 
 
 @pytest.mark.embedded
