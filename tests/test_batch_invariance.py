@@ -4,49 +4,29 @@ of its own path would compute it, bit for bit, in bf16, fp32 and the native quan
 the engine's own `vanilla` tokens in every dtype, whatever the trees, the cost curve or the batch around a request."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 
 from conftest import PIPELINES, _make, random_prompts
 from specpipe.pipelines.builder import build_pipeline, compose_config
-from specpipe.types import DraftTree
 
 TREE_SIZES = (1, 5, 17, 40, 64)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_parents(size: int, generator: torch.Generator) -> list[int]:
-    """A random tree of `size` nodes: each node's parent an earlier node or the root (-1)."""
-    return [int(torch.randint(-1, node, (1,), generator=generator)) if node else -1 for node in range(size)]
+def _probe() -> ModuleType:
+    """bench/tree_row_invariance.py: the trees, their paths and the row-by-row comparison these tests share."""
+    spec = importlib.util.spec_from_file_location("tree_row_invariance", ROOT / "bench" / "tree_row_invariance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def node_paths(parents: list[int]) -> list[list[int]]:
-    paths = []
-    for node in range(len(parents)):
-        path, walk = [], node
-        while walk != -1:
-            path.append(walk)
-            walk = parents[walk]
-        paths.append(path[::-1])
-    return paths
-
-
-def differing_rows(target, context: list[int], parents: list[int], tokens: list[int]) -> list[int]:
-    """The verify rows (0: the root, i + 1: node i) whose logits are not bitwise those of the one-token steps
-    over their own path from the same prefilled context."""
-    cache = target.new_cache()
-    target.prefill(context[:-1], cache)
-    prefix = cache.get_seq_length()
-    verified = target.forward_tree(context[-1], DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents)),
-                                   cache).logits
-    differing = []
-    for row, path in enumerate([[], *node_paths(parents)]):
-        cache.crop(prefix)
-        logits = target.forward_tree(context[-1], DraftTree.empty(), cache).logits[0]
-        for node in path:
-            logits = target.forward_tree(tokens[node], DraftTree.empty(), cache).logits[0]
-        if not torch.equal(verified[row], logits):
-            differing.append(row)
-    return differing
+probe = _probe()
 
 
 def trees_rows_differing(overrides: list[str], sizes=TREE_SIZES, seed: int = 3) -> dict[int, list[int]]:
@@ -55,9 +35,9 @@ def trees_rows_differing(overrides: list[str], sizes=TREE_SIZES, seed: int = 3) 
     context = random_prompts(1, seed=seed)[0][:40]
     result = {}
     for size in sizes:
-        parents = random_parents(size, generator)
+        parents = probe.random_parents(size, generator)
         tokens = torch.randint(300, 1300, (size,), generator=generator).tolist()
-        result[size] = differing_rows(pipe.target, context, parents, tokens)
+        result[size] = [row for row, _, _ in probe.differing_rows(pipe.target, context, parents, tokens)]
     return result
 
 
