@@ -59,9 +59,9 @@ class TileRows:
 
     The tiles' fp32 sums are not bitwise the vector product's, so a forward whose rows must
     give bitwise a one-token step's bf16 logits keeps the vector product. With engine.batch_invariant the target
-    never takes them; without it, it permits them for a branched tree's verify (specpipe.target.TargetModel.forward_trees)
-    and a chain's keeps the vector product. The permission is per thread: requests decoded in parallel threads share
-    one model."""
+    never takes them; without it, it permits them for a branched tree's verify
+    (specpipe.target.TargetModel.forward_trees) and a chain's keeps the vector product. The permission is per thread:
+    requests decoded in parallel threads share one model."""
 
     def __init__(self, min_rows: int) -> None:
         self.min_rows = min_rows

@@ -110,11 +110,12 @@ class OneDNNEngine:
     # with the lookahead on: from how many rows of a product on it asks (1-16); "auto" =
     # cpu_kernel.auto_block_lookahead_rows (1 on AMX CPUs, 5 elsewhere)
     block_lookahead_rows: int | str = "auto"
-    # with column blocks on CPUs with AMX, batch_invariant off (and a drafter's products): a branched tree's verify runs its products of this many rows and more on
-    # AMX tiles (one TDPBF16PS does 16 rows x 16 pairs of k of a block), so up to 16 rows cost about what the weights'
-    # memory costs; fewer rows keep the vector product, faster there (below 7). Only branched trees: the
-    # tiles' sums are not bitwise the vector product's, and a chain's verify keeps giving bitwise a one-token step's
-    # bf16 logits (cpu_kernel.TileRows). "auto" = cpu_kernel.auto_amx_rows (7 on CPUs with AMX); 0 = never
+    # with column blocks on CPUs with AMX, batch_invariant off (and a drafter's products): a branched tree's verify runs
+    # its products of this many rows and more on AMX tiles (one TDPBF16PS does 16 rows x 16 pairs of k of a block), so
+    # up to 16 rows cost about what the weights' memory costs; fewer rows keep the vector product, faster there (below
+    # 7). Only branched trees: the tiles' sums are not bitwise the vector product's, and a chain's verify keeps giving
+    # bitwise a one-token step's bf16 logits (cpu_kernel.TileRows). "auto" = cpu_kernel.auto_amx_rows (7 on CPUs with
+    # AMX); 0 = never
     amx_rows: int | str = "auto"
     # bf16 models on the kernel's AVX512_BF16 build: the attention rounds its softmax weights to bf16 (as transformers'
     # eager attention and ATen's flash attention do) and multiplies them by two value rows per vdpbf16ps, ~1.6x
@@ -130,9 +131,10 @@ class OneDNNEngine:
     native_rows: int | str = "auto"
     # The target's decoding steps and verifies compute every row as its one-row forward would, bit for bit: their
     # products run over the native blocks, the column blocks or the kernel's invariant_product at any row count (never
-    # oneDNN's or AMX tiles', whose sums change with the row count), so a tree node's logits are its path's one-token step's, in every dtype, whatever
-    # the tree or the batch around it. Prefills keep the fastest paths. false = today's fastest paths for every
-    # forward (bf16 and quantized answers may then differ from vanilla's where a near-tie flips).
+    # oneDNN's or AMX tiles', whose sums change with the row count), so a tree node's logits are its path's one-token
+    # step's, in every dtype, whatever the tree or the batch around it. Prefills keep the fastest paths. false = the
+    # fastest paths for every forward (bf16 and quantized answers may then differ from vanilla's where a near-tie
+    # flips).
     batch_invariant: bool = True
     name: str = "fast"
 
@@ -231,8 +233,8 @@ class OneDNNEngine:
         return model
 
     def _invariance_line(self, swaps: list[tuple[nn.Module, str, OneDNNLinear]], model: nn.Module) -> str:
-        """What engine.batch_invariant gives the target's steps and verifies, in words, with a warning where a part
-        of the forward cannot promise it (a product without the kernel, the attention in SDPA)."""
+        """What engine.batch_invariant gives the target's steps and verifies, in words, logged where a part of the
+        forward cannot promise it (a product without the kernel, the attention in SDPA)."""
         gaps = []
         if any(packed.native_kernel is None and packed.blocks is None and packed.invariant_kernel is None
                for packed in (replacement.packed for _, _, replacement in swaps)):
@@ -241,7 +243,7 @@ class OneDNNEngine:
             gaps.append("the attention runs in SDPA")
         if gaps:
             log.info("engine=%s: engine.batch_invariant is on, but %s: a verify row's logits may differ from its "
-                        "one-token step's", self.name, " and ".join(gaps))
+                     "one-token step's", self.name, " and ".join(gaps))
             return f"batch_invariant asked, not held ({', '.join(gaps)})"
         return ("steps and verifies row-invariant (batch_invariant: blocks or the row-invariant kernel product at any "
                 "row count, no AMX tiles)")
