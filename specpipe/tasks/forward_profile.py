@@ -76,9 +76,11 @@ def _kernel_calls_named(model: torch.nn.Module):
 
     originals = []  # (module, attribute, the function it held)
     for module in model.modules():
-        if isinstance(module, PackedWeight) and module.kernel is not None:
-            originals.append((module, "kernel", module.kernel))
-            module.kernel = named(module.kernel, KERNEL_PRODUCT)
+        if isinstance(module, PackedWeight):  # every product the kernel runs: dense, row-invariant, native, blocks
+            for attribute in ("kernel", "invariant_kernel", "native_kernel", "block_product"):
+                if getattr(module, attribute) is not None:
+                    originals.append((module, attribute, getattr(module, attribute)))
+                    setattr(module, attribute, named(getattr(module, attribute), KERNEL_PRODUCT))
         elif isinstance(module, LeanLlamaModel):
             for attribute, name in (("norm_kernel", KERNEL_NORM), ("attention_kernel", KERNEL_ATTENTION)):
                 if getattr(module, attribute) is not None:
