@@ -22,7 +22,9 @@ REWRITE_ATTRIBUTE = "specpipe_engine_rewrite"
 # specpipe.engine.cpu_kernel.TileRows (absent elsewhere); see `tiles_permitted`.
 TILES_ATTRIBUTE = "specpipe_amx_tiles"
 # Where an engine computes every row of a decoding step or verify as a one-row forward would (engine.batch_invariant):
-# its RowInvariance (absent elsewhere); see `row_invariant`.
+# a ThreadFlag (absent elsewhere), raised by the target for its steps and verifies, not for prefills (which vanilla
+# and speculation share); inside it the engine's products take only paths whose per-row sums do not depend on how
+# many rows came with the row (never oneDNN's or AMX tiles'), at any row count. See `row_invariant`.
 ROW_INVARIANCE_ATTRIBUTE = "specpipe_row_invariance"
 
 
@@ -82,37 +84,34 @@ def tiles_permitted(model: nn.Module, permitted: bool) -> ContextManager:
     return tiles.permitted() if tiles is not None else contextlib.nullcontext()
 
 
-class RowInvariance:
-    """Whether this thread's forward must compute each row as that row's one-row forward would, bit for bit: inside
-    `within()` an engine's products take only paths whose per-row sums do not depend on how many rows came with the
-    row (never oneDNN's or AMX tiles', whose blocking changes with the row count), at any row count. The target
-    enters it for its decoding steps and verifies, not for prefills (which vanilla and speculation share). Per
-    thread: requests decoded in parallel threads share one model."""
+class ThreadFlag:
+    """A flag raised for the calling thread while `raised()` is open (a nested use restores what was before): how a
+    forward may run, where requests decoded in parallel threads share one model."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def active(self) -> bool:
-        return getattr(self._local, "active", False)
+    def is_raised(self) -> bool:
+        return getattr(self._local, "raised", False)
 
     @contextlib.contextmanager
-    def within(self) -> Iterator[None]:
-        before = self.active()
-        self._local.active = True
+    def raised(self) -> Iterator[None]:
+        before = self.is_raised()
+        self._local.raised = True
         try:
             yield
         finally:
-            self._local.active = before
+            self._local.raised = before
 
 
 def row_invariant(model: nn.Module) -> ContextManager:
     """Runs a forward of `model` with every row computed as its one-row forward would be, where the engine offers
     that (engine.batch_invariant); a no-op otherwise."""
     invariance = getattr(model, ROW_INVARIANCE_ATTRIBUTE, None)
-    return invariance.within() if invariance is not None else contextlib.nullcontext()
+    return invariance.raised() if invariance is not None else contextlib.nullcontext()
 
 
 def row_invariance_active(module: nn.Module) -> bool:
-    """Whether this thread runs a forward of `module` inside its RowInvariance (`row_invariant`)."""
+    """Whether this thread runs a forward of `module` inside `row_invariant`."""
     invariance = getattr(module, ROW_INVARIANCE_ATTRIBUTE, None)
-    return invariance is not None and invariance.active()
+    return invariance is not None and invariance.is_raised()

@@ -17,13 +17,12 @@ other users could write) `CpuKernel.reason` says why and engine=fast keeps its o
 """
 from __future__ import annotations
 
-import contextlib
 import platform
-import threading
-from collections.abc import Iterator
 from pathlib import Path
+from typing import ContextManager
 
 from specpipe import native_cache
+from specpipe.engine.base import ThreadFlag
 from specpipe.engine.cpu_kernel_build import (DEFAULT_BLOCK_LOOKAHEAD_ROWS, BlockProduct, build_kernel, build_name,
                                               kernel_isa)
 from specpipe.engine.cpu_kernel_checks import (amx_mismatch, attention_mismatch, gate_mismatch, gguf_check,
@@ -65,20 +64,14 @@ class TileRows:
 
     def __init__(self, min_rows: int) -> None:
         self.min_rows = min_rows
-        self._local = threading.local()
+        self._permission = ThreadFlag()
 
     def rows(self) -> int:
         """`min_rows` where this thread's forward may take the tiles, else 0 (never)."""
-        return self.min_rows if getattr(self._local, "permitted", False) else 0
+        return self.min_rows if self._permission.is_raised() else 0
 
-    @contextlib.contextmanager
-    def permitted(self) -> Iterator[None]:
-        before = getattr(self._local, "permitted", False)
-        self._local.permitted = True
-        try:
-            yield
-        finally:
-            self._local.permitted = before
+    def permitted(self) -> ContextManager:
+        return self._permission.raised()
 
 
 class CpuKernel:

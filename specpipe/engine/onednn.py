@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specpipe.engine.base import (ENGINE_ATTRIBUTE, REWRITE_ATTRIBUTE, ROW_INVARIANCE_ATTRIBUTE, TILES_ATTRIBUTE,
-                                  RowInvariance, claim_model, spread_description)
+                                  ThreadFlag, claim_model, spread_description)
 from specpipe.engine.cpu import DTYPE_NAMES, LinearPath, auto_kernel_rows, probe_linear_path
 from specpipe.errors import ConfigError
 # The linear layers this engine swaps in (re-exported here: `from specpipe.engine.onednn import PackedWeight` works).
@@ -200,7 +200,7 @@ class OneDNNEngine:
                         "weights stay %s", self.name, quantize, self._no_kernel_reason(path), path.dtype)
         target = native is not None
         native, native_kernel, native_rows = self._native(model, native, kernel, path)
-        invariance = RowInvariance() if target and self.batch_invariant else None
+        invariance = ThreadFlag() if target and self.batch_invariant else None
         invariant_product = kernel.invariant_product if kernel is not None and invariance is not None else None
         swaps = self._packed_swaps(model, path, product, quantized, blocks, native, native_kernel, native_rows,
                                    invariance, invariant_product)
@@ -219,10 +219,11 @@ class OneDNNEngine:
         names = _native_names(swaps)
         rewrite = self._rewrite_line(path, names, native_rows, quantized is not None, layers, lean, lean_models, whys)
         if invariance is not None:
-            for module in model.modules():  # the lean forwards: their steps' and verifies' attention at any row count
-                if getattr(module, "attention_kernel", None) is not None:
-                    setattr(module, ROW_INVARIANCE_ATTRIBUTE, invariance)
-            rewrite += f"; {self._invariance_line(swaps, model)}"
+            # the lean forwards: their steps' and verifies' attention in the kernel at any row count
+            attending = [module for module in model.modules() if getattr(module, "attention_kernel", None) is not None]
+            for module in attending:
+                setattr(module, ROW_INVARIANCE_ATTRIBUTE, invariance)
+            rewrite += f"; {self._invariance_line(swaps, bool(attending))}"
         setattr(model, REWRITE_ATTRIBUTE, rewrite)
         weights = (f"native {names} weights" if names is not None else
                    f"{DTYPE_NAMES.get(path.dtype, path.dtype)} weights")
@@ -232,14 +233,14 @@ class OneDNNEngine:
         log.debug("engine=%s: %s", self.name, rewrite)
         return model
 
-    def _invariance_line(self, swaps: list[tuple[nn.Module, str, OneDNNLinear]], model: nn.Module) -> str:
+    def _invariance_line(self, swaps: list[tuple[nn.Module, str, OneDNNLinear]], kernel_attends: bool) -> str:
         """What engine.batch_invariant gives the target's steps and verifies, in words, logged where a part of the
         forward cannot promise it (a product without the kernel, the attention in SDPA)."""
         gaps = []
         if any(packed.native_kernel is None and packed.blocks is None and packed.invariant_kernel is None
                for packed in (replacement.packed for _, _, replacement in swaps)):
             gaps.append("some products have no row-invariant kernel path (the kernel does not serve them here)")
-        if not any(getattr(module, "attention_kernel", None) is not None for module in model.modules()):
+        if not kernel_attends:
             gaps.append("the attention runs in SDPA")
         if gaps:
             log.info("engine=%s: engine.batch_invariant is on, but %s: a verify row's logits may differ from its "
@@ -259,7 +260,7 @@ class OneDNNEngine:
 
     def _packed_swaps(self, model: nn.Module, path: LinearPath, product: Callable | None, quantized: Callable | None,
                       blocks: BlockProduct | None, native: dict[str, GgufWeight], native_kernel: Callable | None,
-                      native_rows: int, invariance: RowInvariance | None = None,
+                      native_rows: int, invariance: ThreadFlag | None = None,
                       invariant_product: Callable | None = None) -> list[tuple[nn.Module, str, OneDNNLinear]] | None:
         """(module, child name, OneDNNLinear) for every linear of `model` (`_replacements`), all built before the
         first is swapped in; None, with a warning, where a real weight cannot be packed."""
@@ -484,7 +485,7 @@ class OneDNNEngine:
                       quantized_kernel: Callable | None = None, block_kernel: BlockProduct | None = None,
                       prefix: str = "", native: dict[str, GgufWeight] | None = None,
                       native_kernel: Callable | None = None, native_rows: int = 0,
-                      invariance: RowInvariance | None = None,
+                      invariance: ThreadFlag | None = None,
                       invariant_product: Callable | None = None) -> list[tuple[str, nn.Module]]:
         """(child name, OneDNNLinear) for every plain nn.Linear child, fused groups sharing one packing. Linears with
         native blocks (`native`, by module name) multiply them; a group fuses only where its members' blocks are of

@@ -21,7 +21,7 @@ from specpipe.engine.cpu import pack_weight, packed_linear, row_blocks, split_li
 from specpipe.engine.quantize import dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
-    from specpipe.engine.base import RowInvariance
+    from specpipe.engine.base import ThreadFlag
     from specpipe.engine.cpu_kernel_build import BlockProduct
     from specpipe.engine.gguf_weights import GgufWeight
 
@@ -36,9 +36,9 @@ class PackedWeight(nn.Module):
                  quantized_kernel: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] | None = None,
                  block_kernel: BlockProduct | None = None, native: Sequence[GgufWeight] | None = None,
                  native_kernel: Callable | None = None, native_rows: int = 0,
-                 invariance: RowInvariance | None = None, invariant_kernel: Callable | None = None) -> None:
+                 invariance: ThreadFlag | None = None, invariant_kernel: Callable | None = None) -> None:
         super().__init__()
-        # Inside invariance.within() (a decoding step's or verify's forward, engine.batch_invariant) a product runs over
+        # Inside invariance.raised() (a decoding step's or verify's forward, engine.batch_invariant) a product runs over
         # the native blocks, the column blocks or `invariant_kernel` (the row-by-row product with one order per row),
         # whose per-row sums do not depend on the row count, at any row count.
         self.invariance = invariance
@@ -112,7 +112,7 @@ class PackedWeight(nn.Module):
 
     def product(self, x: Tensor) -> Tensor:
         # x [..., in] -> [..., sum out], in x's dtype
-        invariant = self.invariance is not None and self.invariance.active()
+        invariant = self.invariance is not None and self.invariance.is_raised()
         if (self.native_kernel is not None and (invariant or x.numel() <= self.native_rows * self.in_features)
                 and x.dtype in (torch.float32, torch.bfloat16)):
             return self.native_kernel(x, self.native_blocks, self.native_format, self.in_features, self.kernel_bias)

@@ -206,9 +206,9 @@ struct RowGroups<Int8PairStep> : RowGroups<PairStep> {};
 
 // Row-invariant groups (invariant_weight_product, engine.batch_invariant): the same accumulators per row whatever
 // the group's size (4 in 32 registers, 2 in 16), so each row's sum runs over k in the order a row alone gets; groups
-// of up to 7 rows, as many as fit beside the weight vector and x. Several output features at a time (independent
-// chains that keep each feature's order) ran a one-token fp32 step 1.2-1.4x slower: each feature's weight row is a
-// stream of its own.
+// of up to 7 rows, as many as fit beside the weight vector and x. The chains come from slices of k, not from several
+// output features at a time: each feature's weight row is a stream of its own, and one row's step waited on them
+// (docs/notebook/run-77.md).
 template <typename Step>
 struct InvariantRowGroups {
   static constexpr int64_t kMaxRows = 7;
