@@ -112,6 +112,9 @@ class CpuKernel:
         # ragged_attention(...): `attention` for several sequences' rows of one forward, each appended to and
         # attending its own cache (the C++ ragged_tree_attention; set and cleared with `attention`)
         self.ragged_attention = None
+        # native_layer(...): a target's decoder layer over GGUF blocks in one call (the C++ native_decoder_layer, made
+        # of the parts above: set where the norm and the attention passed their checks)
+        self.native_layer = None
         # gate(gate_up [..., 2n]) -> [..., n]: silu(gate) * up, bitwise torch's where `serves_gate` says so
         self.gate = None
         self.reason = ""
@@ -187,6 +190,8 @@ class CpuKernel:
             self.gate_reason = f"its SiLU gate is not bitwise torch's here ({mismatch})"
         else:
             self.gate = module.silu_gate
+        if self.norm is not None and self.attention is not None:
+            self.native_layer = module.native_decoder_layer
 
     def _take_amx(self, module, min_rows: int) -> None:
         """The blocks' products of `min_rows` rows and more on AMX tiles, inside `self.tiles.permitted()`, where this

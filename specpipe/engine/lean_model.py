@@ -31,7 +31,9 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaMo
 from specpipe.engine.base import row_invariance_active
 from specpipe.engine.blocks import FusedQKVAttention, rotary_tables
 from specpipe.engine.cpu_kernel_checks import NORM_DTYPES, NORM_MAX_WIDTH
+from specpipe.engine.native_layers import native_layers, run_native_layers, serving_layers
 from specpipe.engine.rotary import RotaryTables
+from specpipe.kv_cache import PositionIndexedCache
 from specpipe.target import folded_attention_bias, sdpa_forward, tree_attention_forward
 
 try:  # transformers keys the outputs a model class records by class name: LeanLlamaModel registers its own
@@ -94,6 +96,11 @@ class LeanLlamaModel(LlamaModel):
     # `level_kernel` (set by swap_lean_model): the kernel's block_draft_level, for a drafter that runs a draft model's
     # whole level in one call (KernelDraftLevel); this forward never calls it
     level_kernel = None
+    # `native_layer_kernel` (set by swap_lean_model, with the norm and attention kernels): CpuKernel.native_layer, a
+    # decoder layer over GGUF blocks in one call, for the layers of `native_layer_table` (native_layers.NativeLayer by
+    # module) in the forwards it serves (native_layers.serving_layers); None = op by op
+    native_layer_kernel = None
+    native_layer_table: Mapping[nn.Module, object] = MappingProxyType({})
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values=None, inputs_embeds: Tensor | None = None,
@@ -190,6 +197,11 @@ def lean_decoder_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Cal
         if mask is None and q > 1:  # causal over the block: row r sees the cached rows and block rows <= r
             cached = past_key_values.get_seq_length() if past_key_values is not None else 0
             mask = torch.ones(q, cached + q, dtype=torch.bool, device=hidden.device).tril(cached)[None, None]
+        natives = _native_layers_serving(owner, layers, hidden, lean_attention["rotary"])
+        if natives is not None and use_cache and isinstance(past_key_values, PositionIndexedCache):
+            return run_native_layers(owner.native_layer_kernel, natives, hidden, lean_attention["rotary"],
+                                     [past_key_values], [hidden.shape[1]], [mask[0, 0] if mask is not None else None],
+                                     recorded)
     elif (attention_function is tree_attention_forward and mask is not None and mask.dtype == torch.bool
             and mask.dim() == 4 and heads % kv_heads == 0):
         lean_attention["attention_bias"] = folded_attention_bias(mask, heads // kv_heads, hidden.dtype)
@@ -218,6 +230,10 @@ def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable
                            row_invariance_active(owner))
             for rows in ragged_batch.rows):
         ragged_kernel = getattr(owner, "ragged_attention_kernel", None)
+        natives = _native_layers_serving(owner, layers, hidden, lean_attention["rotary"])
+        if ragged_kernel is not None and natives is not None:
+            return run_native_layers(owner.native_layer_kernel, natives, hidden, lean_attention["rotary"],
+                                     ragged_batch.caches, ragged_batch.rows, ragged_batch.masks, recorded)
         if ragged_kernel is not None:
             lean_attention = dict(lean_attention, attention_function=RaggedKernelAttention(ragged_kernel, ragged_batch))
         else:
@@ -237,6 +253,13 @@ def _ragged_layers(owner: nn.Module, layers, hidden: Tensor, normalize: Callable
         if recorded is not None:
             recorded.append(hidden)
     return hidden
+
+
+def _native_layers_serving(owner: nn.Module, layers, hidden: Tensor, rotary: tuple[Tensor, Tensor]):
+    """The NativeLayers of `layers` where `owner`'s kernel layer serves this forward (its norm kernel too), else None."""
+    if getattr(owner, "native_layer_kernel", None) is None or getattr(owner, "norm_kernel", None) is None:
+        return None
+    return serving_layers(owner.native_layer_table, layers, hidden, rotary, row_invariance_active(owner))
 
 
 class KernelAttention:
@@ -312,7 +335,7 @@ def rotary_lookup(model: nn.Module) -> RotaryTables | None:
 
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
                     layer_kernel=None, level_kernel=None, draft_model: bool = False,
-                    ragged_attention_kernel=None) -> int:
+                    ragged_attention_kernel=None, native_layer_kernel=None) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
@@ -321,7 +344,8 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
     (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
     block_draft_level (BlockProduct.draft_level), for a draft's whole level (KernelDraftLevel): an EAGLE head's, and
     with `draft_model` (the model only drafts) a LlamaModel's. Each also gets `rotary_lookup`
-    (RotaryTables, where they serve its rotary embedding)."""
+    (RotaryTables, where they serve its rotary embedding). `native_layer_kernel`: CpuKernel.native_layer, for the
+    decoder layers over GGUF blocks of the models whose norms and attention the kernel runs (native_layers)."""
     max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
     swapped = 0
     for module in list(model.modules()):
@@ -341,6 +365,10 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
             module.rotary_lookup = rotary_lookup(module)
             # offered to the drafter that runs a draft model's levels itself (DraftModelDrafter); never a target's
             module.level_kernel = level_kernel if layer_kernel is not None and draft_model else None
+            table = (native_layers(module) if native_layer_kernel is not None and module.norm_kernel is not None
+                     and attention_kernel is not None and ragged_attention_kernel is not None else {})
+            module.native_layer_table = MappingProxyType(table)
+            module.native_layer_kernel = native_layer_kernel if table else None
             if _CAN_RECORD_REGISTRY is not None:  # the stock forward (fallback) still records attentions
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
             swapped += 1

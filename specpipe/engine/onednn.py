@@ -100,6 +100,10 @@ class OneDNNEngine:
     # its layers, its output layer's log-probs), and a draft model's where the model is applied as a drafter; false =
     # the layers' calls (an EAGLE head's) or the lean forward (a draft model's) with torch ops and Python between them
     draft_level: bool = True
+    # with the kernel's norm and attention: the target's decoder layers over GGUF blocks (native, int8, int4 weights) run
+    # one kernel call each in the forwards where every op of theirs runs in the kernel anyway (steps and verifies),
+    # bitwise the op-by-op lean loop (native_layers); false = op by op
+    native_layers: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
     weight_prefetch: str = "nta"
@@ -165,6 +169,8 @@ class OneDNNEngine:
             raise ConfigError(f"engine.amx_rows must be 'auto' or a row count >= 0 (0 = never), got {self.amx_rows!r}")
         if type(self.batch_invariant) is not bool:
             raise ConfigError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if type(self.native_layers) is not bool:
+            raise ConfigError(f"engine.native_layers must be true or false, got {self.native_layers!r}")
         if type(self.attention_pairs) is not bool:
             raise ConfigError(f"engine.attention_pairs must be true or false, got {self.attention_pairs!r}")
         if self.target_weights not in TARGET_WEIGHTS:
@@ -302,13 +308,17 @@ class OneDNNEngine:
                                           ragged_attention_kernel=getattr(extension, "ragged_attention", None) if attention is not None
                                           else None,
                                           attention_isa=extension.isa if extension is not None else "avx2",
-                                          layer_kernel=layer, level_kernel=level, draft_model=drafter)
+                                          layer_kernel=layer, level_kernel=level, draft_model=drafter,
+                                          native_layer_kernel=getattr(extension, "native_layer", None)
+                                          if self.native_layers and not drafter else None)
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
             getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
         if layers and level is not None:
             layers += ", its whole draft level one call where the head's other products serve"
         elif drafter and lean_models and level is not None:
             layers = "; a draft model's whole level one kernel call where its products serve"
+        if lean_models and any(getattr(module, "native_layer_kernel", None) is not None for module in model.modules()):
+            layers += "; the decoder layers over native blocks one kernel call each in steps and verifies"
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         whys += [gate_why] if lean and gate_why else []
         return lean, lean_models, layers, whys

@@ -15,6 +15,7 @@
 //   attention.h    tree_attention, ragged_tree_attention: a step's or a verify's attention over the KV cache
 //   gate.h         silu_gate: the MLP's silu(gate) * up, bitwise torch's
 //   draft_level.h  block_decoder_layer, block_draft_level: a draft head's layer and level in one call
+//   native_layer.h native_decoder_layer: a target's decoder layer over GGUF blocks in one call
 //
 // One translation unit, because the parts share helpers in anonymous namespaces and call into each other, and torch's
 // headers are compiled once: include the parts here only. The build's flags pick the ISA (specpipe.engine.cpu_kernel
@@ -31,6 +32,7 @@
 #include "attention.h"
 #include "gate.h"
 #include "draft_level.h"
+#include "native_layer.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 m.def("weight_product", torch::wrap_pybind_function(weight_product), "weight_product");
@@ -47,6 +49,7 @@ m.def("gguf_product", torch::wrap_pybind_function(gguf_product), "gguf_product")
 m.def("gguf_widen", torch::wrap_pybind_function(gguf_widen), "gguf_widen");
 m.def("block_decoder_layer", torch::wrap_pybind_function(block_decoder_layer), "block_decoder_layer");
 m.def("block_draft_level", torch::wrap_pybind_function(block_draft_level), "block_draft_level");
+m.def("native_decoder_layer", torch::wrap_pybind_function(native_decoder_layer), "native_decoder_layer");
 m.def("amx_block_product", torch::wrap_pybind_function(amx_block_product), "amx_block_product");
 m.def("amx_request", torch::wrap_pybind_function(amx_request), "amx_request");
 }
