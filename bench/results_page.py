@@ -41,14 +41,13 @@ REFERENCE = "hf_generate"
 
 # The measurements each part of the page quotes (folder names under docs/results/).
 DEV_SET = ("run-76-dev-fp32", "run-76-dev-bf16")
-AGAINST_LLAMA_CPP = ("run-74-llamacpp-amx-fp32-1", "run-74-llamacpp-amx-fp32-2")
-AVX2_HELD_BACK = ("run-74-llamacpp-avx2-fp32-four-accumulators", "run-74-llamacpp-avx2-fp32-two-accumulators-1",
-                  "run-74-llamacpp-avx2-fp32-two-accumulators-2")
-LOAD_NATIVE = ("run-75-load-native-bf16", "run-75-load-native-fp32")
+AGAINST_LLAMA_CPP = ("run-78-llamacpp-amx-fp32-1", "run-78-llamacpp-amx-fp32-2")
+AVX2_HELD_BACK = ("run-78-llamacpp-avx2-fp32-layer-calls", "run-78-llamacpp-avx2-fp32-op-by-op")
+LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
 README_METHODS = ("vanilla", "lookahead_trie", "eagle_mix")
-README_LOAD = "run-75-load-native-bf16"
+README_LOAD = "run-78-load-native-bf16"
 WHOLE_DEV_SET_PAGE = "run-71.md"  # measured on another machine, whose summaries are not under docs/results/
 
 
@@ -282,9 +281,9 @@ def render_page(measurements: dict[str, Measurement]) -> str:
         per_category_table(amx_runs),
         prose("Held back to AVX2 on the same CPU (specpipe and a llama.cpp built for AVX2 only), one column per "
               "run; each cell: tok/s (its ratio to llama.cpp's in the same column; the category where that ratio "
-              "is lowest; mean accepted tokens). The columns differ in specpipe's kernel (accumulators per weight "
-              "row) and, in the last two, only by the machine's drift, llama.cpp's most of all: compare within a "
-              "column."),
+              "is lowest; mean accepted tokens). The two columns differ in `engine.native_layers` (the target's "
+              "decoder layers one kernel call each, or op by op) and in the machine's drift, llama.cpp's most of "
+              "all: compare within a column."),
         provenance(held),
         held_back_table(held),
         "## Many requests at once",
