@@ -97,6 +97,18 @@ inline __m128i bit_field_bytes(__m128i bytes, int shift, int mask) {
 template <int Format>
 struct Widener;
 
+// Blocks whose fp16 step (and minimum) gguf_rows widens for a whole weight row ahead of its products (block_scales):
+// the wideners then load them with the vector broadcasts, without the conversions' and broadcasts' shuffles, which
+// share one port with the widening's own.
+template <int Format>
+constexpr bool kScalesAhead = Format == kGgufQ4_0 || Format == kGgufQ4_1 || Format == kGgufQ5_0 || Format == kGgufQ5_1;
+
+// the two fp16 values at the start of a block (Q4_1, Q5_1: the step and the minimum; Q4_0, Q5_0: the step and what
+// follows it, unused) widened to fp32 into scales[0], scales[1]: one conversion from memory for both
+inline void block_scales(const uint8_t* block, float* scales) {
+  _mm_storel_pi(reinterpret_cast<__m64*>(scales), _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block))));
+}
+
 #ifdef __AVX512F__
 // Q4_0 and Q4_1 on AVX-512: the 16 weights a block's codes can stand for, computed once per block as each weight is
 // (d * (q - 8), or d * q + m, rounded alike), and each code looked up in them (vpermps reads an index's low 4 bits):
@@ -107,9 +119,18 @@ struct NibbleTableWidener {
   const uint8_t* codes;
   Lanes table;
   explicit NibbleTableWidener(const uint8_t* b) : codes(b + (Format == kGgufQ4_1 ? 4 : 2)) {
+    build(half_float(b), Format == kGgufQ4_1 ? half_float(b + 2) : 0.0f);
+  }
+  // With the block's step and minimum already widened (block_scales) into memory, from where the vector broadcasts
+  // load them: the same table without the conversions' and broadcasts' shuffles, which share one port with the
+  // lookups (gguf_rows widens a weight row's steps ahead, one conversion for both).
+  NibbleTableWidener(const uint8_t* b, const float* scales) : codes(b + (Format == kGgufQ4_1 ? 4 : 2)) {
+    build(scales[0], Format == kGgufQ4_1 ? scales[1] : 0.0f);
+  }
+  void build(float step, float minimum) {
     const Lanes q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Lanes d = lanes_set(half_float(b));
-    table = Format == kGgufQ4_1 ? lanes_add(lanes_mul(d, q), lanes_set(half_float(b + 2)))
+    const Lanes d = lanes_set(step);
+    table = Format == kGgufQ4_1 ? lanes_add(lanes_mul(d, q), lanes_set(minimum))
                                 : lanes_mul(d, lanes_sub(q, lanes_set(8.0f)));
   }
   void chunk(int, Lanes* out) const {
@@ -144,6 +165,10 @@ struct NibbleWidener {
       : block(b), d(lanes_set(half_float(b))), m(lanes_set(kMinimum ? half_float(b + 2) : 0.0f)) {
     if constexpr (kFifthBit) std::memcpy(&high, b + kCodes - 4, 4);
   }
+  NibbleWidener(const uint8_t* b, const float* scales)
+      : block(b), d(lanes_set(scales[0])), m(lanes_set(kMinimum ? scales[1] : 0.0f)) {
+    if constexpr (kFifthBit) std::memcpy(&high, b + kCodes - 4, 4);
+  }
   void chunk(int, Lanes* out) const {
     constexpr int kHalf = kChunkVectors / 2;  // vectors of low nibbles, then as many of high ones
     for (int v = 0; v < kChunkVectors; ++v) {
@@ -151,7 +176,9 @@ struct NibbleWidener {
       Lanes q;
       if constexpr (kFifthBit) q = nibble_bit_lanes(nibbles, bit_lanes(high, kLanes * v));
       else q = unsigned_lanes(nibbles);
-      if constexpr (kMinimum) out[v] = lanes_add(lanes_mul(d, q), m);
+      // d * q is exact (an fp16 step's 11 bits times a code's 4 or 5), so one fused multiply-add rounds as the
+      // product and the sum rounded apart do
+      if constexpr (kMinimum) out[v] = lanes_fma(d, q, m);
       else out[v] = lanes_mul(d, lanes_sub(q, lanes_set(kFifthBit ? 16.0f : 8.0f)));  // q - 8, q - 16: exact
     }
   }
@@ -249,6 +276,13 @@ struct Widener<kGgufQ6_K> {
 
 constexpr int64_t kGgufLookahead = 16384;
 
+// The widener of the block at `block`, from its widened scales where gguf_rows made them ahead (kScalesAhead)
+template <int Format>
+inline Widener<Format> widener_at(const uint8_t* block, const float* scales) {
+  if constexpr (kScalesAhead<Format>) return Widener<Format>(block, scales);
+  else return Widener<Format>(block);
+}
+
 // How many weight rows gguf_rows multiplies side by side for R rows of x: with few rows of x, one weight row's sums
 // are two chains of dependent FMAs, so several weight rows run together to keep the FMA units busy. Each weight row's
 // sums keep their order: the outputs are the same for any number side by side.
@@ -265,8 +299,11 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
   constexpr int64_t kBytes = gguf_block_bytes(Format), kValues = gguf_block_values(Format);
   const int64_t count = in / kValues, row_bytes = count * kBytes;
   int64_t o = begin;
+  float* scales = kScalesAhead<Format> ? static_cast<float*>(__builtin_alloca(O * count * 2 * sizeof(float))) : nullptr;
   for (; o + O <= end; o += O) {
     const uint8_t* rows = blocks + o * row_bytes;
+    if constexpr (kScalesAhead<Format>)
+      for (int64_t at = 0; at < O * count; ++at) block_scales(rows + at * kBytes, scales + 2 * at);
     // Blocks are prefetched into L2, kGgufLookahead bytes ahead: a few-row product over blocks reads far more bytes a
     // cycle than the bf16 one, and prefetches into L1 (NTA) cap a core at its line-fill buffers' ~10 GB/s.
     const char* ahead = reinterpret_cast<const char*>(rows) + std::max<int64_t>(2 * O * row_bytes, kGgufLookahead);
@@ -286,7 +323,7 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
         } else {
           if (at % 64 < kBytes) _mm_prefetch(ahead + at, _MM_HINT_T1);  // about once a cache line
         }
-        const Widener<Format> widener(rows + at);
+        const Widener<Format> widener = widener_at<Format>(rows + at, scales + 2 * (p * count + b));
 #pragma GCC unroll 8
         for (int c = 0; c < Widener<Format>::kChunks; ++c) {
           Lanes weights[kChunkVectors];
