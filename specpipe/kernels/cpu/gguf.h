@@ -276,10 +276,11 @@ struct Widener<kGgufQ6_K> {
 
 constexpr int64_t kGgufLookahead = 16384;
 
-// The widener of the block at `block`, from its widened scales where gguf_rows made them ahead (kScalesAhead)
+// The widener of the block at `block`, from its scales[2 * index], [2 * index + 1] where gguf_rows widened them ahead
+// (kScalesAhead)
 template <int Format>
-inline Widener<Format> widener_at(const uint8_t* block, const float* scales) {
-  if constexpr (kScalesAhead<Format>) return Widener<Format>(block, scales);
+inline Widener<Format> widener_at(const uint8_t* block, const float* scales, int64_t index) {
+  if constexpr (kScalesAhead<Format>) return Widener<Format>(block, scales + 2 * index);
   else return Widener<Format>(block);
 }
 
@@ -303,7 +304,7 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
   for (; o + O <= end; o += O) {
     const uint8_t* rows = blocks + o * row_bytes;
     if constexpr (kScalesAhead<Format>)
-      for (int64_t at = 0; at < O * count; ++at) block_scales(rows + at * kBytes, scales + 2 * at);
+      for (int64_t block = 0; block < O * count; ++block) block_scales(rows + block * kBytes, scales + 2 * block);
     // Blocks are prefetched into L2, kGgufLookahead bytes ahead: a few-row product over blocks reads far more bytes a
     // cycle than the bf16 one, and prefetches into L1 (NTA) cap a core at its line-fill buffers' ~10 GB/s.
     const char* ahead = reinterpret_cast<const char*>(rows) + std::max<int64_t>(2 * O * row_bytes, kGgufLookahead);
@@ -323,7 +324,7 @@ void gguf_rows(const float* x, const uint8_t* blocks, const float* bias, Out* ou
         } else {
           if (at % 64 < kBytes) _mm_prefetch(ahead + at, _MM_HINT_T1);  // about once a cache line
         }
-        const Widener<Format> widener = widener_at<Format>(rows + at, scales + 2 * (p * count + b));
+        const Widener<Format> widener = widener_at<Format>(rows + at, scales, p * count + b);
 #pragma GCC unroll 8
         for (int c = 0; c < Widener<Format>::kChunks; ++c) {
           Lanes weights[kChunkVectors];
