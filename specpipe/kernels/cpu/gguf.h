@@ -78,8 +78,16 @@ inline IntLanes bit_lanes(uint32_t bits, int first) {
   return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts),
                                             _mm256_set1_epi32(1)), 4);
 }
-inline Lanes nibble_bit_lanes(__m128i nibbles, IntLanes high) {
-  return _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(nibbles), high));
+// 16 bytes in both 128-bit halves, for byte_lanes
+inline __m256i both_halves(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// bytes [8 * half, 8 * half + 8) of `bytes` (both_halves), byte j alone in lane j: an in-lane byte shuffle, where
+// widening the bytes across the halves (vpmovzxbd) costs AMD's Zen cores more
+inline __m256i byte_lanes(__m256i bytes, int half) {
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  return _mm256_shuffle_epi8(bytes, half == 0 ? first : _mm256_add_epi32(first, _mm256_set1_epi32(8)));
 }
 #endif
 // the low (or high) 4 bits of each byte
@@ -171,11 +179,22 @@ struct NibbleWidener {
   }
   void chunk(int, Lanes* out) const {
     constexpr int kHalf = kChunkVectors / 2;  // vectors of low nibbles, then as many of high ones
+#ifndef __AVX512F__
+    const __m256i codes = both_halves(block + kCodes);
+#endif
     for (int v = 0; v < kChunkVectors; ++v) {
+#ifdef __AVX512F__
       const __m128i nibbles = nibble_bytes(lane_bytes(block + kCodes + kLanes * (v % kHalf)), v >= kHalf);
       Lanes q;
       if constexpr (kFifthBit) q = nibble_bit_lanes(nibbles, bit_lanes(high, kLanes * v));
       else q = unsigned_lanes(nibbles);
+#else
+      const __m256i bytes = byte_lanes(codes, v % kHalf);
+      // a lane holds its byte alone, so the high nibble needs no mask after the shift
+      __m256i codes_32 = v >= kHalf ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+      if constexpr (kFifthBit) codes_32 = _mm256_or_si256(codes_32, bit_lanes(high, kLanes * v));
+      const Lanes q = _mm256_cvtepi32_ps(codes_32);
+#endif
       // d * q is exact (an fp16 step's 11 bits times a code's 4 or 5), so one fused multiply-add rounds as the
       // product and the sum rounded apart do
       if constexpr (kMinimum) out[v] = lanes_fma(d, q, m);
