@@ -305,10 +305,11 @@ inline Widener<Format> widener_at(const uint8_t* block, const float* scales, int
 
 // How many weight rows gguf_rows multiplies side by side for R rows of x: with few rows of x, one weight row's sums
 // are two chains of dependent FMAs, so several weight rows run together to keep the FMA units busy. Each weight row's
-// sums keep their order: the outputs are the same for any number side by side.
+// sums keep their order: the outputs are the same for any number side by side. Half as many with AVX2's 16
+// registers, where twice as many spill the accumulators of a row pair to the stack.
 template <int R>
 constexpr int gguf_side_by_side() {
-  return std::max(1, 8 / (R * kAccumulators));
+  return std::max(1, (kRegisters == 32 ? 8 : 4) / (R * kAccumulators));
 }
 
 // R rows of x [R, in] fp32 times weight rows [begin, end) of blocks [out, in / values * bytes], into out (stride
