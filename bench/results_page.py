@@ -43,6 +43,7 @@ REFERENCE = "hf_generate"
 DEV_SET = ("run-76-dev-fp32", "run-76-dev-bf16")
 AGAINST_LLAMA_CPP = ("run-78-llamacpp-amx-fp32-1", "run-78-llamacpp-amx-fp32-2")
 AVX2_HELD_BACK = ("run-78-llamacpp-avx2-fp32-layer-calls", "run-78-llamacpp-avx2-fp32-op-by-op")
+AVX2_ZEN3 = ("run-79-llamacpp-zen3-fp32-before", "run-79-llamacpp-zen3-fp32-shuffle", "run-79-llamacpp-zen3-fp32-after")
 LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
@@ -249,6 +250,7 @@ def render_page(measurements: dict[str, Measurement]) -> str:
     amx = [measurements[name] for name in AGAINST_LLAMA_CPP]
     amx_runs = [measurement.summary for measurement in amx]
     held = [measurements[name] for name in AVX2_HELD_BACK]
+    zen3 = [measurements[name] for name in AVX2_ZEN3]
     server = measurements[SERVER_LOAD]
     bench_meta = amx_runs[0]["meta"]
     load_settings = measurements[LOAD_NATIVE[0]].summary["meta"]["settings"]
@@ -286,6 +288,12 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "all: compare within a column."),
         provenance(held),
         held_back_table(held),
+        prose("On an AVX2-only CPU of its own (AMD Zen 3), the same benchmark, one column per run: before and after "
+              "the AVX2 widening of the Q4/Q5 blocks changed, each cell as above. llama.cpp is at home there, "
+              "specpipe's kernel widens every weight to fp32 (to keep the fp32 model's answers) where llama.cpp "
+              "multiplies int8 codes:"),
+        provenance(zen3),
+        held_back_table(zen3),
         "## Many requests at once",
         prose(f"`task=bench_load`: a closed loop over the first turns of {load_settings['per_category']} dev "
               f"questions per category, {load_settings['max_new_tokens']} new tokens, every method on one target "
