@@ -100,14 +100,14 @@ inline __m128i bit_field_bytes(__m128i bytes, int shift, int mask) {
   return _mm_and_si128(_mm_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(static_cast<char>(mask)));
 }
 
-// One block's weights, a chunk of 32 at a time: Widener<Format> w(block); w.chunk(c, out) for c < kChunks writes
+// One block's weights, a chunk of 32 at a time: widener_at<Format>(block, ...).chunk(c, out) for c < kChunks writes
 // weights [32c, 32c + 32) as kChunkVectors fp32 vectors. The constructor reads what the chunks share (steps, scales).
 template <int Format>
 struct Widener;
 
-// Blocks whose fp16 step (and minimum) gguf_rows widens for a whole weight row ahead of its products (block_scales):
-// the wideners then load them with the vector broadcasts, without the conversions' and broadcasts' shuffles, which
-// share one port with the widening's own.
+// Blocks whose widener takes the fp16 step (and minimum) widened ahead (block_scales), gguf_rows for a whole weight
+// row ahead of its products: the wideners then load them with the vector broadcasts, without the conversions' and
+// broadcasts' shuffles, which share one port with the widening's own.
 template <int Format>
 constexpr bool kScalesAhead = Format == kGgufQ4_0 || Format == kGgufQ4_1 || Format == kGgufQ5_0 || Format == kGgufQ5_1;
 
@@ -126,19 +126,12 @@ struct NibbleTableWidener {
   static constexpr int kChunks = 1;
   const uint8_t* codes;
   Lanes table;
-  explicit NibbleTableWidener(const uint8_t* b) : codes(b + (Format == kGgufQ4_1 ? 4 : 2)) {
-    build(half_float(b), Format == kGgufQ4_1 ? half_float(b + 2) : 0.0f);
-  }
-  // With the block's step and minimum already widened (block_scales) into memory, from where the vector broadcasts
-  // load them: the same table without the conversions' and broadcasts' shuffles, which share one port with the
-  // lookups (gguf_rows widens a weight row's steps ahead, one conversion for both).
+  // The block's step and minimum come widened (block_scales) in memory, from where the vector broadcasts load them:
+  // no conversions' and broadcasts' shuffles, which share one port with the lookups.
   NibbleTableWidener(const uint8_t* b, const float* scales) : codes(b + (Format == kGgufQ4_1 ? 4 : 2)) {
-    build(scales[0], Format == kGgufQ4_1 ? scales[1] : 0.0f);
-  }
-  void build(float step, float minimum) {
     const Lanes q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Lanes d = lanes_set(step);
-    table = Format == kGgufQ4_1 ? lanes_add(lanes_mul(d, q), lanes_set(minimum))
+    const Lanes d = lanes_set(scales[0]);
+    table = Format == kGgufQ4_1 ? lanes_add(lanes_mul(d, q), lanes_set(scales[1]))
                                 : lanes_mul(d, lanes_sub(q, lanes_set(8.0f)));
   }
   void chunk(int, Lanes* out) const {
@@ -169,10 +162,7 @@ struct NibbleWidener {
   const uint8_t* block;
   Lanes d, m;
   uint32_t high = 0;
-  explicit NibbleWidener(const uint8_t* b)
-      : block(b), d(lanes_set(half_float(b))), m(lanes_set(kMinimum ? half_float(b + 2) : 0.0f)) {
-    if constexpr (kFifthBit) std::memcpy(&high, b + kCodes - 4, 4);
-  }
+  // scales: the block's step and minimum as block_scales widens them
   NibbleWidener(const uint8_t* b, const float* scales)
       : block(b), d(lanes_set(scales[0])), m(lanes_set(kMinimum ? scales[1] : 0.0f)) {
     if constexpr (kFifthBit) std::memcpy(&high, b + kCodes - 4, 4);
@@ -411,7 +401,10 @@ void gguf_widen_rows(const uint8_t* blocks, float* out, int64_t in, int64_t begi
   const int64_t count = in / kValues;
   for (int64_t o = begin; o < end; ++o)
     for (int64_t b = 0; b < count; ++b) {
-      const Widener<Format> widener(blocks + (o * count + b) * kBytes);
+      const uint8_t* block = blocks + (o * count + b) * kBytes;
+      float scales[2];
+      if constexpr (kScalesAhead<Format>) block_scales(block, scales);
+      const Widener<Format> widener = widener_at<Format>(block, scales, 0);
       for (int c = 0; c < Widener<Format>::kChunks; ++c) {
         Lanes weights[kChunkVectors];
         widener.chunk(c, weights);
