@@ -601,6 +601,35 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_avx2_build_a_query_head_gets_the_same_bits_however_many_heads_share_its_kv_head(dtype):
+    """The AVX2 build's registers hold one head's query row, so the heads of one KV head are streamed over each
+    key and value row together (attend_heads_streamed), each summed exactly as one head alone is: a head's output
+    is bitwise its own call's with one query head per KV head, for 2, 3, 4 and 8 heads per KV head, tree rows and
+    odd key counts."""
+    from specpipe.engine import cpu_kernel_build
+
+    attention = cpu_kernel_build.build_kernel(None, "avx2").tree_attention
+    generator = torch.Generator().manual_seed(5)
+    for head_dim in (64, 128):
+        for groups in (2, 3, 4, 8):
+            for q, kv in ((1, 1), (1, 7), (1, 130), (4, 33)):
+                cache = torch.randn(2, 1, 2, kv + 4, head_dim, generator=generator).to(dtype)
+                key, value = cache[0, :, :, :kv], cache[1, :, :, :kv]  # [1, 2, kv, hd], the cache's strides
+                query = torch.randn(1, 2 * groups, q, head_dim, generator=generator).to(dtype)
+                mask = None
+                if q > 1:
+                    mask = torch.ones(q, kv, dtype=torch.bool)
+                    mask[:, kv - q:] = torch.eye(q, dtype=torch.bool) | (torch.rand(q, q, generator=generator) < 0.5).tril()
+                together = attention(query, key, value, mask, head_dim ** -0.5)  # [1, q, heads, hd]
+                for head in range(2 * groups):
+                    kv_head = head // groups
+                    alone = attention(query[:, head:head + 1], key[:, kv_head:kv_head + 1],
+                                      value[:, kv_head:kv_head + 1], mask, head_dim ** -0.5)
+                    assert torch.equal(together[:, :, head:head + 1], alone), (head_dim, groups, q, kv, head)
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_lean_forward_runs_prompts_steps_and_tree_verifies_through_the_kernels_attention(dtype):
     """A prompt (causal, no mask given), one token and a tree verify go through the kernel's attention (a

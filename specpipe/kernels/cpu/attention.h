@@ -403,6 +403,101 @@ void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, i
 }
 #endif
 
+// G query heads that read the same KV head over one row, each computed exactly as attend_heads<NV, 1> computes it
+// alone (the same products and sums in the same order), with each key and value row read once for all G: where
+// the registers hold only one head's query row (AVX2: 16 registers, a 64-dim fp32 row takes 8), one head at a time
+// read every key and value row G times from the caches, and those reads bound it. The queries are read from memory
+// (widened once), the keys two at a time for all heads; the values a slice of two vectors at a time, all G heads'
+// sums of that slice in registers. `scores` [G, kv] is scratch.
+template <int NV, int G, typename T>
+void attend_heads_streamed(const T* const* queries, const T* keys, int64_t key_stride, const T* values,
+                           int64_t value_stride, const SeenKeys& seen, float scale, T* const* outs, float* scores) {
+  constexpr int64_t kHeadDim = NV * kLanes;
+  const int64_t kv = seen.count;
+  alignas(64) float query_rows[G][kHeadDim];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) lanes_store(query_rows[g] + v * kLanes, load_weights(queries[g] + v * kLanes));
+  int64_t j = 0;
+  for (; j + 4 <= kv; j += 4) {
+    Lanes dots[4][G];
+    for (int pair = 0; pair < 4; pair += 2) {
+      const T* first = keys + seen[j + pair] * key_stride;
+      const T* second = keys + seen[j + pair + 1] * key_stride;
+      Lanes acc[2][G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[0][g] = acc[1][g] = lanes_zero();
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const Lanes a = load_weights(first + v * kLanes), b = load_weights(second + v * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const Lanes q = lanes_load(query_rows[g] + v * kLanes);
+          acc[0][g] = lanes_fma(a, q, acc[0][g]);
+          acc[1][g] = lanes_fma(b, q, acc[1][g]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) dots[pair][g] = acc[0][g], dots[pair + 1][g] = acc[1][g];
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) lanes_sum4(dots[0][g], dots[1][g], dots[2][g], dots[3][g], scores + g * kv + j);
+  }
+  for (; j < kv; ++j) {
+    const T* key = keys + seen[j] * key_stride;
+    for (int g = 0; g < G; ++g) {
+      Lanes acc = lanes_zero();
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc = lanes_fma(load_weights(key + v * kLanes), lanes_load(query_rows[g] + v * kLanes), acc);
+      scores[g * kv + j] = lanes_sum(acc);
+    }
+  }
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* head_scores = scores + g * kv;
+    for (int64_t k = 0; k < kv; ++k) head_scores[k] *= scale;
+    const float sum = softmax_weights(head_scores, kv);
+    inverse[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  // attend_heads<NV, 1> sums even and odd keys apart: so does each head here, a slice of two vectors at a time
+  alignas(64) float result[G][kHeadDim];
+  for (int slice = 0; slice < NV; slice += 2) {
+    Lanes acc[2][G][2];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+      acc[0][g][0] = acc[0][g][1] = acc[1][g][0] = acc[1][g][1] = lanes_zero();
+    int64_t k = 0;
+    for (; k + 2 <= kv; k += 2) {
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const T* value = values + seen[k + u] * value_stride + slice * kLanes;
+        const Lanes low = load_weights(value), high = load_weights(value + kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const Lanes weight = lanes_set(scores[g * kv + k + u]);
+          acc[u][g][0] = lanes_fma(low, weight, acc[u][g][0]);
+          acc[u][g][1] = lanes_fma(high, weight, acc[u][g][1]);
+        }
+      }
+    }
+    if (k < kv) {
+      const T* value = values + seen[k] * value_stride + slice * kLanes;
+      const Lanes low = load_weights(value), high = load_weights(value + kLanes);
+      for (int g = 0; g < G; ++g) {
+        const Lanes weight = lanes_set(scores[g * kv + k]);
+        acc[0][g][0] = lanes_fma(low, weight, acc[0][g][0]);
+        acc[0][g][1] = lanes_fma(high, weight, acc[0][g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const Lanes head_inverse = lanes_set(inverse[g]);
+      for (int t = 0; t < 2; ++t)
+        lanes_store(result[g] + (slice + t) * kLanes, lanes_mul(lanes_add(acc[0][g][t], acc[1][g][t]), head_inverse));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < kHeadDim; ++d) store_value(outs[g] + d, result[g][d]);
+}
+
 // The query heads [first, first + count) of one KV head over one row, `count` of them together where the
 // head size has a vector path (count <= max_heads_together), else one at a time through attend_row. bf16
 // rows of 64 or 128 dims take attend_heads_paired on the AVX512_BF16 build (SPECPIPE_ATTENTION_PAIRS=0
@@ -433,6 +528,16 @@ void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t 
     return;
   }
 #endif
+  if constexpr (max_heads_together<NV, T>() == 1 && NV % 2 == 0) {
+    switch (count) {
+      case 4:
+        return attend_heads_streamed<NV, 4>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
+      case 3:
+        return attend_heads_streamed<NV, 3>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
+      case 2:
+        return attend_heads_streamed<NV, 2>(queries, keys, key_stride, values, value_stride, seen, scale, outs, scores);
+    }
+  }
   switch (count) {
     case 4:
       if constexpr (max_heads_together<NV, T>() >= 4)
@@ -455,8 +560,9 @@ void attend_heads_of(int count, const T* const* queries, const T* keys, int64_t 
 // heads per KV head (so every unit of work is alike), 1 without a vector path.
 template <typename T>
 int heads_together(int nv, int64_t groups) {
-  const int limit = nv == 4 ? max_heads_together<4, T>() : nv == 8 ? max_heads_together<8, T>()
-                    : nv == 16 ? max_heads_together<16, T>() : 1;
+  const int in_registers = nv == 4 ? max_heads_together<4, T>() : nv == 8 ? max_heads_together<8, T>()
+                          : nv == 16 ? max_heads_together<16, T>() : 1;
+  const int limit = in_registers == 1 && nv > 4 ? 4 : in_registers;  // attend_heads_streamed
   for (int count = std::min<int64_t>(limit, groups); count > 1; --count)
     if (groups % count == 0) return count;
   return 1;
@@ -607,6 +713,20 @@ torch::Tensor tree_attention(torch::Tensor query, torch::Tensor key, torch::Tens
   return out;
 }
 
+// rows [first, first + count) of `rows` [1, kv_heads, R, head_dim] into `buffer` [1, kv_heads, capacity, head_dim]
+// from its row `at` on, head by head (both of one dtype, head_dim contiguous): what narrow(...).copy_(...) does,
+// without the ATen dispatch that costs more than these few hundred bytes for a decoding step's rows
+inline void append_rows(const torch::Tensor& rows, int64_t first, int64_t count, torch::Tensor& buffer, int64_t at) {
+  const int64_t heads = rows.size(1), head_bytes = rows.size(3) * rows.element_size();
+  const char* source = static_cast<const char*>(rows.data_ptr());
+  char* target = static_cast<char*>(buffer.data_ptr());
+  const int64_t element = rows.element_size();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < count; ++r)
+      std::memcpy(target + (h * buffer.stride(1) + (at + r) * buffer.stride(2)) * element,
+                  source + (h * rows.stride(1) + (first + r) * rows.stride(2)) * element, head_bytes);
+}
+
 // The attention of several sequences' rows of one forward (a batch of requests, each over its own cache):
 // query [1, heads, R, hd] and the rows' own key, value [1, kv_heads, R, hd]; sequence b owns rows
 // [starts[b], starts[b + 1]), its cache's key and value buffers [1, kv_heads, capacity, hd] hold cached[b] rows
@@ -642,8 +762,8 @@ torch::Tensor ragged_tree_attention(torch::Tensor query, torch::Tensor key, torc
                       buffer->size(1) == kv_heads && buffer->size(3) == head_dim && buffer->stride(3) == 1 &&
                       cached[b] >= 0 && cached[b] + q <= buffer->size(2),
                   "a cache buffer [1, kv_heads, capacity, head_dim] with room for its rows");
-    key_buffers[b].narrow(2, cached[b], q).copy_(key.narrow(2, starts[b], q));
-    value_buffers[b].narrow(2, cached[b], q).copy_(value.narrow(2, starts[b], q));
+    append_rows(key, starts[b], q, key_buffers[b], cached[b]);
+    append_rows(value, starts[b], q, value_buffers[b], cached[b]);
     keys[b] = key_buffers[b].narrow(2, 0, cached[b] + q);
     values[b] = value_buffers[b].narrow(2, 0, cached[b] + q);
     if (masks[b].numel() > 0) {
