@@ -47,6 +47,8 @@ AVX2_ZEN3 = ("run-79-llamacpp-zen3-fp32-before", "run-79-llamacpp-zen3-fp32-shuf
 LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
+LOAD_ZEN3 = "run-80-load-zen3-fp32"
+SERVER_LOAD_ZEN3 = "run-80-server-load-zen3-fp32"
 README_METHODS = ("vanilla", "lookahead_trie", "eagle_mix")
 README_LOAD = "run-78-load-native-bf16"
 WHOLE_DEV_SET_PAGE = "run-71.md"  # measured on another machine, whose summaries are not under docs/results/
@@ -302,10 +304,22 @@ def render_page(measurements: dict[str, Measurement]) -> str:
         *(load_section(measurements[name]) for name in LOAD_NATIVE),
         "The same benchmark on dense weights:",
         *(load_section(measurements[name]) for name in LOAD_DENSE),
+        prose("On an AVX2-only CPU (AMD Zen 3), the embedded model's Q4_1 blocks. Every product is compute-bound "
+              "there from ~4 rows on (the blocks widened to fp32 and multiplied in fp32), so a batch's throughput "
+              "grows far less than on the Xeon and speculation's extra rows do not pay: the gate keeps the batches "
+              "plain (accepted ~1.0), and the speculative pipelines do not beat batched `vanilla` there:"),
+        load_section(measurements[LOAD_ZEN3]),
         prose("Through the server (`task=serve`, the `openai` client, streaming) against `llama-server` on a BF16 "
               f"GGUF of the same weights ([plot]({server.source['plot']})):"),
         provenance([server]),
         server_table(server.summary),
+        prose("On the AVX2-only Zen 3, against `llama-server` on the embedded model's own Q4_1 file (specpipe in "
+              "fp32 over the same blocks, every answer the fp32 model's). llama-server keeps each slot's last "
+              "prompt and reuses its longest common prefix (`cache_prompt`, on by default), which specpipe does "
+              "not do; every prompt here comes back in each round "
+              f"([plot]({measurements[SERVER_LOAD_ZEN3].source['plot']})):"),
+        provenance([measurements[SERVER_LOAD_ZEN3]]),
+        server_table(measurements[SERVER_LOAD_ZEN3].summary),
         "## On a GPU",
         prose("The end-to-end runs on an H100 ([run 36](notebook/run-36.md), the first full table in "
               "[run 42](notebook/run-42.md)) were measured on a lent machine whose summaries were not kept: their "
