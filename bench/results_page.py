@@ -44,6 +44,7 @@ DEV_SET = ("run-76-dev-fp32", "run-76-dev-bf16")
 AGAINST_LLAMA_CPP = ("run-78-llamacpp-amx-fp32-1", "run-78-llamacpp-amx-fp32-2")
 AVX2_HELD_BACK = ("run-78-llamacpp-avx2-fp32-layer-calls", "run-78-llamacpp-avx2-fp32-op-by-op")
 AVX2_ZEN3 = ("run-79-llamacpp-zen3-fp32-before", "run-79-llamacpp-zen3-fp32-shuffle", "run-79-llamacpp-zen3-fp32-after")
+AVX2_ZEN3_LATER = ("run-80-llamacpp-zen3-fp32-attention",)
 LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
@@ -296,6 +297,10 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "multiplies int8 codes:"),
         provenance(zen3),
         held_back_table(zen3),
+        prose("The same benchmark on the same Zen 3 later, with the attention's query heads of one KV head streamed "
+              "together over the cache (bitwise the same answers):"),
+        provenance([measurements[name] for name in AVX2_ZEN3_LATER]),
+        held_back_table([measurements[name] for name in AVX2_ZEN3_LATER]),
         "## Many requests at once",
         prose(f"`task=bench_load`: a closed loop over the first turns of {load_settings['per_category']} dev "
               f"questions per category, {load_settings['max_new_tokens']} new tokens, every method on one target "
