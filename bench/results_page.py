@@ -50,6 +50,7 @@ LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
 LOAD_ZEN3 = "run-80-load-zen3-fp32"
 SERVER_LOAD_ZEN3 = "run-80-server-load-zen3-fp32"
+SERVER_LOAD_ZEN3_NO_PROMPT_CACHE = "run-80-server-load-zen3-fp32-no-prompt-cache"
 README_METHODS = ("vanilla", "lookahead_trie", "eagle_mix")
 README_LOAD = "run-78-load-native-bf16"
 WHOLE_DEV_SET_PAGE = "run-71.md"  # measured on another machine, whose summaries are not under docs/results/
@@ -325,6 +326,13 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               f"([plot]({measurements[SERVER_LOAD_ZEN3].source['plot']})):"),
         provenance([measurements[SERVER_LOAD_ZEN3]]),
         server_table(measurements[SERVER_LOAD_ZEN3].summary),
+        prose("In a run of its own, llama-server reused almost every prompt token at 4 and 8 streams (its "
+              "prompt cache; `bench/server_load.py` reports the share, see run 80). The same comparison with every prompt "
+              "prefilled on both sides (`--no-llama-prompt-cache`: `cache_prompt=false` with each request to "
+              "llama-server) "
+              f"([plot]({measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE].source['plot']})):"),
+        provenance([measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE]]),
+        server_table(measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE].summary),
         "## On a GPU",
         prose("The end-to-end runs on an H100 ([run 36](notebook/run-36.md), the first full table in "
               "[run 42](notebook/run-42.md)) were measured on a lent machine whose summaries were not kept: their "

@@ -9,8 +9,9 @@ Each server is started once (specpipe: `task=serve serve.port=0`; llama-server: 
 over 4 slots) and stays up; for each round, concurrency level and server in turn, N clients stream the first turns
 of the dev questions (each client sends its next request when one ends) with `stream_options.include_usage`. Per
 level and server: output tokens/s over all clients, tokens/s per request, time to first token (first content
-chunk) p50/p90, and for specpipe the accepted tokens per step (its `specpipe` usage field). Writes summary.json,
-summary.md and server_load.png.
+chunk) p50/p90, for specpipe the accepted tokens per step (its `specpipe` usage field), and the share of prompt
+tokens a server reports reused from its prompt cache (`usage.prompt_tokens_details.cached_tokens`: llama-server keeps
+each slot's last prompt). Writes summary.json, summary.md and server_load.png.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class Served:
     """A server process and how to ask it."""
 
     def __init__(self, name: str, command: list[str], model: str, url_pattern: str | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, request_fields: dict | None = None) -> None:
         self.name, self.model = name, model
+        self.request_fields = request_fields or {}  # sent with every request (extra_body)
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
         self.lines: list[str] = []
         self.url = f"http://127.0.0.1:{port}" if port else None
@@ -80,22 +82,27 @@ class Served:
                 self.process.kill()
 
 
-def stream_one(served: Served, question: str, max_tokens: int, origin: float) -> tuple[RequestRecord, float | None]:
-    """One streamed chat request: its record (times from `origin`), and specpipe's accepted tokens per step."""
+def stream_one(served: Served, question: str, max_tokens: int, origin: float
+               ) -> tuple[RequestRecord, float | None, tuple[int, int]]:
+    """One streamed chat request: its record (times from `origin`), specpipe's accepted tokens per step, and (prompt
+    tokens, those of them the server reports reused from its cache: llama-server's prompt cache)."""
     submitted = time.perf_counter()
-    first, tokens, accepted = None, 0, None
+    first, tokens, accepted, prompt = None, 0, None, (0, 0)
     for event in served.client.chat.completions.create(
             model=served.model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-            temperature=0.0, stream=True, stream_options={"include_usage": True}):
+            temperature=0.0, stream=True, stream_options={"include_usage": True},
+            extra_body=served.request_fields or None):
         if event.choices and event.choices[0].delta.content and first is None:
             first = time.perf_counter()
         if getattr(event, "usage", None) is not None:
             tokens = event.usage.completion_tokens
+            details = getattr(event.usage, "prompt_tokens_details", None)
+            prompt = (event.usage.prompt_tokens or 0, getattr(details, "cached_tokens", None) or 0)
             extension = (event.model_extra or {}).get("specpipe") or {}
             accepted = extension.get("mean_accepted_tokens")
     finished = time.perf_counter()
     first = first or finished
-    return RequestRecord(submitted - origin, first - origin, finished - origin, tokens, 0), accepted
+    return RequestRecord(submitted - origin, first - origin, finished - origin, tokens, 0), accepted, prompt
 
 
 def run_level(served: Served, questions: list[str], clients: int, requests: int, max_tokens: int) -> dict:
@@ -106,11 +113,13 @@ def run_level(served: Served, questions: list[str], clients: int, requests: int,
         thread.start()
     for thread in threads:
         thread.join()
-    records = [record for record, _ in results]
-    accepted = [mean for _, mean in results if mean is not None]
+    records = [record for record, _, _ in results]
+    accepted = [mean for _, mean, _ in results if mean is not None]
     metrics = level_metrics(records, time.perf_counter() - origin)
     metrics.pop("mean_accepted"), metrics.pop("rows_per_request"), metrics.pop("batch_size")
     metrics["mean_accepted"] = sum(accepted) / len(accepted) if accepted else None
+    metrics["prompt_tokens"] = sum(prompt for _, _, (prompt, _) in results)
+    metrics["cached_prompt_tokens"] = sum(cached for _, _, (_, cached) in results)
     return metrics
 
 
@@ -122,6 +131,10 @@ def main() -> None:
     parser.add_argument("--gguf", action="append", default=[], help="a GGUF file for llama-server (repeat for more)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots (-np)")
+    parser.add_argument("--llama-prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="let llama-server reuse cached prompt prefixes (its default; specpipe has no prompt "
+                             "cache, and the benchmark's prompts come back every round); --no-llama-prompt-cache "
+                             "sends cache_prompt=false with every request")
     parser.add_argument("--prompts", default=str(REPO / "bench" / "dev_prompts.jsonl"))
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -143,7 +156,8 @@ def main() -> None:
             servers.append(Served(f"llama-server {Path(gguf).stem}", [
                 args.llama_server, "-m", gguf, "-np", str(args.slots), "-cb", "-t", str(args.threads), "-tb",
                 str(args.threads), "-c", str(args.slots * 2048), "--port", str(port), "--host", "127.0.0.1"],
-                Path(gguf).stem, port=port))
+                Path(gguf).stem, port=port,
+                request_fields=None if args.llama_prompt_cache else {"cache_prompt": False}))
         for served in servers:  # warm-up: caches, kernels, cost curves
             run_level(served, questions, 1, 2, args.max_tokens)
         results: dict[tuple[str, int], list[dict]] = {}
@@ -168,7 +182,10 @@ def main() -> None:
                      "request_tok_s": sum(run["request_tok_s"] for run in runs) / len(runs),
                      "ttft_p50_ms": sum(run["ttft_p50_ms"] for run in runs) / len(runs),
                      "ttft_p90_ms": sum(run["ttft_p90_ms"] for run in runs) / len(runs),
-                     "mean_accepted": sum(accepted) / len(accepted) if accepted else None})
+                     "mean_accepted": sum(accepted) / len(accepted) if accepted else None,
+                     # the share of prompt tokens the server reused from its prompt cache instead of prefilling
+                     "cached_prompt_share": (sum(run["cached_prompt_tokens"] for run in runs)
+                                             / max(sum(run["prompt_tokens"] for run in runs), 1))})
     write(rows, args, Path(args.out))
 
 
@@ -181,13 +198,14 @@ def write(rows: list[dict], args, out: Path) -> None:
     single = {row["server"]: row["throughput_tok_s"] for row in rows if row["clients"] == 1}
     vanilla_one = single.get("specpipe vanilla")
     lines = ["| clients | server | tok/s (rounds) | vs 1 stream of specpipe vanilla | req tok/s | TTFT p50 ms | "
-             "TTFT p90 ms | accepted |", "|---|---|---|---|---|---|---|---|"]
+             "TTFT p90 ms | accepted | prompt cached |", "|---|---|---|---|---|---|---|---|---|"]
     for row in sorted(rows, key=lambda r: (r["clients"], r["server"])):
         rounds, accepted = row["round_tok_s"], row["mean_accepted"]
         versus = f"{row['throughput_tok_s'] / vanilla_one:.2f}x" if vanilla_one else "-"
         lines.append(f"| {row['clients']} | {row['server']} | {row['throughput_tok_s']:.1f} ({min(rounds):.0f}-"
                      f"{max(rounds):.0f}) | {versus} | {row['request_tok_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
-                     f"{row['ttft_p90_ms']:.0f} | {f'{accepted:.2f}' if accepted is not None else '-'} |")
+                     f"{row['ttft_p90_ms']:.0f} | {f'{accepted:.2f}' if accepted is not None else '-'} | "
+                     f"{row['cached_prompt_share']:.0%} |")
     table = "\n".join(lines)
     command = "python bench/server_load.py " + " ".join(sys.argv[1:])
     (out / "summary.md").write_text(f"# Server load ({args.dtype}, {args.max_tokens} tokens)\n\n{machine_line(machine)}"
