@@ -224,6 +224,12 @@ def server_table(summary: dict) -> str:
          for row in sorted(rows, key=lambda row: (row["clients"], row["server"]))])
 
 
+def server_section(measurement: Measurement, text: str) -> str:
+    """`text` and a link to the measurement's plot, where it comes from, and its `bench/server_load.py` table."""
+    plot = measurement.source["plot"]
+    return f"{prose(f'{text} ([plot]({plot})):')}\n\n{provenance([measurement])}\n\n{server_table(measurement.summary)}"
+
+
 def load_section(measurement: Measurement) -> str:
     plot = f" ([plot]({measurement.source['plot']}))" if measurement.source.get("plot") else ""
     return f"{measurement.dtype}{plot}:\n\n{provenance([measurement])}\n\n{load_table(measurement.summary)}"
@@ -255,6 +261,7 @@ def render_page(measurements: dict[str, Measurement]) -> str:
     amx_runs = [measurement.summary for measurement in amx]
     held = [measurements[name] for name in AVX2_HELD_BACK]
     zen3 = [measurements[name] for name in AVX2_ZEN3]
+    zen3_later = [measurements[name] for name in AVX2_ZEN3_LATER]
     server = measurements[SERVER_LOAD]
     bench_meta = amx_runs[0]["meta"]
     load_settings = measurements[LOAD_NATIVE[0]].summary["meta"]["settings"]
@@ -300,8 +307,8 @@ def render_page(measurements: dict[str, Measurement]) -> str:
         held_back_table(zen3),
         prose("The same benchmark on the same Zen 3 later, with the attention's query heads of one KV head streamed "
               "together over the cache (bitwise the same answers):"),
-        provenance([measurements[name] for name in AVX2_ZEN3_LATER]),
-        held_back_table([measurements[name] for name in AVX2_ZEN3_LATER]),
+        provenance(zen3_later),
+        held_back_table(zen3_later),
         "## Many requests at once",
         prose(f"`task=bench_load`: a closed loop over the first turns of {load_settings['per_category']} dev "
               f"questions per category, {load_settings['max_new_tokens']} new tokens, every method on one target "
@@ -315,24 +322,18 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "grows far less than on the Xeon and speculation's extra rows do not pay: the gate keeps the batches "
               "plain (accepted ~1.0), and the speculative pipelines do not beat batched `vanilla` there:"),
         load_section(measurements[LOAD_ZEN3]),
-        prose("Through the server (`task=serve`, the `openai` client, streaming) against `llama-server` on a BF16 "
-              f"GGUF of the same weights ([plot]({server.source['plot']})):"),
-        provenance([server]),
-        server_table(server.summary),
-        prose("On the AVX2-only Zen 3, against `llama-server` on the embedded model's own Q4_1 file (specpipe in "
-              "fp32 over the same blocks, every answer the fp32 model's). llama-server keeps each slot's last "
-              "prompt and reuses its longest common prefix (`cache_prompt`, on by default), which specpipe does "
-              "not do; every prompt here comes back in each round "
-              f"([plot]({measurements[SERVER_LOAD_ZEN3].source['plot']})):"),
-        provenance([measurements[SERVER_LOAD_ZEN3]]),
-        server_table(measurements[SERVER_LOAD_ZEN3].summary),
-        prose("In a run of its own, llama-server reused almost every prompt token at 4 and 8 streams (its "
-              "prompt cache; `bench/server_load.py` reports the share, see run 80). The same comparison with every prompt "
-              "prefilled on both sides (`--no-llama-prompt-cache`: `cache_prompt=false` with each request to "
-              "llama-server) "
-              f"([plot]({measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE].source['plot']})):"),
-        provenance([measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE]]),
-        server_table(measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE].summary),
+        server_section(server, "Through the server (`task=serve`, the `openai` client, streaming) against "
+                       "`llama-server` on a BF16 GGUF of the same weights"),
+        server_section(measurements[SERVER_LOAD_ZEN3],
+                       "On the AVX2-only Zen 3, against `llama-server` on the embedded model's own Q4_1 file "
+                       "(specpipe in fp32 over the same blocks, every answer the fp32 model's). llama-server keeps "
+                       "each slot's last prompt and reuses its longest common prefix (`cache_prompt`, on by "
+                       "default), which specpipe does not do; every prompt here comes back in each round"),
+        server_section(measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE],
+                       "In a run of its own, llama-server reused almost every prompt token at 4 and 8 streams (its "
+                       "prompt cache; `bench/server_load.py` reports the share, see run 80). The same comparison "
+                       "with every prompt prefilled on both sides (`--no-llama-prompt-cache`: `cache_prompt=false` "
+                       "with each request to llama-server)"),
         "## On a GPU",
         prose("The end-to-end runs on an H100 ([run 36](notebook/run-36.md), the first full table in "
               "[run 42](notebook/run-42.md)) were measured on a lent machine whose summaries were not kept: their "
