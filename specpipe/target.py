@@ -18,7 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specpipe.engine.base import row_invariant, tiles_permitted
+from specpipe.engine.base import offers_row_invariance, row_invariant, tiles_permitted
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
 from specpipe.stages.base import LookaheadRows
@@ -309,6 +309,39 @@ class TargetModel:
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          output_hidden_states=True, logits_to_keep=1)
         return self._output(out)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether this target's engine computes every row of a forward as its one-row forward would
+        (engine.batch_invariant), which `prefill_invariant` needs."""
+        return offers_row_invariance(self.model)
+
+    @torch.inference_mode()
+    def prefill_invariant(self, prompt: list[int], cache: PositionIndexedCache, start: int, chunk_rows: int
+                          ) -> ForwardOutput:
+        """Prefills prompt[start:] onto `cache`, which holds prompt[:start], in forwards of up to `chunk_rows` rows,
+        every row computed as its one-row forward would be: the rows, and the logits of the prompt's last token
+        [1, vocab], are bitwise the same whatever `start` and `chunk_rows`. Returns those logits and the hidden
+        states [len(prompt) - start, hidden] (and `aux_hidden`) of the rows it computed."""
+        if not self.row_invariant:
+            raise ConfigError(f"{self.name}: its engine ({self.engine}) does not compute rows independently of the "
+                              f"rows beside them (engine.batch_invariant on the CPU engine does)")
+        if not 0 <= start < len(prompt):
+            raise ValueError(f"prefill from token {start} of a prompt of {len(prompt)}")
+        hidden, aux_hidden, logits = [], [], None
+        with row_invariant(self.model):
+            for first in range(start, len(prompt), chunk_rows):
+                ids = torch.tensor(prompt[first:first + chunk_rows], dtype=torch.long)  # [q]
+                q = len(ids)
+                mask = torch.ones(q, first + q, dtype=torch.bool).tril(first) if q > 1 else None  # causal
+                last = first + q == len(prompt)
+                keep = torch.tensor([q - 1] if last else [], dtype=torch.long)  # only the last token's logits
+                out = self.forward_masked(ids, torch.arange(first, first + q), mask, cache, logits_rows=keep)
+                hidden.append(out.hidden)
+                if out.aux_hidden is not None:
+                    aux_hidden.append(out.aux_hidden)
+                logits = out.logits if last else logits
+        return ForwardOutput(logits, torch.cat(hidden), aux_hidden=torch.cat(aux_hidden) if aux_hidden else None)
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,

@@ -111,6 +111,11 @@ def row_invariant(model: nn.Module) -> ContextManager:
     return invariance.raised() if invariance is not None else contextlib.nullcontext()
 
 
+def offers_row_invariance(model: nn.Module) -> bool:
+    """Whether the engine computes `model`'s forwards under `row_invariant` row by row (engine.batch_invariant)."""
+    return getattr(model, ROW_INVARIANCE_ATTRIBUTE, None) is not None
+
+
 def row_invariance_active(module: nn.Module) -> bool:
     """Whether this thread runs a forward of `module` inside `row_invariant`."""
     invariance = getattr(module, ROW_INVARIANCE_ATTRIBUTE, None)

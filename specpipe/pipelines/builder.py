@@ -26,6 +26,7 @@ from specpipe.paths import CONFIG_DIR
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.pipeline import Pipeline
 from specpipe.pipelines.speculation_gate import SpeculationGate
+from specpipe.prefix_cache import PrefixCache
 from specpipe.serving.scheduler import SchedulerLimits
 from specpipe.stages.base import Committer, Proposer, StepDrafter, Verifier
 from specpipe.target import TargetModel
@@ -166,10 +167,44 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
     committer: Committer = _instantiate_stage(cfg.commit, "commit")
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, committer, drafters=drafters,
                                  forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None,
-                                 gate=gate)
+                                 gate=gate, prefix_cache=prefix_cache(cfg, target))
     limits = scheduler_limits(cfg)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
                     system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter, limits=limits)
+
+
+# prefix_cache.memory_mb=auto: on for the tasks that serve many requests over time (the same system prompt, RAG
+# template or question comes again), off where every prompt is new and a row-invariant prefill only costs
+SERVING_TASKS = {"serve": 1024}
+
+
+def prefix_cache(cfg: DictConfig, target: TargetModel) -> PrefixCache | None:
+    """The prefix cache `cfg.prefix_cache` asks for, where `target`'s engine can make it exact; else None."""
+    node = cfg.get("prefix_cache")
+    if node is None:
+        return None
+    values = OmegaConf.to_container(node, resolve=True)
+    unknown = sorted(set(values) - {"memory_mb", "block_tokens", "chunk_tokens"})
+    if unknown:
+        raise ConfigError(f"prefix_cache has no setting {', '.join(unknown)}; known: block_tokens, chunk_tokens, "
+                          f"memory_mb")
+    memory_mb = values.get("memory_mb", "auto")
+    if memory_mb == "auto":
+        task = cfg.get("task")
+        memory_mb = SERVING_TASKS.get(task.get("name") if task is not None else None, 0)
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb < 0:
+        raise ConfigError(f"prefix_cache.memory_mb must be a number of MiB >= 0 (0 = off) or auto, got {memory_mb!r}")
+    if memory_mb == 0:
+        return None
+    cache = PrefixCache(memory_mb << 20, values.get("block_tokens", 16), values.get("chunk_tokens", 256))
+    if not target.row_invariant:
+        log.warning("prefix_cache: off, engine=%s does not compute a prefill's rows independently of the rows "
+                    "beside them (the CPU engine with engine.batch_invariant=true does), so reused rows would not "
+                    "be a fresh prefill's", target.engine)
+        return None
+    log.info("prefix_cache: prompt prefixes kept in blocks of %d tokens, up to %d MiB; prefills row-invariant in "
+             "chunks of %d rows", cache.block_tokens, memory_mb, cache.chunk_tokens)
+    return cache
 
 
 def scheduler_limits(cfg: DictConfig) -> SchedulerLimits:

@@ -20,6 +20,7 @@ from specpipe.cost import OnlineCostCurve
 from specpipe.pipelines.speculation_gate import SpeculationGate
 from specpipe.pipelines.step_observer import StepObserver
 from specpipe.pipelines.stopping import StopCondition
+from specpipe.prefix_cache import PrefixCache
 from specpipe.stages.base import Committer, LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.target import TargetModel, VerifyRows
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, SamplingConfig, StepBudget, StepStats
@@ -33,6 +34,7 @@ class StepOutput:
     drafted: int
     stats: StepStats
     finished: bool
+    reused_prompt_tokens: int = 0  # the prefill's: prompt tokens whose rows came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -79,7 +81,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
                  verifier: Verifier, committer: Committer, drafters: list[StepDrafter] = (),
-                 forward_costs: OnlineCostCurve | None = None, gate: SpeculationGate | None = None) -> None:
+                 forward_costs: OnlineCostCurve | None = None, gate: SpeculationGate | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.target = target
         self.proposers = list(proposers)
         self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
@@ -87,6 +90,7 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.committer = committer
         self.gate = gate  # whether a batched step speculates, measured against plain steps (None: it always does)
+        self.prefix_cache = prefix_cache  # prompt prefixes' rows kept for later prompts (None: every prefill whole)
         # times the stages; teaches `forward_costs` (the tree builder's online curve) each step's time
         self.observer = StepObserver(tree_builder, forward_costs)
         self.stages = [*self.proposers, *self.drafters]
@@ -117,15 +121,20 @@ class SpeculativeDecoder:
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
         cache = self.target.new_cache()
         seconds: dict[str, float] = {}
+        reused = 0
         with self.observer.timing("prefill", seconds):
-            first = self.target.prefill(prompt, cache)
+            if self.prefix_cache is not None:
+                prefilled = self.prefix_cache.prefill(self.target, prompt, cache)
+                first, reused = prefilled.output, prefilled.reused_tokens
+            else:
+                first = self.target.prefill(prompt, cache)
             result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
             emitted, finished = stop.cut([result.bonus])
             state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                                 hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
                                 prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
         sequence = Sequence(state, cache, stop, finished)
-        output = StepOutput(emitted, 0, StepStats(1, 0, seconds), finished)
+        output = StepOutput(emitted, 0, StepStats(1, 0, seconds), finished, reused_prompt_tokens=reused)
         for stage in self.stages:
             stage.reset(state)
         return sequence, output

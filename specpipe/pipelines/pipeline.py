@@ -42,6 +42,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over steps
     drafted_by_source: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposer
+    reused_prompt_tokens: int = 0  # prompt tokens whose rows the prefix cache gave (prefix_cache.*)
 
     @property
     def mean_accepted(self) -> float:
@@ -55,6 +56,7 @@ class GenerationStats:
         self.new_tokens += len(step.tokens)
         self.steps += 1
         self.accept_lengths.append(len(step.tokens))
+        self.reused_prompt_tokens += step.reused_prompt_tokens
         for stage, seconds in step.stats.seconds.items():
             self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + seconds
         for source, count in step.stats.drafted_by_source.items():
@@ -118,8 +120,11 @@ class Pipeline:
         self._chat = ChatEncoder(tokenizer)
 
     def without_drafting(self, name: str = "vanilla") -> "Pipeline":
-        """The same target, verifier and settings with no draft sources: plain decoding through this loop."""
-        decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier, self.decoder.committer)
+        """The same target, verifier and settings with no draft sources: plain decoding through this loop (with a
+        prefix cache of its own like this pipeline's, so that both prefill alike and neither reuses the other's)."""
+        prefixes = self.decoder.prefix_cache
+        decoder = SpeculativeDecoder(self.target, [], None, self.decoder.verifier, self.decoder.committer,
+                                     prefix_cache=prefixes.empty_copy() if prefixes is not None else None)
         return Pipeline(name, decoder, self.tokenizer, chat_template=self.chat_template,
                         system_prompt=self.system_prompt, sampling=self.sampling, augmenter=self.augmenter,
                         limits=self.limits)

@@ -1,0 +1,185 @@
+"""Prompt prefixes computed once: the target's KV rows (and the hidden states the drafters read) of every block of
+`block_tokens` prompt tokens, kept by the tokens before and in the block, so a request whose prompt starts as an
+earlier one's (a system prompt, a RAG template, a chat's earlier turns, the same question again) prefills only what
+differs (`prefix_cache.*`; vLLM's automatic prefix caching and llama.cpp's `cache_prompt` do the like).
+
+Reused rows must be the rows a prefill of the whole prompt would compute, or a request's tokens would depend on what
+ran before it. A dense prefill's rows change in their last bits with how many rows share its products, so where this
+cache serves, every prefill runs row-invariant (engine.batch_invariant: each row computed as its one-row forward
+would be, in chunks of `chunk_tokens` rows): a prompt's rows and its first token's logits are then bitwise the same
+however much of it was reused, and bitwise what one-token decoding steps give. An engine without row-invariant
+forwards gets no prefix cache (the builder says so in the log).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specpipe.errors import ConfigError
+from specpipe.kv_cache import PositionIndexedCache
+from specpipe.target import ForwardOutput, TargetModel
+
+
+@dataclass(eq=False)
+class _Block:
+    """The rows of one block of prompt tokens, after the blocks of its parent chain."""
+
+    key: tuple[int, tuple[int, ...]]  # (its parent's serial, 0 for the first block; its tokens)
+    serial: int
+    parent: _Block | None
+    keys: Tensor  # [layers, kv_heads, block_tokens, head_dim]
+    values: Tensor  # [layers, kv_heads, block_tokens, head_dim]
+    hidden: Tensor  # [block_tokens, width]: the target's last hidden states (DecodeState.prompt_hidden)
+    aux_hidden: Tensor | None  # [block_tokens, k * width] (DecodeState.prompt_aux_hidden), or None
+    children: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        tensors = [self.keys, self.values, self.hidden] + ([self.aux_hidden] if self.aux_hidden is not None else [])
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+@dataclass(frozen=True)
+class PrefixPrefill:
+    """A prefill through the prefix cache: the target's output over the whole prompt (logits of its last token,
+    hidden states of every token), and how many of its tokens came from the cache."""
+
+    output: ForwardOutput
+    reused_tokens: int
+
+
+class PrefixCache:
+    """Blocks of prompt rows by the tokens up to their end, least recently used evicted first (a block that a
+    longer prefix extends goes after it), within `max_bytes`. Used by the batch engine's thread; a lock keeps
+    two engines sharing one cache apart."""
+
+    def __init__(self, max_bytes: int, block_tokens: int = 16, chunk_tokens: int = 256) -> None:
+        for name, value in (("memory_mb", max_bytes), ("block_tokens", block_tokens),
+                            ("chunk_tokens", chunk_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"prefix_cache.{name} must be a positive integer, got {value!r}")
+        self.max_bytes = max_bytes
+        self.block_tokens = block_tokens
+        self.chunk_tokens = chunk_tokens
+        self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # by key, least recently used first
+        self._serials = 0
+        self._aux_layers: tuple[int, ...] | None = None  # the target's captured layers the blocks hold
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.queried_tokens = 0  # prompt tokens of every prefill through the cache
+        self.reused_tokens = 0  # of those, the tokens whose rows came from the cache
+
+    def empty_copy(self) -> PrefixCache:
+        """A cache of the same settings, with nothing in it."""
+        return PrefixCache(self.max_bytes, self.block_tokens, self.chunk_tokens)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def prefill(self, target: TargetModel, prompt: Sequence[int], cache: PositionIndexedCache) -> PrefixPrefill:
+        """Prefills `prompt` into the empty `cache`: its longest cached prefix of whole blocks (short of the last
+        token, whose logits a forward must give) is copied in, the rest computed row-invariant; the prompt's new
+        whole blocks are kept for later prompts."""
+        prompt = list(prompt)
+        with self._lock:
+            if self._aux_layers != target.aux_layers:  # the blocks hold other layers' states than it gives
+                self._clear()
+                self._aux_layers = target.aux_layers
+            chain = self._match(prompt)
+            reused = len(chain) * self.block_tokens
+            self.queried_tokens += len(prompt)
+            self.reused_tokens += reused
+        if chain:
+            self._load(chain, cache)
+        computed = target.prefill_invariant(prompt, cache, reused, self.chunk_tokens)
+        hidden, aux_hidden = computed.hidden, computed.aux_hidden
+        if chain:
+            hidden = torch.cat([*(block.hidden for block in chain), hidden])
+            if aux_hidden is not None:
+                aux_hidden = torch.cat([*(block.aux_hidden for block in chain), aux_hidden])
+        with self._lock:
+            if self._aux_layers == target.aux_layers:
+                self._insert(prompt, chain, cache, hidden, aux_hidden)
+        return PrefixPrefill(ForwardOutput(computed.logits, hidden, aux_hidden=aux_hidden), reused)
+
+    # ---- under the lock ------------------------------------------------------------------------------------
+    @staticmethod
+    def _key(parent: _Block | None, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        return (parent.serial if parent is not None else 0, tuple(tokens))
+
+    def _match(self, prompt: list[int]) -> list[_Block]:
+        """The cached blocks that begin `prompt`, in order, covering at most all but its last token."""
+        chain: list[_Block] = []
+        size = self.block_tokens
+        for start in range(0, len(prompt) - 1 - size + 1, size):
+            block = self._blocks.get(self._key(chain[-1] if chain else None, prompt[start:start + size]))
+            if block is None:
+                break
+            chain.append(block)
+        for block in chain:
+            self._blocks.move_to_end(block.key)
+        return chain
+
+    def _insert(self, prompt: list[int], chain: list[_Block], cache: PositionIndexedCache, hidden: Tensor,
+                aux_hidden: Tensor | None) -> None:
+        """Keeps the whole blocks of `prompt` after `chain` (its reused ones), their rows read from `cache`;
+        hidden [len(prompt), width], aux_hidden [len(prompt), k * width] or None."""
+        size = self.block_tokens
+        parent = chain[-1] if chain else None
+        protected = {block.key for block in chain}
+        for start in range(len(chain) * size, len(prompt) - size + 1, size):
+            key = self._key(parent, prompt[start:start + size])
+            block = self._blocks.get(key)
+            if block is None:
+                end = start + size
+                keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
+                values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
+                self._serials += 1
+                block = _Block(key, self._serials, parent, keys, values, hidden[start:end].clone(),
+                               aux_hidden[start:end].clone() if aux_hidden is not None else None)
+                if not self._make_room(block.nbytes, protected):
+                    return
+                self._blocks[key] = block
+                self.bytes += block.nbytes
+                if parent is not None:
+                    parent.children += 1
+            else:
+                self._blocks.move_to_end(key)
+            protected.add(key)
+            parent = block
+
+    def _make_room(self, nbytes: int, protected: set) -> bool:
+        """Evicts least recently used blocks that no longer prefix extends (never those of `protected`) until
+        `nbytes` more fit; False where they cannot."""
+        while self.bytes + nbytes > self.max_bytes:
+            victim = next((block for block in self._blocks.values()
+                           if block.children == 0 and block.key not in protected), None)
+            if victim is None:
+                return False
+            del self._blocks[victim.key]
+            self.bytes -= victim.nbytes
+            if victim.parent is not None:
+                victim.parent.children -= 1
+        return True
+
+    def _clear(self) -> None:
+        self._blocks.clear()
+        self.bytes = 0
+
+    # ---- outside the lock ----------------------------------------------------------------------------------
+    @staticmethod
+    def _load(chain: list[_Block], cache: PositionIndexedCache) -> None:
+        """Writes the rows of `chain` into the empty `cache`, each layer's in one copy."""
+        keys = torch.cat([block.keys for block in chain], dim=2)  # [layers, kv_heads, reused, head_dim]
+        values = torch.cat([block.values for block in chain], dim=2)
+        rows = keys.shape[2]
+        like = keys[:1, :, :0]  # [1, kv_heads, 0, head_dim]: a new layer's shape and dtype
+        for layer in range(keys.shape[0]):
+            key_buffer, value_buffer, start = cache.rows_to_write(layer, like, rows)
+            key_buffer[0, :, start:start + rows].copy_(keys[layer])
+            value_buffer[0, :, start:start + rows].copy_(values[layer])

@@ -1,0 +1,161 @@
+"""The prefix cache: a prompt whose beginning was prefilled before reuses those rows, and its prefill (the first
+token's logits, every prompt row's hidden states and KV rows) is bitwise a fresh one's, so every pipeline's tokens
+are the same whether a prefix was reused or not; memory stays within its budget; the engine that cannot make reuse
+exact gets none."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from specpipe.errors import ConfigError
+from specpipe.pipelines.builder import build_pipeline, compose_config, prefix_cache
+from specpipe.prefix_cache import PrefixCache
+
+BLOCK = 8
+
+
+def prefill_rows(target, cache_of_prefixes: PrefixCache, prompt: list[int]):
+    """A prefill through `cache_of_prefixes`: (its output, the tokens reused, every layer's KV rows)."""
+    cache = target.new_cache()
+    prefilled = cache_of_prefixes.prefill(target, prompt, cache)
+    rows = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    return prefilled.output, prefilled.reused_tokens, rows
+
+
+def assert_same_prefill(got, expected) -> None:
+    (out, _, rows), (want, _, want_rows) = got, expected
+    assert torch.equal(out.logits, want.logits)
+    assert torch.equal(out.hidden, want.hidden)
+    assert (out.aux_hidden is None) == (want.aux_hidden is None)
+    if out.aux_hidden is not None:
+        assert torch.equal(out.aux_hidden, want.aux_hidden)
+    assert len(rows) == len(want_rows)
+    for (keys, values), (want_keys, want_values) in zip(rows, want_rows):
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """Prompts that begin alike for 0 to 50 tokens, on and off the block boundaries, and one prompt repeated."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randint(300, 1300, (60,), generator=generator).tolist()
+    prompts = [base[:41]]
+    for shared in (0, 1, BLOCK - 1, BLOCK, BLOCK + 3, 3 * BLOCK, 5 * BLOCK + 2):
+        tail = torch.randint(300, 1300, (13,), generator=generator).tolist()
+        prompts.append(base[:shared] + tail)
+    prompts += [base[:41], base[:40], base[:49], base[:3 * BLOCK + 1]]
+    return prompts
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.dtype=fp32", "engine.target_weights=dense"],
+    ["model.dtype=bf16", "engine.target_weights=dense"],
+    ["model.dtype=fp32", "engine.target_weights=int4"],
+    ["model.dtype=bf16", "engine.target_weights=int8"],
+], ids=["dense-fp32", "dense-bf16", "int4-fp32", "int8-bf16"])
+def test_a_reused_prefix_prefills_bitwise_as_a_fresh_prompt(overrides):
+    """Each prompt through a cache that holds the earlier prompts' blocks equals the same prompt through an empty
+    cache: logits, hidden states, the captured layers' states (an EAGLE-3 head's) and every KV row."""
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=vanilla", *overrides]))
+    target = pipe.target
+    target.capture_layers((0, 1), "test")
+    warm = PrefixCache(64 << 20, block_tokens=BLOCK, chunk_tokens=16)
+    reused = []
+    for prompt in shared_prefix_prompts(seed=1):
+        got = prefill_rows(target, warm, prompt)
+        assert_same_prefill(got, prefill_rows(target, PrefixCache(64 << 20, BLOCK, chunk_tokens=16), prompt))
+        reused.append(got[1])
+    # whole blocks shared, short of each prompt's last token
+    assert reused == [0, 0, 0, 0, BLOCK, BLOCK, 3 * BLOCK, 5 * BLOCK, 5 * BLOCK, 4 * BLOCK, 5 * BLOCK, 3 * BLOCK]
+    assert warm.queried_tokens == sum(len(prompt) for prompt in shared_prefix_prompts(seed=1))
+    assert warm.reused_tokens == sum(reused)
+
+
+def test_a_prefill_in_any_chunks_is_the_one_token_steps():
+    """The row-invariant prefill gives the same logits and rows in chunks of 1 (one-token decoding steps), 5 and the
+    whole prompt."""
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=vanilla", "model.dtype=bf16",
+                                          "engine.target_weights=dense"]))
+    target = pipe.target
+    prompt = random_prompts(1, seed=7)[0][:37]
+    runs = [prefill_rows(target, PrefixCache(64 << 20, BLOCK, chunk_tokens=chunk), prompt) for chunk in (1, 5, 256)]
+    for run in runs[1:]:
+        assert_same_prefill(run, runs[0])
+
+
+def test_memory_stays_within_the_budget_and_longer_prefixes_go_first():
+    pipe = build_pipeline(compose_config(["model=tiny_random", "pipeline=vanilla", "model.dtype=fp32"]))
+    target = pipe.target
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randint(300, 1300, (4 * BLOCK + 1,), generator=generator).tolist()
+    probe = PrefixCache(64 << 20, BLOCK)
+    probe.prefill(target, base, target.new_cache())
+    per_block = probe.bytes // len(probe)
+    assert len(probe) == 4
+    cache = PrefixCache(6 * per_block, BLOCK)  # six blocks
+    cache.prefill(target, base, target.new_cache())  # blocks a1..a4
+    other = torch.randint(300, 1300, (3 * BLOCK + 1,), generator=generator).tolist()
+    cache.prefill(target, other, target.new_cache())  # b1..b3: needs a4 evicted (the only leaf to go)
+    assert len(cache) == 6 and cache.bytes <= cache.max_bytes
+    again = cache.prefill(target, base, target.new_cache())
+    assert again.reused_tokens == 3 * BLOCK  # a1..a3 kept, a4 went first
+    assert cache.bytes <= cache.max_bytes
+    fresh = prefill_rows(target, PrefixCache(64 << 20, BLOCK), base)
+    assert_same_prefill(prefill_rows(target, cache, base), fresh)
+    tiny = PrefixCache(per_block // 2, BLOCK)  # smaller than one block: keeps nothing, still prefills
+    assert_same_prefill(prefill_rows(target, tiny, base), fresh)
+    assert len(tiny) == 0 and tiny.bytes == 0
+
+
+@pytest.mark.parametrize("pipeline", ["vanilla", "lookahead_trie", "eagle_mix", "draft_model"])
+def test_every_pipeline_decodes_the_same_tokens_with_reused_prefixes(tiny_mixed, pipeline):
+    """Prompts sharing beginnings, decoded twice through one pipeline with a prefix cache (the second time from
+    reused rows), and through a pipeline whose cache is fresh for every prompt: the same greedy tokens, and
+    vanilla's (with its own cache)."""
+    pipe = tiny_mixed.pipeline(pipeline, "prefix_cache.memory_mb=64", "prefix_cache.block_tokens=8", fresh=True)
+    vanilla = pipe.without_drafting()
+    assert pipe.decoder.prefix_cache is not None
+    assert vanilla.decoder.prefix_cache is not None and vanilla.decoder.prefix_cache is not pipe.decoder.prefix_cache
+    prompts = shared_prefix_prompts(seed=5)[:6]
+    first = [pipe.generate(prompt, max_new_tokens=20).token_ids for prompt in prompts]
+    again = [pipe.generate(prompt, max_new_tokens=20).token_ids for prompt in prompts]
+    assert pipe.decoder.prefix_cache.reused_tokens > 0
+    assert again == first
+    for prompt, tokens in zip(prompts, first):
+        vanilla.decoder.prefix_cache = vanilla.decoder.prefix_cache.empty_copy()
+        assert vanilla.generate(prompt, max_new_tokens=20).token_ids == tokens
+
+
+@pytest.mark.embedded
+def test_embedded_model_reuses_its_chat_prefix_exactly(embedded):
+    """The embedded model on its Q4_1 blocks: chat prompts share the template's system prompt; the second round
+    reuses the blocks of the first and decodes the same tokens."""
+    pipe = embedded.pipeline("eagle_mix", "prefix_cache.memory_mb=256", fresh=True)
+    prompts = ["Write a haiku about the sea.", "What does the with statement do in Python?",
+               "Translate 'good morning' into French and German."]
+    first = [pipe.generate(prompt, max_new_tokens=32).token_ids for prompt in prompts]
+    reused_first = pipe.decoder.prefix_cache.reused_tokens
+    assert reused_first > 0  # the template's system prompt
+    again = [pipe.generate(prompt, max_new_tokens=32).token_ids for prompt in prompts]
+    assert again == first
+    whole_blocks = sum((len(pipe.request(prompt, 32).prompt_ids) - 1) // 16 * 16 for prompt in prompts)
+    assert pipe.decoder.prefix_cache.reused_tokens - reused_first == whole_blocks
+
+
+def test_memory_auto_serves_the_server_only_and_bad_settings_are_refused(tiny, caplog):
+    target = tiny.pipeline("vanilla").target
+    assert prefix_cache(compose_config(["model=tiny_random"]), target) is None  # task=generate
+    served = prefix_cache(compose_config(["model=tiny_random", "task=serve"]), target)
+    assert served is not None and served.max_bytes == 1024 << 20
+    assert prefix_cache(compose_config(["model=tiny_random", "task=serve", "prefix_cache.memory_mb=0"]), target) is None
+    for bad in ("prefix_cache.memory_mb=-1", "prefix_cache.memory_mb=lots", "prefix_cache.block_tokens=0",
+                "+prefix_cache.blocks=4", "prefix_cache.chunk_tokens=true"):
+        with pytest.raises(ConfigError, match="prefix_cache"):
+            prefix_cache(compose_config(["model=tiny_random", "prefix_cache.memory_mb=8", bad]), target)
+    hf = build_pipeline(compose_config(["model=tiny_random", "engine=hf", "pipeline=vanilla"]))
+    with caplog.at_level(logging.WARNING, logger="specpipe.pipelines.builder"):
+        assert prefix_cache(compose_config(["model=tiny_random", "engine=hf", "prefix_cache.memory_mb=8"]),
+                            hf.target) is None
+    assert "prefix_cache: off" in caplog.text
