@@ -81,8 +81,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def solo(tiny):
-    """What the same pipeline answers in this process, alone (fp32 greedy: the server must give the same)."""
-    pipe = tiny.pipeline("lookahead_trie")
+    """What the same pipeline answers in this process, alone (fp32 greedy: the server must give the same), its
+    prefills row-invariant like the server's (whose prefix cache is on)."""
+    pipe = tiny.pipeline("lookahead_trie", "prefix_cache.memory_mb=64")
 
     def answer(prompt, max_new_tokens: int, **kwargs):
         return pipe.generate(prompt, max_new_tokens=max_new_tokens, **kwargs)
@@ -201,6 +202,25 @@ def test_what_is_not_a_request_is_refused(server):
     connection.close()
     with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
         server.client().chat.completions.create(model="tiny_random", messages=PROMPT, max_tokens=0)
+
+
+def test_a_repeated_prompt_reuses_its_prefix_and_says_so(server, solo):
+    """The second time a prompt comes, its whole blocks but the last token's come from the prefix cache: usage says
+    how many, the prefix cache counters count them, and the answer is the same."""
+    prompt = [{"role": "user", "content": "Name four colours of the rainbow, then four more things that are blue."}]
+    client = server.client()
+    before = server.metrics()
+    first = client.chat.completions.create(model="tiny_random", messages=prompt, max_tokens=16)
+    again = client.chat.completions.create(model="tiny_random", messages=prompt, max_tokens=16)
+    after = server.metrics()
+    prompt_tokens = again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16 > 0
+    assert again.choices[0].message.content == first.choices[0].message.content == solo(prompt, 16).text
+    grew = {name: after[(name, ())] - before.get((name, ()), 0.0)
+            for name in ("specpipe:prefix_cache_queries_total", "specpipe:prefix_cache_hits_total")}
+    assert grew["specpipe:prefix_cache_queries_total"] == 2 * prompt_tokens
+    assert grew["specpipe:prefix_cache_hits_total"] == (first.usage.prompt_tokens_details.cached_tokens
+                                                        + again.usage.prompt_tokens_details.cached_tokens)
 
 
 def test_metrics_parse_and_move(server):

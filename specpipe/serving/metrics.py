@@ -23,11 +23,17 @@ class ServerMetrics(SchedulerObserver):
     the draft tokens verified, `..._num_accepted_tokens` those accepted, `..._num_accepted_tokens_per_pos` accepted
     tokens by their position in the draft (position 0 is the first token after the committed text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_caching: bool = False) -> None:
+        self.prefix_caching = prefix_caching  # whether prompts go through a prefix cache (prefix_cache.*)
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter(f"{PREFIX}requests", "Requests by how they ended", ["status"], registry=registry)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of started requests", registry=registry)
+        # vLLM's prefix cache counters, in tokens: looked up, and found (hits / queries is the hit rate)
+        self.prefix_cache_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                            "cache", registry=registry)
+        self.prefix_cache_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens whose rows the prefix cache "
+                                         "gave", registry=registry)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", registry=registry)
         self.time_to_first_token = Histogram(f"{PREFIX}time_to_first_token_seconds", "From submission to the first "
                                              "token", buckets=LATENCY_BUCKETS, registry=registry)
@@ -56,6 +62,9 @@ class ServerMetrics(SchedulerObserver):
             self._last_step[id(handle)] = now
         if last is None:  # the prefill's token
             self.prompt_tokens.inc(len(handle.request.prompt_ids))
+            if self.prefix_caching:
+                self.prefix_cache_queries.inc(len(handle.request.prompt_ids))
+                self.prefix_cache_hits.inc(output.reused_prompt_tokens)
             self.time_to_first_token.observe(now - handle.submitted)
         elif output.tokens:
             gap = (now - last) / len(output.tokens)

@@ -161,9 +161,11 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose rows the prefix cache gave."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def speculation_stats(stats, retrieved) -> dict:
@@ -175,14 +177,14 @@ def speculation_stats(stats, retrieved) -> dict:
 
 
 def response(chat: bool, request_id: str, model: str, text: str, reason: str, prompt_tokens: int,
-             completion_tokens: int, extension: dict) -> dict:
+             completion_tokens: int, extension: dict, cached_tokens: int = 0) -> dict:
     choice = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
             "specpipe": extension}
 
 
@@ -199,10 +201,10 @@ def chunk(chat: bool, request_id: str, model: str, text: str | None, reason: str
 
 
 def usage_chunk(chat: bool, request_id: str, model: str, prompt_tokens: int, completion_tokens: int,
-                extension: dict) -> dict:
+                extension: dict, cached_tokens: int = 0) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens), "specpipe": extension}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens), "specpipe": extension}
 
 
 def invalid(error: InvalidRequest) -> ApiError:

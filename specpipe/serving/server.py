@@ -51,7 +51,7 @@ class Server:
         self.pipeline = pipeline
         self.settings = settings
         self.model = settings.model_name or pipeline.target.name
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(prefix_caching=pipeline.decoder.prefix_cache is not None)
         pipeline.scheduler.observer = self.metrics
         self.draining = False
         self.app = self._app()
@@ -159,7 +159,7 @@ class Server:
         request = handle.request
         return response(api.chat, completion_id(api.chat), self.model, trimmer.answer,
                         finish_reason(request.stop.reason), len(request.prompt_ids), len(tokens),
-                        speculation_stats(stats, request.retrieved))
+                        speculation_stats(stats, request.retrieved), stats.reused_prompt_tokens)
 
     async def _events(self, api: ApiRequest, handle: RequestHandle, first, steps, watcher):
         """Server-sent events: a chunk per step's new text, the finish reason, the usage chunk where asked, [DONE]."""
@@ -186,7 +186,7 @@ class Server:
             yield event(chunk(api.chat, request_id, self.model, None, finish_reason(request.stop.reason)))
             if api.include_usage:
                 yield event(usage_chunk(api.chat, request_id, self.model, len(request.prompt_ids), count,
-                                        speculation_stats(stats, request.retrieved)))
+                                        speculation_stats(stats, request.retrieved), stats.reused_prompt_tokens))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             handle.cancel()  # the client went away: its place and cache go
