@@ -11,7 +11,8 @@ of the dev questions (each client sends its next request when one ends) with `st
 level and server: output tokens/s over all clients, tokens/s per request, time to first token (first content
 chunk) p50/p90, for specpipe the accepted tokens per step (its `specpipe` usage field), and the share of prompt
 tokens a server reports reused from its prompt cache (`usage.prompt_tokens_details.cached_tokens`: llama-server keeps
-each slot's last prompt). Writes summary.json, summary.md and server_load.png.
+each slot's last prompt, specpipe's prefix cache the whole blocks of the prompts it saw). Writes summary.json,
+summary.md and server_load.png.
 """
 from __future__ import annotations
 
@@ -132,9 +133,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots (-np)")
     parser.add_argument("--llama-prompt-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="let llama-server reuse cached prompt prefixes (its default; specpipe has no prompt "
-                             "cache, and the benchmark's prompts come back every round); --no-llama-prompt-cache "
-                             "sends cache_prompt=false with every request")
+                        help="let llama-server reuse cached prompt prefixes (its default; the benchmark's prompts "
+                             "come back every round); --no-llama-prompt-cache sends cache_prompt=false with every "
+                             "request")
+    parser.add_argument("--specpipe-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="specpipe's prefix cache (task=serve's default, prefix_cache.*); "
+                             "--no-specpipe-prefix-cache serves with prefix_cache.memory_mb=0")
     parser.add_argument("--prompts", default=str(REPO / "bench" / "dev_prompts.jsonl"))
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -149,7 +153,8 @@ def main() -> None:
         for pipeline in args.pipelines:
             servers.append(Served(f"specpipe {pipeline}", [
                 sys.executable, "run.py", "task=serve", f"pipeline={pipeline}", f"model.dtype={args.dtype}",
-                "serve.port=0", f"threads={args.threads}", f"scheduler.max_sequences={max(args.concurrency)}"],
+                "serve.port=0", f"threads={args.threads}", f"scheduler.max_sequences={max(args.concurrency)}",
+                *([] if args.specpipe_prefix_cache else ["prefix_cache.memory_mb=0"])],
                 "smollm2_135m", url_pattern=r"on (http://[\d.]+:\d+)/v1"))
         for index, gguf in enumerate(args.gguf):
             port = 18080 + index
