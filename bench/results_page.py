@@ -51,6 +51,7 @@ SERVER_LOAD = "run-73-server-load-bf16"
 LOAD_ZEN3 = "run-80-load-zen3-fp32"
 SERVER_LOAD_ZEN3 = "run-80-server-load-zen3-fp32"
 SERVER_LOAD_ZEN3_NO_PROMPT_CACHE = "run-80-server-load-zen3-fp32-no-prompt-cache"
+SERVER_LOAD_ZEN3_PREFIX_CACHE = "run-81-server-load-zen3-fp32-prefix-cache"
 README_METHODS = ("vanilla", "lookahead_trie", "eagle_mix")
 README_LOAD = "run-78-load-native-bf16"
 WHOLE_DEV_SET_PAGE = "run-71.md"  # measured on another machine, whose summaries are not under docs/results/
@@ -214,13 +215,15 @@ def server_table(summary: dict) -> str:
     def server_name(name: str) -> str:
         return f"specpipe `{name.removeprefix('specpipe ')}`" if name.startswith("specpipe ") else name
 
+    cached = all("cached_prompt_share" in row for row in rows)  # reported from run 81 on
     return markdown(
         ["streams", "server", "tok/s (rounds)", "vs 1 stream of specpipe `vanilla`", "req tok/s", "TTFT p50 ms",
-         "TTFT p90 ms", "accepted"],
+         "TTFT p90 ms", "accepted", *(["prompt cached"] if cached else [])],
         [[str(row["clients"]), server_name(row["server"]),
           f"{row['throughput_tok_s']:.1f} ({min(row['round_tok_s']):.0f}-{max(row['round_tok_s']):.0f})",
           f"{row['throughput_tok_s'] / one_vanilla:.2f}x", f"{row['request_tok_s']:.1f}", f"{row['ttft_p50_ms']:.0f}",
-          f"{row['ttft_p90_ms']:.0f}", "-" if row["mean_accepted"] is None else f"{row['mean_accepted']:.2f}"]
+          f"{row['ttft_p90_ms']:.0f}", "-" if row["mean_accepted"] is None else f"{row['mean_accepted']:.2f}",
+          *([f"{row['cached_prompt_share']:.0%}"] if cached else [])]
          for row in sorted(rows, key=lambda row: (row["clients"], row["server"]))])
 
 
@@ -328,12 +331,18 @@ def render_page(measurements: dict[str, Measurement]) -> str:
                        "On the AVX2-only Zen 3, against `llama-server` on the embedded model's own Q4_1 file "
                        "(specpipe in fp32 over the same blocks, every answer the fp32 model's). llama-server keeps "
                        "each slot's last prompt and reuses its longest common prefix (`cache_prompt`, on by "
-                       "default), which specpipe does not do; every prompt here comes back in each round"),
+                       "default), which specpipe did not do then (it does from run 81, below); every prompt here "
+                       "comes back in each round"),
         server_section(measurements[SERVER_LOAD_ZEN3_NO_PROMPT_CACHE],
                        "In a run of its own, llama-server reused almost every prompt token at 4 and 8 streams (its "
                        "prompt cache; `bench/server_load.py` reports the share, see run 80). The same comparison "
                        "with every prompt prefilled on both sides (`--no-llama-prompt-cache`: `cache_prompt=false` "
                        "with each request to llama-server)"),
+        server_section(measurements[SERVER_LOAD_ZEN3_PREFIX_CACHE],
+                       "With specpipe's prefix cache (on by default in `task=serve`: the rows of every whole block "
+                       "of 16 prompt tokens kept and reused, every prefill row-invariant so that reuse is exact; "
+                       "[Serving](SERVING.md#prompt-prefixes-computed-once)) against llama-server with its own "
+                       "prompt cache, both reporting the share of prompt tokens they reused"),
         "## On a GPU",
         prose("The end-to-end runs on an H100 ([run 36](notebook/run-36.md), the first full table in "
               "[run 42](notebook/run-42.md)) were measured on a lent machine whose summaries were not kept: their "
