@@ -107,6 +107,15 @@ class PrefixCache:
                 self._insert(prompt, chain, cache, hidden, aux_hidden)
         return PrefixPrefill(ForwardOutput(computed.logits, hidden, aux_hidden=aux_hidden), reused)
 
+    def keep(self, target: TargetModel, tokens: Sequence[int], cache: PositionIndexedCache, hidden: Tensor,
+             aux_hidden: Tensor | None) -> None:
+        """Keeps the whole blocks of `tokens`, whose rows `cache` holds (a finished request's prompt and answer,
+        its rows computed row-invariant like a prefill's), with their hidden states hidden [len(tokens), width]
+        and aux_hidden [len(tokens), k * width] (None where the target captures no layers)."""
+        with self._lock:
+            if self._aux_layers == target.aux_layers:
+                self._insert(list(tokens), [], cache, hidden, aux_hidden)
+
     # ---- under the lock ------------------------------------------------------------------------------------
     @staticmethod
     def _key(parent: _Block | None, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:

@@ -128,6 +128,24 @@ def test_every_pipeline_decodes_the_same_tokens_with_reused_prefixes(tiny_mixed,
         assert vanilla.generate(prompt, max_new_tokens=20).token_ids == tokens
 
 
+@pytest.mark.parametrize("pipeline", ["vanilla", "eagle_mix", "lookahead_trie", "eagle3"])
+def test_a_prompt_that_goes_on_from_an_answer_reuses_the_answers_rows(tiny_mixed, pipeline):
+    """A finished request's answer rows are kept too (computed row-invariant in its verify forwards, like a
+    prefill's): a next turn that repeats prompt and answer reuses both, and decodes what a fresh cache decodes."""
+    pipe = tiny_mixed.pipeline(pipeline, "prefix_cache.memory_mb=64", "prefix_cache.block_tokens=8", fresh=True)
+    cache = pipe.decoder.prefix_cache
+    first_turn = random_prompts(3, seed=11)[1][:29]
+    answer = pipe.generate(first_turn, max_new_tokens=30).token_ids
+    second_turn = first_turn + answer + random_prompts(1, seed=12)[0][:9]
+    rows_kept = len(first_turn) + len(answer) - 1  # the answer's last token has no row yet
+    reused = prefill_rows(pipe.target, cache, second_turn)
+    assert reused[1] == rows_kept // BLOCK * BLOCK > len(first_turn)
+    assert_same_prefill(reused, prefill_rows(pipe.target, cache.empty_copy(), second_turn))
+    again = pipe.generate(second_turn, max_new_tokens=20).token_ids
+    pipe.decoder.prefix_cache = cache.empty_copy()
+    assert pipe.generate(second_turn, max_new_tokens=20).token_ids == again
+
+
 @pytest.mark.embedded
 def test_embedded_model_reuses_its_chat_prefix_exactly(embedded):
     """The embedded model on its Q4_1 blocks: chat prompts share the template's system prompt; the second round
@@ -142,6 +160,27 @@ def test_embedded_model_reuses_its_chat_prefix_exactly(embedded):
     assert again == first
     whole_blocks = sum((len(pipe.request(prompt, 32).prompt_ids) - 1) // 16 * 16 for prompt in prompts)
     assert pipe.decoder.prefix_cache.reused_tokens - reused_first == whole_blocks
+
+
+@pytest.mark.embedded
+def test_embedded_models_next_chat_turn_reuses_the_first_turns_answer(embedded):
+    """A conversation's second turn (first question, the answer, a follow-up, through the chat template) reuses the
+    rows of the first turn's answer as far as its tokens repeat them, and answers as it would with nothing reused."""
+    pipe = embedded.pipeline("eagle_mix", "prefix_cache.memory_mb=256", fresh=True)
+    question = [{"role": "user", "content": "Name three rivers in Europe."}]
+    first = pipe.generate(question, max_new_tokens=40)
+    follow_up = question + [{"role": "assistant", "content": first.text},
+                            {"role": "user", "content": "Which of them is the longest?"}]
+    before = pipe.decoder.prefix_cache.reused_tokens
+    second = pipe.generate(follow_up, max_new_tokens=40)
+    # the rows kept: the first prompt and answer but its last token; reused as far as the follow-up's tokens
+    # repeat them (the template re-encodes the answer's text, which may split a token it generated)
+    kept = first.prompt_ids + first.token_ids[:-1]
+    common = next((i for i, (a, b) in enumerate(zip(kept, second.prompt_ids)) if a != b), len(kept))
+    reused = pipe.decoder.prefix_cache.reused_tokens - before
+    assert reused == min(common, len(second.prompt_ids) - 1) // 16 * 16 > len(first.prompt_ids)
+    pipe.decoder.prefix_cache = pipe.decoder.prefix_cache.empty_copy()
+    assert pipe.generate(follow_up, max_new_tokens=40).token_ids == second.token_ids
 
 
 def test_memory_auto_serves_the_server_only_and_bad_settings_are_refused(tiny, caplog):

@@ -46,6 +46,11 @@ class Sequence:
     stop: StopCondition
     finished: bool = False
     steps: int = 0  # steps after the prefill
+    # With a prefix cache: the target's hidden states (and captured layers' states) of the rows the cache holds, in
+    # order (the prompt's, then each step's committed rows), so a finished sequence's rows can be kept for a prompt
+    # that goes on from it (a conversation's next turn)
+    row_hidden: list = field(default_factory=list)
+    row_aux_hidden: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -134,6 +139,12 @@ class SpeculativeDecoder:
                                 hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
                                 prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
         sequence = Sequence(state, cache, stop, finished)
+        if self.prefix_cache is not None:
+            sequence.row_hidden.append(first.hidden)
+            if first.aux_hidden is not None:
+                sequence.row_aux_hidden.append(first.aux_hidden)
+            if finished:
+                self._keep_rows(sequence)
         output = StepOutput(emitted, 0, StepStats(1, 0, seconds), finished, reused_prompt_tokens=reused)
         for stage in self.stages:
             stage.reset(state)
@@ -330,7 +341,13 @@ class SpeculativeDecoder:
             emitted, finished = sequence.stop.cut([tree_tokens[i] for i in result.accepted] + [result.bonus])
 
         with self.observer.timing("commit", seconds):
+            cached = len(state.tokens) - 1  # the rows before this step's forward
             self.committer.commit(state, sequence.cache, tree, result, emitted)
+            if self.prefix_cache is not None:  # the rows it kept: the root's, then the accepted path's
+                rows = ([0] + [node + 1 for node in result.accepted])[:sequence.cache.get_seq_length() - cached]
+                sequence.row_hidden.append(forward.hidden[rows])
+                if forward.aux_hidden is not None:
+                    sequence.row_aux_hidden.append(forward.aux_hidden[rows])
             for stage in self.stages:
                 stage.on_commit(state, result)
 
@@ -356,3 +373,15 @@ class SpeculativeDecoder:
     def _finish(self, sequence: Sequence) -> None:
         for stage in self.stages:
             stage.on_finish(sequence.state)
+        if self.prefix_cache is not None:
+            self._keep_rows(sequence)
+
+    def _keep_rows(self, sequence: Sequence) -> None:
+        """Keeps the whole blocks of a finished sequence's cached rows (its prompt's and its answer's) in the prefix
+        cache, for a prompt that goes on from it."""
+        hidden = torch.cat(sequence.row_hidden)
+        aux_hidden = torch.cat(sequence.row_aux_hidden) if sequence.row_aux_hidden else None
+        rows = min(sequence.cache.get_seq_length(), len(sequence.state.tokens) - 1, hidden.shape[0])
+        self.prefix_cache.keep(self.target, sequence.state.tokens[:rows], sequence.cache, hidden[:rows],
+                               aux_hidden[:rows] if aux_hidden is not None else None)
+        sequence.row_hidden, sequence.row_aux_hidden = [], []
