@@ -193,6 +193,8 @@ def verify_inputs(root_token: int, tree: DraftTree, committed: int, lookahead: S
     lookahead rows. Returns input_ids [q], position_ids [q] and the mask [q, committed + q] bool over the cache
     then these rows (None for one row, which sees everything)."""
     n = len(tree)
+    if n == 0 and not lookahead:  # a plain decoding step: one query sees everything
+        return torch.tensor([root_token]), torch.tensor([committed]), None
     sizes = [len(block) for block in lookahead]
     q = 1 + n + sum(sizes)
     input_ids = torch.empty(q, dtype=torch.long)  # [q]
@@ -201,8 +203,6 @@ def verify_inputs(root_token: int, tree: DraftTree, committed: int, lookahead: S
     position_ids = torch.empty(q, dtype=torch.long)  # [q]
     position_ids[0] = committed
     position_ids[1:n + 1] = tree.depth + (committed + 1)
-    if q == 1:
-        return input_ids, position_ids, None  # a plain decoding step: one query sees everything
     mask = torch.zeros(q, committed + q, dtype=torch.bool)  # [q, kv]
     mask[:, :committed + 1] = True  # every row sees the committed cache and the root
     mask[1:n + 1, committed + 1:committed + n + 1] = tree.mask  # nodes see their ancestors and themselves
@@ -306,9 +306,7 @@ class TargetModel:
         states of all its tokens [L, hidden] (and `aux_hidden` [L, k * hidden] when layers are captured)."""
         self._use_attention()
         input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, L]
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                         output_hidden_states=True, logits_to_keep=1)
-        return self._output(out)
+        return self._run(1, input_ids=input_ids, past_key_values=cache, use_cache=True)
 
     @property
     def row_invariant(self) -> bool:
@@ -397,14 +395,13 @@ class TargetModel:
         position_ids = torch.cat([positions for _, positions, _, _ in rows])  # [R]
         started = [cache.get_seq_length() for _, _, _, cache in rows]
         try:
-            out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
-                             use_cache=False, output_hidden_states=True, ragged_batch=ragged,
-                             logits_to_keep=0 if logits_rows is None else logits_rows.to(self.device))
+            whole = self._run(0 if logits_rows is None else logits_rows.to(self.device),
+                              input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
+                              use_cache=False, ragged_batch=ragged)
         except BaseException:
             for (_, _, _, cache), length in zip(rows, started):  # layers that ran have appended their rows
                 cache.crop(length)
             raise
-        whole = self._output(out)
         outputs, start, kept = [], 0, 0
         for count in counts:
             end = start + count
@@ -433,13 +430,16 @@ class TargetModel:
         self._use_attention()
         if mask is not None:
             mask = mask[None, None].to(self.device)  # [1, 1, q, kv]
-        out = self.model(input_ids=input_ids[None].to(self.device), position_ids=position_ids[None].to(self.device),
-                         attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=0 if logits_rows is None else logits_rows)
-        return self._output(out)
+        return self._run(0 if logits_rows is None else logits_rows, input_ids=input_ids[None].to(self.device),
+                         position_ids=position_ids[None].to(self.device), attention_mask=mask, past_key_values=cache,
+                         use_cache=True)
 
-    def _output(self, out) -> ForwardOutput:
+    def _run(self, logits_to_keep: int | Tensor, **inputs) -> ForwardOutput:
+        """One forward of the model with `inputs` (its keyword arguments), every hidden state recorded, the logits
+        of `logits_to_keep` (transformers' meaning)."""
+        out = self.model(output_hidden_states=True, logits_to_keep=logits_to_keep, **inputs)
+        logits, states = out.logits, out.hidden_states
         # Under a device map the last layers may run on another GPU than the first: hand every
         # stage its rows on the runner's device (a no-op for a model on one device).
-        return ForwardOutput(out.logits[0].float().to(self.device), out.hidden_states[-1][0].to(self.device),
-                             aux_hidden=self._aux_hidden(out.hidden_states))  # gathered on self.device there
+        return ForwardOutput(logits[0].float().to(self.device), states[-1][0].to(self.device),
+                             aux_hidden=self._aux_hidden(states))  # gathered on self.device there

@@ -127,7 +127,9 @@ class LeanLlamaModel(LlamaModel):
         position_embeddings = (self.rotary_lookup or self.rotary_emb)(hidden, position_ids=position_ids)
         recorded = [hidden] if output_hidden_states else None
         normalize = norm_function(self.norm_kernel, self.norm.weight, hidden)
-        hidden = lean_decoder_layers(self, self.layers[: self.config.num_hidden_layers], hidden, normalize, mask,
+        # a list: slicing the ModuleList would build a new ModuleList (a registration per layer) at every forward
+        layers = list(self.layers)[: self.config.num_hidden_layers]
+        hidden = lean_decoder_layers(self, layers, hidden, normalize, mask,
                                      position_ids, past_key_values, use_cache, position_embeddings, recorded,
                                      ragged_batch)
         hidden = normalize(self.norm, hidden)
