@@ -82,39 +82,41 @@ class PrefixCache:
         return len(self._blocks)
 
     def prefill(self, target: TargetModel, prompt: Sequence[int], cache: PositionIndexedCache) -> PrefixPrefill:
-        """Prefills `prompt` into the empty `cache`: its longest cached prefix of whole blocks (short of the last
-        token, whose logits a forward must give) is copied in, the rest computed row-invariant; the prompt's new
-        whole blocks are kept for later prompts."""
+        """Prefills `prompt` into the empty `cache` through the cache, all at once (`begin`, advanced to its end)."""
+        prefill = self.begin(target, prompt, cache)
+        while not prefill.advance():
+            pass
+        return prefill.result
+
+    def begin(self, target: TargetModel, prompt: Sequence[int], cache: PositionIndexedCache) -> PrefillInProgress:
+        """Starts prefilling `prompt` into the empty `cache`: its longest cached prefix of whole blocks (short of the
+        last token, whose logits a forward must give) is copied in at once; `advance` computes the rest, a
+        forward of `chunk_tokens` rows at a time, so that a batch engine can run its decoding steps in between."""
         prompt = list(prompt)
         with self._lock:
             if self._aux_layers != target.aux_layers:  # the blocks hold other layers' states than it gives
                 self._clear()
                 self._aux_layers = target.aux_layers
             chain = self._match(prompt)
-            reused = len(chain) * self.block_tokens
             self.queried_tokens += len(prompt)
-            self.reused_tokens += reused
+            self.reused_tokens += len(chain) * self.block_tokens
         if chain:
             self._load(chain, cache)
-        computed = target.prefill_invariant(prompt, cache, reused, self.chunk_tokens)
-        hidden, aux_hidden = computed.hidden, computed.aux_hidden
-        if chain:
-            hidden = torch.cat([*(block.hidden for block in chain), hidden])
-            if aux_hidden is not None:
-                aux_hidden = torch.cat([*(block.aux_hidden for block in chain), aux_hidden])
-        with self._lock:
-            if self._aux_layers == target.aux_layers:
-                self._insert(prompt, chain, cache, hidden, aux_hidden)
-        return PrefixPrefill(ForwardOutput(computed.logits, hidden, aux_hidden=aux_hidden), reused)
+        return PrefillInProgress(self, target, prompt, cache, chain)
 
     def keep(self, target: TargetModel, tokens: Sequence[int], cache: PositionIndexedCache, hidden: Tensor,
-             aux_hidden: Tensor | None) -> None:
-        """Keeps the whole blocks of `tokens`, whose rows `cache` holds (a finished request's prompt and answer,
-        its rows computed row-invariant like a prefill's), with their hidden states hidden [len(tokens), width]
-        and aux_hidden [len(tokens), k * width] (None where the target captures no layers)."""
+             aux_hidden: Tensor | None, extends: Sequence[_Block] = ()) -> None:
+        """Keeps the whole blocks of `tokens`, whose rows `cache` holds (a prompt just prefilled, or a finished
+        request's prompt and answer, computed row-invariant alike), with their hidden states hidden
+        [len(tokens), width] and aux_hidden [len(tokens), k * width] (None where the target captures no layers).
+        `extends`: the cached blocks these tokens begin with (those a prefill reused)."""
         with self._lock:
-            if self._aux_layers == target.aux_layers:
-                self._insert(list(tokens), [], cache, hidden, aux_hidden)
+            if self._aux_layers != target.aux_layers:
+                return
+            chain = list(extends)
+            if any(self._blocks.get(block.key) is not block for block in chain):  # evicted meanwhile: from the top
+                chain = []
+            self._insert(list(tokens), chain, cache, hidden, aux_hidden)
 
     # ---- under the lock ------------------------------------------------------------------------------------
     @staticmethod
@@ -192,3 +194,37 @@ class PrefixCache:
             key_buffer, value_buffer, start = cache.rows_to_write(layer, like, rows)
             key_buffer[0, :, start:start + rows].copy_(keys[layer])
             value_buffer[0, :, start:start + rows].copy_(values[layer])
+
+
+class PrefillInProgress:
+    """A prompt's prefill through a PrefixCache (`PrefixCache.begin`), a forward at a time; `result` once done."""
+
+    def __init__(self, owner: PrefixCache, target: TargetModel, prompt: list[int], cache: PositionIndexedCache,
+                 chain: list[_Block]) -> None:
+        self.owner, self.target, self.prompt, self.cache, self.chain = owner, target, prompt, cache, chain
+        self.reused_tokens = len(chain) * owner.block_tokens
+        self.position = self.reused_tokens  # the next token to compute
+        self._hidden = [block.hidden for block in chain]
+        self._aux_hidden = [block.aux_hidden for block in chain] if target.aux_layers else []
+        self.result: PrefixPrefill | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def advance(self) -> bool:
+        """Computes the next chunk of the prompt; True once the whole prompt is in the cache (its blocks kept)."""
+        if self.done:
+            return True
+        out = self.target.prefill_invariant(self.prompt, self.cache, self.position, self.owner.chunk_tokens)
+        self.position += out.hidden.shape[0]
+        self._hidden.append(out.hidden)
+        if out.aux_hidden is not None:
+            self._aux_hidden.append(out.aux_hidden)
+        if self.position < len(self.prompt):
+            return False
+        hidden = torch.cat(self._hidden)
+        aux_hidden = torch.cat(self._aux_hidden) if self._aux_hidden else None
+        self.owner.keep(self.target, self.prompt, self.cache, hidden, aux_hidden, extends=self.chain)
+        self.result = PrefixPrefill(ForwardOutput(out.logits, hidden, aux_hidden=aux_hidden), self.reused_tokens)
+        return True

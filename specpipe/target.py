@@ -315,31 +315,25 @@ class TargetModel:
         return offers_row_invariance(self.model)
 
     @torch.inference_mode()
-    def prefill_invariant(self, prompt: list[int], cache: PositionIndexedCache, start: int, chunk_rows: int
+    def prefill_invariant(self, prompt: list[int], cache: PositionIndexedCache, start: int, rows: int
                           ) -> ForwardOutput:
-        """Prefills prompt[start:] onto `cache`, which holds prompt[:start], in forwards of up to `chunk_rows` rows,
-        every row computed as its one-row forward would be: the rows, and the logits of the prompt's last token
-        [1, vocab], are bitwise the same whatever `start` and `chunk_rows`. Returns those logits and the hidden
-        states [len(prompt) - start, hidden] (and `aux_hidden`) of the rows it computed."""
+        """Prefills prompt[start:start + rows] onto `cache`, which holds prompt[:start], in one forward, every row
+        computed as its one-row forward would be: a prompt's rows, and the logits of its last token, are bitwise the
+        same however its prefill is cut into such forwards. Returns the hidden states [rows, hidden] (and
+        `aux_hidden`) of these rows, and the logits [1, vocab] of the last one where it is the prompt's last token
+        (else logits [0, vocab])."""
         if not self.row_invariant:
             raise ConfigError(f"{self.name}: its engine ({self.engine}) does not compute rows independently of the "
                               f"rows beside them (engine.batch_invariant on the CPU engine does)")
-        if not 0 <= start < len(prompt):
-            raise ValueError(f"prefill from token {start} of a prompt of {len(prompt)}")
-        hidden, aux_hidden, logits = [], [], None
+        end = min(start + rows, len(prompt))
+        if not 0 <= start < end:
+            raise ValueError(f"prefill of tokens {start}..{start + rows} of a prompt of {len(prompt)}")
+        ids = torch.tensor(prompt[start:end], dtype=torch.long)  # [q]
+        q = end - start
+        mask = torch.ones(q, end, dtype=torch.bool).tril(start) if q > 1 else None  # causal after the cached rows
+        keep = torch.tensor([q - 1] if end == len(prompt) else [], dtype=torch.long)  # only the last token's logits
         with row_invariant(self.model):
-            for first in range(start, len(prompt), chunk_rows):
-                ids = torch.tensor(prompt[first:first + chunk_rows], dtype=torch.long)  # [q]
-                q = len(ids)
-                mask = torch.ones(q, first + q, dtype=torch.bool).tril(first) if q > 1 else None  # causal
-                last = first + q == len(prompt)
-                keep = torch.tensor([q - 1] if last else [], dtype=torch.long)  # only the last token's logits
-                out = self.forward_masked(ids, torch.arange(first, first + q), mask, cache, logits_rows=keep)
-                hidden.append(out.hidden)
-                if out.aux_hidden is not None:
-                    aux_hidden.append(out.aux_hidden)
-                logits = out.logits if last else logits
-        return ForwardOutput(logits, torch.cat(hidden), aux_hidden=torch.cat(aux_hidden) if aux_hidden else None)
+            return self.forward_masked(ids, torch.arange(start, end), mask, cache, logits_rows=keep)
 
     @torch.inference_mode()
     def forward_tree(self, root_token: int, tree: DraftTree, cache: PositionIndexedCache,

@@ -199,14 +199,14 @@ def test_cancelled_request_frees_its_place(tiny_mixed):
 def test_limits_queue_and_tokens_in_flight(tiny_mixed):
     pipe = tiny_mixed.pipeline("vanilla", fresh=True)
     started, release = threading.Event(), threading.Event()
-    start = pipe.decoder.start
+    advance = pipe.decoder.advance
 
-    def held_start(*args, **kwargs):
+    def held_prefill(*args, **kwargs):
         started.set()
         release.wait(30)
-        return start(*args, **kwargs)
+        return advance(*args, **kwargs)
 
-    pipe.decoder.start = held_start
+    pipe.decoder.advance = held_prefill
     scheduler = BatchScheduler(pipe.decoder, SchedulerLimits(max_sequences=1, max_queued=2, max_tokens_in_flight=300))
     stop = threading.Event()
     driver = threading.Thread(target=scheduler.run, args=(stop,))  # as the server drives it

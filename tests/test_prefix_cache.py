@@ -1,7 +1,7 @@
 """The prefix cache: a prompt whose beginning was prefilled before reuses those rows, and its prefill (the first
 token's logits, every prompt row's hidden states and KV rows) is bitwise a fresh one's, so every pipeline's tokens
 are the same whether a prefix was reused or not; memory stays within its budget; the engine that cannot make reuse
-exact gets none."""
+exact gets none; a long prompt is prefilled a chunk at a time between the batch's steps."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,8 @@ from conftest import random_prompts
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config, prefix_cache
 from specpipe.prefix_cache import PrefixCache
+from specpipe.serving import BatchScheduler, RequestHandle, SchedulerLimits
+from specpipe.serving.scheduler import SchedulerObserver
 
 BLOCK = 8
 
@@ -198,3 +200,32 @@ def test_memory_auto_serves_the_server_only_and_bad_settings_are_refused(tiny, c
         assert prefix_cache(compose_config(["model=tiny_random", "engine=hf", "prefix_cache.memory_mb=8"]),
                             hf.target) is None
     assert "prefix_cache: off" in caplog.text
+
+
+def test_a_long_prompt_is_prefilled_between_the_other_requests_steps(tiny_mixed):
+    """With a prefix cache the engine prefills a chunk per iteration: a request already decoding keeps getting
+    its steps while a long prompt is prefilled, and both answer as they would alone."""
+    pipe = tiny_mixed.pipeline("lookahead_trie", "prefix_cache.memory_mb=64", "prefix_cache.chunk_tokens=8",
+                               fresh=True)
+    pushed: list[RequestHandle] = []
+
+    class Recorder(SchedulerObserver):
+        def on_step(self, handle: RequestHandle, output) -> None:
+            pushed.append(handle)
+
+    scheduler = BatchScheduler(pipe.decoder, SchedulerLimits(), observer=Recorder())
+    generator = torch.Generator().manual_seed(60)
+    short_prompt = torch.randint(300, 1300, (12,), generator=generator).tolist()
+    long_prompt = torch.randint(300, 1300, (64,), generator=generator).tolist()
+    decoding = scheduler.submit(pipe.request(short_prompt, 60))
+    for _ in range(3):
+        scheduler.drive(decoding)
+    assert pushed.count(decoding) >= 2  # started, and decoding
+    submitted_at = len(pushed)
+    prefilled = scheduler.submit(pipe.request(long_prompt, 10))
+    while not (decoding.done and prefilled.done):
+        scheduler.drive(decoding if not decoding.done else prefilled)
+    during = pushed[submitted_at:pushed.index(prefilled)]
+    assert during.count(decoding) >= 64 // 8 - 1  # a step after each of its chunks but the last
+    assert pipe.result(decoding).token_ids == tiny_mixed.greedy_hf(short_prompt, 60)
+    assert pipe.result(prefilled).token_ids == tiny_mixed.greedy_hf(long_prompt, 10)

@@ -20,7 +20,7 @@ from specpipe.cost import OnlineCostCurve
 from specpipe.pipelines.speculation_gate import SpeculationGate
 from specpipe.pipelines.step_observer import StepObserver
 from specpipe.pipelines.stopping import StopCondition
-from specpipe.prefix_cache import PrefixCache
+from specpipe.prefix_cache import PrefillInProgress, PrefixCache
 from specpipe.stages.base import Committer, LookaheadBranch, Proposer, StepDrafter, TreeBuilder, Verifier
 from specpipe.target import TargetModel, VerifyRows
 from specpipe.types import NO_BUDGET, DecodeState, DraftTree, SamplingConfig, StepBudget, StepStats
@@ -51,6 +51,27 @@ class Sequence:
     # that goes on from it (a conversation's next turn)
     row_hidden: list = field(default_factory=list)
     row_aux_hidden: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Starting:
+    """A request being prefilled (`SpeculativeDecoder.begin`); `sequence` and its first step `output` once started."""
+
+    prompt: list[int]
+    stop: StopCondition
+    sampling: SamplingConfig
+    documents: tuple[tuple[int, ...], ...]
+    rng: torch.Generator | None
+    cache: object  # the target's PositionIndexedCache being filled
+    seconds: dict[str, float] = field(default_factory=dict)  # the prefill's time (StepObserver.timing)
+    prefill: PrefillInProgress | None = None  # through a prefix cache; None: one forward of the whole prompt
+    sequence: Sequence | None = None
+    output: StepOutput | None = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """The prompt tokens whose rows are in the cache so far."""
+        return self.cache.get_seq_length()
 
 
 @dataclass(eq=False)
@@ -118,37 +139,59 @@ class SpeculativeDecoder:
     def start(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
               documents: tuple[tuple[int, ...], ...] = ()) -> tuple[Sequence, StepOutput]:
         """Prefills the prompt into a new cache and commits the target's first token."""
+        starting = self.begin(prompt, stop, sampling, documents)
+        while not self.advance(starting):
+            pass
+        return starting.sequence, starting.output
+
+    def begin(self, prompt: list[int], stop: StopCondition, sampling: SamplingConfig = SamplingConfig(),
+              documents: tuple[tuple[int, ...], ...] = ()) -> Starting:
+        """A request to prefill a forward at a time (`advance`), so that a batch engine can run its decoding steps
+        between the forwards of a long prompt: with a prefix cache, its chunks (prefix_cache.chunk_tokens); without
+        one, the whole prompt in one forward."""
         seed = sampling.seed
         if seed is None and not sampling.greedy and distributed.active():
             # tensor-parallel ranks must sample the same tokens: one fresh seed, drawn on rank 0 from
             # the OS (torch.seed() would also reseed rank 0's global generator, and only rank 0's)
             seed = distributed.broadcast_from_main(int.from_bytes(os.urandom(8), "little") >> 1)
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
-        cache = self.target.new_cache()
-        seconds: dict[str, float] = {}
-        reused = 0
-        with self.observer.timing("prefill", seconds):
-            if self.prefix_cache is not None:
-                prefilled = self.prefix_cache.prefill(self.target, prompt, cache)
-                first, reused = prefilled.output, prefilled.reused_tokens
+        starting = Starting(list(prompt), stop, sampling, documents, rng, self.target.new_cache())
+        if self.prefix_cache is not None:
+            with self.observer.timing("prefill", starting.seconds):
+                starting.prefill = self.prefix_cache.begin(self.target, starting.prompt, starting.cache)
+        return starting
+
+    def advance(self, starting: Starting) -> bool:
+        """Runs the next forward of `starting`'s prefill; after its last, commits the target's first token
+        (`starting.sequence` and its first step `starting.output`). True once the request has started."""
+        if starting.sequence is not None:
+            return True
+        prompt, sampling, stop = starting.prompt, starting.sampling, starting.stop
+        with self.observer.timing("prefill", starting.seconds):
+            if starting.prefill is None:
+                first, reused = self.target.prefill(prompt, starting.cache), 0
+            elif not starting.prefill.advance():
+                return False
             else:
-                first = self.target.prefill(prompt, cache)
-            result = self.verifier.accept(DraftTree.empty(), first.logits, rng, sampling)
+                first, reused = starting.prefill.result.output, starting.prefill.result.reused_tokens
+            result = self.verifier.accept(DraftTree.empty(), first.logits, starting.rng, sampling)
             emitted, finished = stop.cut([result.bonus])
             state = DecodeState(tokens=list(prompt) + emitted, prompt_length=len(prompt), sampling=sampling,
                                 hidden=first.hidden[-1], logits=first.logits[-1], prompt_hidden=first.hidden,
-                                prompt_aux_hidden=first.aux_hidden, documents=documents, rng=rng)
-        sequence = Sequence(state, cache, stop, finished)
+                                prompt_aux_hidden=first.aux_hidden, documents=starting.documents, rng=starting.rng)
+        sequence = Sequence(state, starting.cache, stop, finished)
         if self.prefix_cache is not None:
             sequence.row_hidden.append(first.hidden)
             if first.aux_hidden is not None:
                 sequence.row_aux_hidden.append(first.aux_hidden)
             if finished:
                 self._keep_rows(sequence)
-        output = StepOutput(emitted, 0, StepStats(1, 0, seconds), finished, reused_prompt_tokens=reused)
+        starting.output = StepOutput(emitted, 0, StepStats(1, 0, starting.seconds), finished,
+                                     reused_prompt_tokens=reused)
         for stage in self.stages:
             stage.reset(state)
-        return sequence, output
+        starting.sequence = sequence
+        return True
 
     # ---- one step of a batch ----------------------------------------------------------------------------
     def step(self, batch: list[Sequence]) -> list[StepOutput | BaseException]:

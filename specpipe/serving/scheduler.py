@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specpipe.errors import ConfigError, InvalidRequest, SpecpipeError
-from specpipe.pipelines.decoder import Sequence, SpeculativeDecoder, StepOutput
+from specpipe.pipelines.decoder import Sequence, SpeculativeDecoder, Starting, StepOutput
 from specpipe.serving.handle import Cancelled, DecodeRequest, RequestHandle
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,12 @@ class SchedulerObserver:
 class BatchScheduler:
     """Owns a decoder; `submit` queues a request from any thread and returns its handle.
 
-    An iteration of the engine admits queued requests while the limits allow (each prefilled in a forward of its
-    own, its first token pushed at once), then runs one `SpeculativeDecoder.step` over every running request,
-    pushes each its step, and drops those that finished, failed or were cancelled (their caches go with them).
-    See the module's doc for which thread runs the iterations."""
+    An iteration of the engine admits queued requests while the limits allow, runs the next forward of the
+    oldest request being prefilled (its whole prompt, or with a prefix cache a chunk of it, so that a long prompt
+    does not stop the others' decoding; its first token pushed after the last), then runs one
+    `SpeculativeDecoder.step` over every running request, pushes each its step, and drops those that finished,
+    failed or were cancelled (their caches go with them). See the module's doc for which thread runs the
+    iterations."""
 
     def __init__(self, decoder: SpeculativeDecoder, limits: SchedulerLimits = SchedulerLimits(),
                  observer: SchedulerObserver | None = None, idle_seconds: float = 2.0) -> None:
@@ -75,6 +77,7 @@ class BatchScheduler:
         self.observer = observer or SchedulerObserver()
         self.idle_seconds = idle_seconds  # how long a background driver waits for work before it ends
         self._queue: deque[RequestHandle] = deque()
+        self._prefilling: list[tuple[Starting, RequestHandle]] = []  # admitted, first come first prefilled
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._condition = threading.Condition()
         self._driver: threading.Thread | None = None  # the thread that holds the role
@@ -100,7 +103,7 @@ class BatchScheduler:
                                  f"scheduler.max_queued); retry later")
             self._queue.append(handle)
             self._condition.notify_all()
-            self.observer.on_queue(len(self._queue), len(self._running))
+            self.observer.on_queue(len(self._queue), self.running)
         return handle
 
     @property
@@ -109,7 +112,8 @@ class BatchScheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests holding a place: being prefilled or decoded."""
+        return len(self._prefilling) + len(self._running)
 
     def shutdown(self, grace_seconds: float = 30.0) -> bool:
         """Stops taking requests, lets those queued and running finish for up to `grace_seconds`, then cancels
@@ -124,7 +128,7 @@ class BatchScheduler:
         if not self._has_work():
             return True
         with self._condition:
-            handles = list(self._queue) + [handle for _, handle in self._running]
+            handles = list(self._queue) + self._placed()
         for handle in handles:
             handle.cancel()
         deadline = time.monotonic() + 5.0
@@ -157,7 +161,7 @@ class BatchScheduler:
         with self._condition:
             if self._driver is threading.current_thread() and not self._held:
                 self._driver = None
-                waiting = list(self._queue) + [handle for _, handle in self._running]
+                waiting = list(self._queue) + self._placed()
             else:
                 waiting = []
         for handle in waiting:  # another reader may take the role
@@ -191,7 +195,7 @@ class BatchScheduler:
     def ensure_driver(self) -> None:
         """Starts a background thread to drive where no thread does and there is work (for asyncio readers)."""
         with self._condition:
-            if self._driver is not None or not (self._queue or self._running):
+            if self._driver is not None or not self._has_work():
                 return
             thread = threading.Thread(target=self._drive_in_background, name="specpipe-engine", daemon=True)
             self._driver = thread
@@ -214,34 +218,40 @@ class BatchScheduler:
         finally:
             with self._condition:
                 self._driver = None
-                waiting = list(self._queue) + [handle for _, handle in self._running]
+                waiting = list(self._queue) + self._placed()
             for handle in waiting:
                 handle.poke()
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._running)
+        return bool(self._queue or self._prefilling or self._running)
+
+    def _placed(self) -> list[RequestHandle]:
+        """The requests holding a place (being prefilled or decoded)."""
+        return [handle for _, handle in self._prefilling] + [handle for _, handle in self._running]
 
     # ---- one iteration (the driver's thread) -------------------------------------------------------------
     def _iterate(self) -> None:
         try:
             for handle in self._admit():
-                self._start(handle)
+                self._begin(handle)
+            if self._prefilling:
+                self._advance_prefill()
             if self._running:
                 self._step()
         except Exception as error:  # noqa: BLE001 - a bug here must not strand the readers
             log.exception("the batch engine failed; failing its running requests")
-            for _, handle in self._running:
+            for handle in self._placed():
                 self._end(handle, error)
             with self._condition:
-                self._running = []
+                self._prefilling, self._running = [], []
 
     def _admit(self) -> list[RequestHandle]:
         """Requests to start now, first come first served; a queued function is made into its request here."""
         admitted: list[RequestHandle] = []
-        in_flight = sum(handle.request.tokens_reserved for _, handle in self._running)
+        in_flight = sum(handle.request.tokens_reserved for handle in self._placed())
         while True:
             with self._condition:
-                if not self._queue or len(self._running) + len(admitted) >= self.limits.max_sequences:
+                if not self._queue or self.running + len(admitted) >= self.limits.max_sequences:
                     break
                 handle = self._queue[0]
                 if handle.cancelled:
@@ -263,7 +273,7 @@ class BatchScheduler:
                     self._queue.remove(handle)
                 self._end(handle, error)
         with self._condition:
-            self.observer.on_queue(len(self._queue), len(self._running) + len(admitted))
+            self.observer.on_queue(len(self._queue), self.running + len(admitted))
         return admitted
 
     def _check_size(self, request: DecodeRequest) -> None:
@@ -272,15 +282,39 @@ class BatchScheduler:
                                  f"more than this engine's scheduler.max_tokens_in_flight "
                                  f"({self.limits.max_tokens_in_flight}); shorten it")
 
-    def _start(self, handle: RequestHandle) -> None:
+    def _begin(self, handle: RequestHandle) -> None:
         request = handle.request
         try:
-            sequence, output = self.decoder.start(request.prompt_ids, request.stop, request.sampling,
-                                                  request.document_ids)
+            starting = self.decoder.begin(request.prompt_ids, request.stop, request.sampling, request.document_ids)
         except Exception as error:  # noqa: BLE001 - this request's failure only
             self._end(handle, error)
             return
-        self._deliver(handle, output)
+        with self._condition:
+            self._prefilling.append((starting, handle))
+
+    def _advance_prefill(self) -> None:
+        """The next forward of the oldest request being prefilled (the cancelled ones dropped first); once it has
+        started, its first token is pushed and it joins the running requests."""
+        cancelled = [handle for _, handle in self._prefilling if handle.cancelled]
+        with self._condition:
+            self._prefilling = [item for item in self._prefilling if not item[1].cancelled]
+        for handle in cancelled:
+            self._end(handle, Cancelled("the request was cancelled"))
+        if not self._prefilling:
+            return
+        starting, handle = self._prefilling[0]
+        try:
+            if not self.decoder.advance(starting):
+                return
+        except Exception as error:  # noqa: BLE001 - this request's failure only
+            with self._condition:
+                self._prefilling.pop(0)
+            self._end(handle, error)
+            return
+        with self._condition:
+            self._prefilling.pop(0)
+        sequence = starting.sequence
+        self._deliver(handle, starting.output)
         if sequence.finished:
             self._end(handle, None)
         else:
