@@ -11,7 +11,7 @@ of the dev questions (each client sends its next request when one ends) with `st
 level and server: output tokens/s over all clients, tokens/s per request, time to first token (first content
 chunk) p50/p90, for specpipe the accepted tokens per step (its `specpipe` usage field), and the share of prompt
 tokens a server reports reused from its prompt cache (`usage.prompt_tokens_details.cached_tokens`: llama-server keeps
-each slot's last prompt, specpipe's prefix cache the whole blocks of the prompts it saw). Writes summary.json,
+each slot's last prompt, specpipe's prefix cache the blocks of the prompts and answers it saw). Writes summary.json,
 summary.md and server_load.png.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Prompt prefixes computed once: the target's KV rows (and the hidden states the drafters read) of every block of
 `block_tokens` prompt tokens, kept by the tokens before and in the block, so a request whose prompt starts as an
-earlier one's (a system prompt, a RAG template, a chat's earlier turns, the same question again) prefills only what
-differs (`prefix_cache.*`; vLLM's automatic prefix caching and llama.cpp's `cache_prompt` do the like).
+earlier one's (a system prompt, a RAG template, a chat's earlier turns, the same question again) prefills only the
+tokens after what they share (`prefix_cache.*`; vLLM's automatic prefix caching and llama.cpp's `cache_prompt` do
+the like).
 
 Reused rows must be the rows a prefill of the whole prompt would compute, or a request's tokens would depend on what
 ran before it. A dense prefill's rows change in their last bits with how many rows share its products, so where this
@@ -59,15 +60,16 @@ class PrefixCache:
     two engines sharing one cache apart."""
 
     def __init__(self, max_bytes: int, block_tokens: int = 16, chunk_tokens: int = 256) -> None:
-        for name, value in (("memory_mb", max_bytes), ("block_tokens", block_tokens),
+        for name, value in (("max_bytes", max_bytes), ("block_tokens", block_tokens),
                             ("chunk_tokens", chunk_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"prefix_cache.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"prefix_cache: {name} must be a positive integer, got {value!r}")
         self.max_bytes = max_bytes
         self.block_tokens = block_tokens
         self.chunk_tokens = chunk_tokens
         self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # by key, least recently used first
         self._serials = 0
+        self._children: dict[int, list[_Block]] = {}  # by the parent's serial (0: first blocks)
         self._aux_layers: tuple[int, ...] | None = None  # the target's captured layers the blocks hold
         self._lock = threading.Lock()
         self.bytes = 0
@@ -89,8 +91,9 @@ class PrefixCache:
         return prefill.result
 
     def begin(self, target: TargetModel, prompt: Sequence[int], cache: PositionIndexedCache) -> PrefillInProgress:
-        """Starts prefilling `prompt` into the empty `cache`: its longest cached prefix of whole blocks (short of the
-        last token, whose logits a forward must give) is copied in at once; `advance` computes the rest, a
+        """Starts prefilling `prompt` into the empty `cache`: the rows of its longest prefix the cache holds (whole
+        blocks, then the first rows of one more; short of the last token, whose logits a forward must give) are
+        copied in at once; `advance` computes the rest, a
         forward of `chunk_tokens` rows at a time, so that a batch engine can run its decoding steps in between."""
         prompt = list(prompt)
         with self._lock:
@@ -98,11 +101,12 @@ class PrefixCache:
                 self._clear()
                 self._aux_layers = target.aux_layers
             chain = self._match(prompt)
+            partial = self._partial(prompt, chain)
             self.queried_tokens += len(prompt)
-            self.reused_tokens += len(chain) * self.block_tokens
-        if chain:
-            self._load(chain, cache)
-        return PrefillInProgress(self, target, prompt, cache, chain)
+            self.reused_tokens += len(chain) * self.block_tokens + (partial[1] if partial else 0)
+        if chain or partial:
+            self._load(chain, partial, cache)
+        return PrefillInProgress(self, target, prompt, cache, chain, partial)
 
     def keep(self, target: TargetModel, tokens: Sequence[int], cache: PositionIndexedCache, hidden: Tensor,
              aux_hidden: Tensor | None, extends: Sequence[_Block] = ()) -> None:
@@ -123,11 +127,31 @@ class PrefixCache:
     def _key(parent: _Block | None, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:
         return (parent.serial if parent is not None else 0, tuple(tokens))
 
+    def _partial(self, prompt: list[int], chain: list[_Block]) -> tuple[_Block, int] | None:
+        """After `chain` (the whole blocks that begin `prompt`), the cached block that goes on as `prompt` does for
+        the most tokens, short of its last one, and how many: every row depends only on the tokens up to its own,
+        so the first rows of a block are reused however it ends (None where no block begins with the next token)."""
+        start = len(chain) * self.block_tokens
+        wanted = prompt[start:min(start + self.block_tokens, len(prompt) - 1)]
+        best, best_rows = None, 0
+        for block in self._children.get(chain[-1].serial if chain else 0, ()):
+            rows = 0
+            for token, cached in zip(wanted, block.key[1]):
+                if token != cached:
+                    break
+                rows += 1
+            if rows > best_rows:
+                best, best_rows = block, rows
+        if best is None:
+            return None
+        self._blocks.move_to_end(best.key)
+        return best, best_rows
+
     def _match(self, prompt: list[int]) -> list[_Block]:
         """The cached blocks that begin `prompt`, in order, covering at most all but its last token."""
         chain: list[_Block] = []
         size = self.block_tokens
-        for start in range(0, len(prompt) - 1 - size + 1, size):
+        for start in range(0, len(prompt) - size, size):  # blocks that end before the last token
             block = self._blocks.get(self._key(chain[-1] if chain else None, prompt[start:start + size]))
             if block is None:
                 break
@@ -156,6 +180,7 @@ class PrefixCache:
                 if not self._make_room(block.nbytes, protected):
                     return
                 self._blocks[key] = block
+                self._children.setdefault(key[0], []).append(block)
                 self.bytes += block.nbytes
                 if parent is not None:
                     parent.children += 1
@@ -165,7 +190,7 @@ class PrefixCache:
             parent = block
 
     def _make_room(self, nbytes: int, protected: set) -> bool:
-        """Evicts least recently used blocks that no longer prefix extends (never those of `protected`) until
+        """Evicts the least recently used blocks that no other block extends (never those of `protected`) until
         `nbytes` more fit; False where they cannot."""
         while self.bytes + nbytes > self.max_bytes:
             victim = next((block for block in self._blocks.values()
@@ -173,6 +198,10 @@ class PrefixCache:
             if victim is None:
                 return False
             del self._blocks[victim.key]
+            siblings = self._children[victim.key[0]]
+            siblings.remove(victim)
+            if not siblings:
+                del self._children[victim.key[0]]
             self.bytes -= victim.nbytes
             if victim.parent is not None:
                 victim.parent.children -= 1
@@ -180,14 +209,17 @@ class PrefixCache:
 
     def _clear(self) -> None:
         self._blocks.clear()
+        self._children.clear()
         self.bytes = 0
 
     # ---- outside the lock ----------------------------------------------------------------------------------
     @staticmethod
-    def _load(chain: list[_Block], cache: PositionIndexedCache) -> None:
-        """Writes the rows of `chain` into the empty `cache`, each layer's in one copy."""
-        keys = torch.cat([block.keys for block in chain], dim=2)  # [layers, kv_heads, reused, head_dim]
-        values = torch.cat([block.values for block in chain], dim=2)
+    def _load(chain: list[_Block], partial: tuple[_Block, int] | None, cache: PositionIndexedCache) -> None:
+        """Writes the rows of `chain`, then the first rows of `partial`'s block, into the empty `cache`, each layer's
+        in one copy."""
+        parts = [(block, block.keys.shape[2]) for block in chain] + ([partial] if partial else [])
+        keys = torch.cat([block.keys[:, :, :rows] for block, rows in parts], dim=2)  # [layers, kv_heads, n, hd]
+        values = torch.cat([block.values[:, :, :rows] for block, rows in parts], dim=2)
         rows = keys.shape[2]
         like = keys[:1, :, :0]  # [1, kv_heads, 0, head_dim]: a new layer's shape and dtype
         for layer in range(keys.shape[0]):
@@ -200,12 +232,13 @@ class PrefillInProgress:
     """A prompt's prefill through a PrefixCache (`PrefixCache.begin`), a forward at a time; `result` once done."""
 
     def __init__(self, owner: PrefixCache, target: TargetModel, prompt: list[int], cache: PositionIndexedCache,
-                 chain: list[_Block]) -> None:
+                 chain: list[_Block], partial: tuple[_Block, int] | None = None) -> None:
         self.owner, self.target, self.prompt, self.cache, self.chain = owner, target, prompt, cache, chain
-        self.reused_tokens = len(chain) * owner.block_tokens
+        parts = [(block, owner.block_tokens) for block in chain] + ([partial] if partial else [])
+        self.reused_tokens = sum(rows for _, rows in parts)
         self.position = self.reused_tokens  # the next token to compute
-        self._hidden = [block.hidden for block in chain]
-        self._aux_hidden = [block.aux_hidden for block in chain] if target.aux_layers else []
+        self._hidden = [block.hidden[:rows] for block, rows in parts]
+        self._aux_hidden = [block.aux_hidden[:rows] for block, rows in parts] if target.aux_layers else []
         self.result: PrefixPrefill | None = None
 
     @property

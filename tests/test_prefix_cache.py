@@ -27,6 +27,10 @@ def prefill_rows(target, cache_of_prefixes: PrefixCache, prompt: list[int]):
     return prefilled.output, prefilled.reused_tokens, rows
 
 
+def common_prefix(tokens: list[int], other: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), min(len(tokens), len(other)))
+
+
 def assert_same_prefill(got, expected) -> None:
     (out, _, rows), (want, _, want_rows) = got, expected
     assert torch.equal(out.logits, want.logits)
@@ -64,13 +68,16 @@ def test_a_reused_prefix_prefills_bitwise_as_a_fresh_prompt(overrides):
     target = pipe.target
     target.capture_layers((0, 1), "test")
     warm = PrefixCache(64 << 20, block_tokens=BLOCK, chunk_tokens=16)
-    reused = []
+    reused, expected, kept = [], [], []
     for prompt in shared_prefix_prompts(seed=1):
         got = prefill_rows(target, warm, prompt)
         assert_same_prefill(got, prefill_rows(target, PrefixCache(64 << 20, BLOCK, chunk_tokens=16), prompt))
         reused.append(got[1])
-    # whole blocks shared, short of each prompt's last token
-    assert reused == [0, 0, 0, 0, BLOCK, BLOCK, 3 * BLOCK, 5 * BLOCK, 5 * BLOCK, 4 * BLOCK, 5 * BLOCK, 3 * BLOCK]
+        # what an earlier prompt left: its whole blocks; reused as far as they go on as this one, short of its last
+        expected.append(max((min(common_prefix(prompt, rows), len(prompt) - 1) for rows in kept), default=0))
+        kept.append(prompt[:len(prompt) // BLOCK * BLOCK])
+    assert reused == expected
+    assert reused[4:7] == [BLOCK, BLOCK + 3, 3 * BLOCK] and reused[-4:] == [40, 39, 42, 3 * BLOCK]
     assert warm.queried_tokens == sum(len(prompt) for prompt in shared_prefix_prompts(seed=1))
     assert warm.reused_tokens == sum(reused)
 
@@ -160,8 +167,8 @@ def test_embedded_model_reuses_its_chat_prefix_exactly(embedded):
     assert reused_first > 0  # the template's system prompt
     again = [pipe.generate(prompt, max_new_tokens=32).token_ids for prompt in prompts]
     assert again == first
-    whole_blocks = sum((len(pipe.request(prompt, 32).prompt_ids) - 1) // 16 * 16 for prompt in prompts)
-    assert pipe.decoder.prefix_cache.reused_tokens - reused_first == whole_blocks
+    all_but_the_last = sum(len(pipe.request(prompt, 32).prompt_ids) - 1 for prompt in prompts)
+    assert pipe.decoder.prefix_cache.reused_tokens - reused_first == all_but_the_last
 
 
 @pytest.mark.embedded
@@ -175,12 +182,12 @@ def test_embedded_models_next_chat_turn_reuses_the_first_turns_answer(embedded):
                             {"role": "user", "content": "Which of them is the longest?"}]
     before = pipe.decoder.prefix_cache.reused_tokens
     second = pipe.generate(follow_up, max_new_tokens=40)
-    # the rows kept: the first prompt and answer but its last token; reused as far as the follow-up's tokens
-    # repeat them (the template re-encodes the answer's text, which may split a token it generated)
+    # the rows kept: the whole blocks of the first prompt and answer but its last token; reused as far as the
+    # follow-up's tokens repeat them (the template re-encodes the answer's text, which may split a token it generated)
     kept = first.prompt_ids + first.token_ids[:-1]
     common = next((i for i, (a, b) in enumerate(zip(kept, second.prompt_ids)) if a != b), len(kept))
     reused = pipe.decoder.prefix_cache.reused_tokens - before
-    assert reused == min(common, len(second.prompt_ids) - 1) // 16 * 16 > len(first.prompt_ids)
+    assert reused == min(common, len(kept) // 16 * 16, len(second.prompt_ids) - 1) > len(first.prompt_ids)
     pipe.decoder.prefix_cache = pipe.decoder.prefix_cache.empty_copy()
     assert pipe.generate(follow_up, max_new_tokens=40).token_ids == second.token_ids
 

@@ -1,9 +1,10 @@
 """The decode loop: Retrieve/Draft -> TreeBuild -> Verify -> Commit, one step at a time, for one sequence
 or for a batch of them verified in one target forward.
 
-`SpeculativeDecoder.start` prefills a request and returns its `Sequence`; `step` advances every sequence of a
-batch by one step; `decode` is the loop for one sequence alone (a batch of one). The batch engine
-(specpipe.serving) calls `start` and `step`; nothing else decodes.
+`SpeculativeDecoder.start` prefills a request and returns its `Sequence` (`begin` and `advance`: the same a
+forward at a time); `step` advances every sequence of a batch by one step; `decode` is the loop for one sequence
+alone (a batch of one). The batch engine (specpipe.serving) calls `begin`, `advance` and `step`; nothing else
+decodes.
 """
 from __future__ import annotations
 
@@ -67,11 +68,6 @@ class Starting:
     prefill: PrefillInProgress | None = None  # through a prefix cache; None: one forward of the whole prompt
     sequence: Sequence | None = None
     output: StepOutput | None = None
-
-    @property
-    def computed_tokens(self) -> int:
-        """The prompt tokens whose rows are in the cache so far."""
-        return self.cache.get_seq_length()
 
 
 @dataclass(eq=False)

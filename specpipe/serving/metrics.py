@@ -40,7 +40,8 @@ class ServerMetrics(SchedulerObserver):
         self.inter_token_latency = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between a request's steps, per "
                                              "token they committed", buckets=LATENCY_BUCKETS, registry=registry)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests queued for a place", registry=registry)
-        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests being decoded", registry=registry)
+        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests being prefilled or decoded",
+                             registry=registry)
         self.drafts = Counter(f"{PREFIX}spec_decode_num_drafts", "Steps that verified a draft", registry=registry)
         self.draft_tokens = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Draft tokens verified", registry=registry)
         self.accepted_tokens = Counter(f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted",
