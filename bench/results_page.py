@@ -339,8 +339,8 @@ def render_page(measurements: dict[str, Measurement]) -> str:
                        "with every prompt prefilled on both sides (`--no-llama-prompt-cache`: `cache_prompt=false` "
                        "with each request to llama-server)"),
         server_section(measurements[SERVER_LOAD_ZEN3_PREFIX_CACHE],
-                       "With specpipe's prefix cache (on by default in `task=serve`: the rows of every whole block "
-                       "of 16 prompt tokens kept and reused, every prefill row-invariant so that reuse is exact; "
+                       "With specpipe's prefix cache (on by default in `task=serve`: the rows of the prompts and "
+                       "answers it saw kept and reused, every prefill row-invariant so that reuse is exact; "
                        "[Serving](SERVING.md#prompt-prefixes-computed-once)) against llama-server with its own "
                        "prompt cache, both reporting the share of prompt tokens they reused"),
         "## On a GPU",
