@@ -32,12 +32,10 @@ class _Block:
 
     key: tuple[int, tuple[int, ...]]  # (its parent's serial, 0 for the first block; its tokens)
     serial: int
-    parent: _Block | None
     keys: Tensor  # [layers, kv_heads, block_tokens, head_dim]
     values: Tensor  # [layers, kv_heads, block_tokens, head_dim]
     hidden: Tensor  # [block_tokens, width]: the target's last hidden states (DecodeState.prompt_hidden)
     aux_hidden: Tensor | None  # [block_tokens, k * width] (DecodeState.prompt_aux_hidden), or None
-    children: int = 0
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +67,7 @@ class PrefixCache:
         self.chunk_tokens = chunk_tokens
         self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # by key, least recently used first
         self._serials = 0
-        self._children: dict[int, list[_Block]] = {}  # by the parent's serial (0: first blocks)
+        self._children: dict[int, list[_Block]] = {}  # by the parent's serial (0: first blocks); none: a leaf
         self._aux_layers: tuple[int, ...] | None = None  # the target's captured layers the blocks hold
         self._lock = threading.Lock()
         self.bytes = 0
@@ -93,8 +91,8 @@ class PrefixCache:
     def begin(self, target: TargetModel, prompt: Sequence[int], cache: PositionIndexedCache) -> PrefillInProgress:
         """Starts prefilling `prompt` into the empty `cache`: the rows of its longest prefix the cache holds (whole
         blocks, then the first rows of one more; short of the last token, whose logits a forward must give) are
-        copied in at once; `advance` computes the rest, a
-        forward of `chunk_tokens` rows at a time, so that a batch engine can run its decoding steps in between."""
+        copied in at once; `advance` computes the rest, a forward of `chunk_tokens` rows at a time, so that a batch
+        engine can run its decoding steps in between."""
         prompt = list(prompt)
         with self._lock:
             if self._aux_layers != target.aux_layers:  # the blocks hold other layers' states than it gives
@@ -175,15 +173,13 @@ class PrefixCache:
                 keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
                 values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
                 self._serials += 1
-                block = _Block(key, self._serials, parent, keys, values, hidden[start:end].clone(),
+                block = _Block(key, self._serials, keys, values, hidden[start:end].clone(),
                                aux_hidden[start:end].clone() if aux_hidden is not None else None)
                 if not self._make_room(block.nbytes, protected):
                     return
                 self._blocks[key] = block
                 self._children.setdefault(key[0], []).append(block)
                 self.bytes += block.nbytes
-                if parent is not None:
-                    parent.children += 1
             else:
                 self._blocks.move_to_end(key)
             protected.add(key)
@@ -194,7 +190,7 @@ class PrefixCache:
         `nbytes` more fit; False where they cannot."""
         while self.bytes + nbytes > self.max_bytes:
             victim = next((block for block in self._blocks.values()
-                           if block.children == 0 and block.key not in protected), None)
+                           if block.serial not in self._children and block.key not in protected), None)
             if victim is None:
                 return False
             del self._blocks[victim.key]
@@ -203,8 +199,6 @@ class PrefixCache:
             if not siblings:
                 del self._children[victim.key[0]]
             self.bytes -= victim.nbytes
-            if victim.parent is not None:
-                victim.parent.children -= 1
         return True
 
     def _clear(self) -> None:

@@ -432,8 +432,7 @@ class TargetModel:
         """One forward of the model with `inputs` (its keyword arguments), every hidden state recorded, the logits
         of `logits_to_keep` (transformers' meaning)."""
         out = self.model(output_hidden_states=True, logits_to_keep=logits_to_keep, **inputs)
-        logits, states = out.logits, out.hidden_states
         # Under a device map the last layers may run on another GPU than the first: hand every
         # stage its rows on the runner's device (a no-op for a model on one device).
-        return ForwardOutput(logits[0].float().to(self.device), states[-1][0].to(self.device),
-                             aux_hidden=self._aux_hidden(states))  # gathered on self.device there
+        return ForwardOutput(out.logits[0].float().to(self.device), out.hidden_states[-1][0].to(self.device),
+                             aux_hidden=self._aux_hidden(out.hidden_states))  # gathered on self.device there

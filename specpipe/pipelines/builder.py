@@ -196,7 +196,8 @@ def prefix_cache(cfg: DictConfig, target: TargetModel) -> PrefixCache | None:
         raise ConfigError(f"prefix_cache.memory_mb must be a number of MiB >= 0 (0 = off) or auto, got {memory_mb!r}")
     if memory_mb == 0:
         return None
-    cache = PrefixCache(memory_mb << 20, values.get("block_tokens", 16), values.get("chunk_tokens", 256))
+    sizes = {name: values[name] for name in ("block_tokens", "chunk_tokens") if name in values}
+    cache = PrefixCache(memory_mb << 20, **sizes)
     if not target.row_invariant:
         log.warning("prefix_cache: off, engine=%s does not compute a prefill's rows independently of the rows "
                     "beside them (the CPU engine with engine.batch_invariant=true does), so reused rows would not "
