@@ -98,7 +98,8 @@ def test_the_embedded_models_blocks_are_its_dense_weights_bit_for_bit(kernel, em
 @pytest.mark.embedded
 def test_the_embedded_model_runs_its_file_blocks_by_default_and_says_so(kernel, embedded, caplog):
     with caplog.at_level(logging.DEBUG):
-        pipe = build_pipeline(compose_config(["model=smollm2_135m", "pipeline=vanilla", "cost_curve=flat"]))
+        pipe = build_pipeline(compose_config(["model=smollm2_135m", "pipeline=vanilla", "cost_curve=flat",
+                                              "engine.native_tiles=false"]))
     assert "native Q4_1/Q8_0 weights" in caplog.text
     packed = [module for module in pipe.target.model.modules() if isinstance(module, PackedWeight)]
     assert len(packed) == 30 * 4 + 1  # q|k|v, o, gate|up and down of each layer, and the output layer
@@ -267,7 +268,8 @@ def test_a_target_quantized_at_load_is_one_model_for_every_pipeline(kernel, kind
     expected = [hf.generate(prompt, max_new_tokens=20).token_ids for prompt in prompts]
     for pipeline in ("vanilla", "lookahead_trie"):
         pipe = build_pipeline(compose_config(["model=tiny_random", f"pipeline={pipeline}", "cost_curve=flat",
-                                              f"engine.target_weights={kind}"]), loaded=_context_dependent_tiny())
+                                              f"engine.target_weights={kind}", "engine.native_tiles=false"]),
+                              loaded=_context_dependent_tiny())
         packed = [module for module in pipe.target.model.modules() if isinstance(module, PackedWeight)]
         assert packed and all(module.native_format == NATIVE_FORMATS[QUANTIZE_AT_LOAD[kind]] for module in packed)
         assert [pipe.generate(prompt, max_new_tokens=20).token_ids for prompt in prompts] == expected, pipeline

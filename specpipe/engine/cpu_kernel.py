@@ -26,7 +26,8 @@ from specpipe.engine.base import ThreadFlag
 from specpipe.engine.cpu_kernel_build import (DEFAULT_BLOCK_LOOKAHEAD_ROWS, BlockProduct, build_kernel, build_name,
                                               kernel_isa)
 from specpipe.engine.cpu_kernel_checks import (amx_mismatch, attention_mismatch, gate_mismatch, gguf_check,
-                                               invariant_mismatch, norm_mismatch, ragged_mismatch, self_check)
+                                               gguf_tiles_mismatch, invariant_mismatch, norm_mismatch, ragged_mismatch,
+                                               self_check)
 from specpipe.engine.cpuinfo import cpu_flags
 from specpipe.engine.cpuinfo import first_line as _first_line
 
@@ -92,6 +93,11 @@ class CpuKernel:
         # cleared with `product`
         self.gguf_product = None
         self.gguf_widen = None
+        # gguf_tile_pack(blocks [out, in / 32 * 20] uint8 Q4_1, in) -> the blocks reordered for the AMX tile product
+        # (gguf_weights.TILE_FORMATS), where this CPU has AMX tiles, Linux grants them and the product passes its
+        # check; else None, and `gguf_tiles_reason` says why
+        self.gguf_tile_pack = None
+        self.gguf_tiles_reason = ""
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
         # [..., out]: the product over int8 weights (specpipe.engine.quantize); set and cleared with `product`
         self.quantized_product = None
@@ -151,6 +157,7 @@ class CpuKernel:
                                            module.block_decoder_layer, module.block_draft_level)
             self_check(self.product, self.quantized_product, self.blocks)
             gguf_check(self.gguf_product, self.gguf_widen)
+            self._take_gguf_tiles(module)
             self.invariant_reason = invariant_mismatch(module.invariant_weight_product)
             self.invariant_product = None if self.invariant_reason else module.invariant_weight_product
             if amx_rows > 0:
@@ -192,6 +199,26 @@ class CpuKernel:
             self.gate = module.silu_gate
         if self.norm is not None and self.attention is not None:
             self.native_layer = module.native_decoder_layer
+
+    def _take_gguf_tiles(self, module) -> None:
+        """The Q4_1 product on AMX tiles (gguf_tile_pack), where this build and CPU have the tiles, Linux grants them
+        and the product passes its check; else `gguf_tiles_reason`."""
+        if self.isa != "avx512_bf16":
+            self.gguf_tiles_reason = f"the kernel's {self.isa} build has no AMX tile product"
+        elif "amx_bf16" not in cpu_flags():
+            self.gguf_tiles_reason = "this CPU has no AMX tiles"
+        elif not module.amx_request():
+            self.gguf_tiles_reason = ("Linux did not grant this process the AMX tile state "
+                                      "(arch_prctl ARCH_REQ_XCOMP_PERM)")
+        else:
+            try:
+                mismatch = gguf_tiles_mismatch(module.gguf_tile_pack, module.gguf_product, module.gguf_widen)
+            except RuntimeError as error:  # a compiler without the tile intrinsics builds the product as an error
+                mismatch = _first_line(error)[:200]
+            if mismatch:
+                self.gguf_tiles_reason = f"its Q4_1 product on AMX tiles fails its check here ({mismatch})"
+            else:
+                self.gguf_tile_pack = module.gguf_tile_pack
 
     def _take_amx(self, module, min_rows: int) -> None:
         """The blocks' products of `min_rows` rows and more on AMX tiles, inside `self.tiles.permitted()`, where this

@@ -107,6 +107,36 @@ def gguf_check(gguf_product, gguf_widen) -> None:
             raise RuntimeError(f"the kernel's product over {name} blocks gives a row other sums beside others")
 
 
+def gguf_tiles_mismatch(tile_pack, gguf_product, gguf_widen) -> str:
+    """How the product over Q4_1 blocks packed for AMX tiles (gguf_tile_pack) disagrees with the fp32 weights the
+    blocks hold (fp32 and bf16 rows; its sums are not bitwise the vector product's) or with itself across row counts
+    (a row's output must not depend on the rows beside it, 1-40 rows); '' where it agrees."""
+    import numpy as np
+
+    from specpipe.engine.gguf_weights import NATIVE_FORMATS, TILE_FORMATS, random_blocks
+
+    generator = torch.Generator().manual_seed(5)
+    q4_1, tiles_id = NATIVE_FORMATS["Q4_1"], TILE_FORMATS["Q4_1_TILES"]
+    for out_features, in_features in ((48, 96), (32, 576)):
+        blocks = torch.from_numpy(random_blocks("Q4_1", out_features, in_features, np.random.default_rng(5)))
+        tiles = tile_pack(blocks, in_features)
+        weight = gguf_widen(blocks, q4_1, in_features)  # [out, in] fp32
+        if not torch.equal(gguf_widen(tiles, tiles_id, in_features), weight):
+            return "its tiles do not hold the blocks' weights"
+        bias = torch.randn(out_features, generator=generator)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(40, in_features, generator=generator).to(dtype)  # [rows, in]
+            alone = torch.cat([gguf_product(x[row:row + 1], tiles, tiles_id, in_features, bias) for row in range(40)])
+            expected = (x.double() @ weight.double().t() + bias.double()).to(dtype)
+            if not torch.allclose(alone.double(), expected.double(), rtol=1e-4 if dtype == torch.float32 else 2 ** -7,
+                                  atol=1e-4 if dtype == torch.float32 else 1e-2):
+                return f"it disagrees with an fp64 product of the blocks' weights ({dtype} rows)"
+            for rows in (2, 3, 5, 6, 16, 17, 40):
+                if not torch.equal(gguf_product(x[:rows], tiles, tiles_id, in_features, bias), alone[:rows]):
+                    return f"a row of {rows} differs from its one-row product ({dtype} rows)"
+    return ""
+
+
 def amx_mismatch(amx_product, blocks: BlockProduct) -> str:
     """How the AMX product disagrees with the column blocks' (fp32 sums of bf16 products both, in the order of k,
     maybe not bitwise alike) or with itself across row counts (a row's output must not depend on the rows beside

@@ -13,6 +13,7 @@ BF16, Q2_K, Q3_K, the IQ formats) are left out: those linears keep their dense w
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,10 @@ NATIVE_FORMATS = {name: int(GGMLQuantizationType[name])
                   for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 BLOCK_VALUES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0] for name in NATIVE_FORMATS}
 BLOCK_BYTES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][1] for name in NATIVE_FORMATS}
+# Blocks reordered for the kernel's AMX tile product (gguf_tiles.h): the format id gguf_product takes for them (not a
+# ggml type id), by name
+TILE_FORMATS = {"Q4_1_TILES": 0x100 + NATIVE_FORMATS["Q4_1"]}
+TILE_FORMAT_NAMES = {"Q4_1_TILES": "Q4_1 (on AMX tiles)"}
 # engine.target_weights: a dense model's weights quantized at load to these formats (gguf-py's quantizers, which
 # reproduce ggml's): int8 = Q8_0 (an fp16 step per 32 weights), int4 = Q4_1 (an fp16 step and minimum per 32)
 QUANTIZE_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
@@ -45,7 +50,7 @@ class GgufWeight:
     """One linear's weight in GGUF blocks: [out_features, in_features / block values * block bytes] uint8."""
 
     blocks: Tensor  # [out, row bytes] uint8, contiguous
-    format: str  # a key of NATIVE_FORMATS
+    format: str  # a key of NATIVE_FORMATS or TILE_FORMATS
     in_features: int
 
     @property
@@ -54,7 +59,7 @@ class GgufWeight:
 
     @property
     def type_id(self) -> int:
-        return NATIVE_FORMATS[self.format]
+        return NATIVE_FORMATS[self.format] if self.format in NATIVE_FORMATS else TILE_FORMATS[self.format]
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -93,6 +98,14 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
             blocks = blocks[rotary_rows(blocks.shape[0], num_kv_heads)]
         weights[name] = GgufWeight(torch.from_numpy(np.array(blocks, copy=True)), format_name, in_features)
     return weights
+
+
+def on_tiles(weights: dict[str, GgufWeight], tile_pack: Callable[[Tensor, int], Tensor]) -> dict[str, GgufWeight]:
+    """`weights` with every Q4_1 weight whose output features are a multiple of 16 reordered for the kernel's AMX tile
+    product (`tile_pack`: CpuKernel.gguf_tile_pack; same bytes, same weights), the others as they are."""
+    return {name: GgufWeight(tile_pack(weight.blocks, weight.in_features), "Q4_1_TILES", weight.in_features)
+            if weight.format == "Q4_1" and weight.out_features % 16 == 0 else weight
+            for name, weight in weights.items()}
 
 
 def _module_name(tensor: str, output_from_embedding: bool) -> str | None:

@@ -133,6 +133,12 @@ class OneDNNEngine:
     # With native weights: products of up to this many rows run over the blocks (larger ones, prompts, over the dense
     # weights); "auto" = 64
     native_rows: int | str = "auto"
+    # With native weights on CPUs with AMX tiles: Q4_1 blocks reordered once for the kernel's tile product
+    # (gguf_tiles.h: codes widened to bf16 on the tiles, fp32 rows as three exact bf16 parts, per-block fp32 scaling),
+    # whose cost grows far slower with the rows than the vector product's. Its sums are in another order than the
+    # vector product's (not bitwise alike); each row's output is still the same whatever rows come with it. "auto" =
+    # where the kernel's tile product serves; true = that, else ConfigError; false = the vector product
+    native_tiles: bool | str = "auto"
     # The target's decoding steps and verifies compute every row as its one-row forward would, bit for bit: their
     # products run over the native blocks, the column blocks or the kernel's invariant_product at any row count (never
     # oneDNN's or AMX tiles', whose sums change with the row count), so a tree node's logits are its path's one-token
@@ -167,6 +173,8 @@ class OneDNNEngine:
                               f"{MAX_BLOCK_LOOKAHEAD_ROWS}, got {rows!r}")
         if self.amx_rows != "auto" and not (type(self.amx_rows) is int and self.amx_rows >= 0):
             raise ConfigError(f"engine.amx_rows must be 'auto' or a row count >= 0 (0 = never), got {self.amx_rows!r}")
+        if self.native_tiles not in ("auto", True, False):
+            raise ConfigError(f"engine.native_tiles must be auto, true or false, got {self.native_tiles!r}")
         if type(self.batch_invariant) is not bool:
             raise ConfigError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
         if type(self.native_layers) is not bool:
@@ -445,7 +453,7 @@ class OneDNNEngine:
         """The weights in GGUF blocks to use (the model file's, or the linears quantized now for int8/int4), the
         kernel's product over them and up to how many rows, as `target_weights` asks; where native, int8 or int4 was
         asked and cannot be served, ConfigError says why."""
-        from specpipe.engine.gguf_weights import QUANTIZE_AT_LOAD, quantize_linears
+        from specpipe.engine.gguf_weights import QUANTIZE_AT_LOAD, on_tiles, quantize_linears
 
         asked = self.target_weights
         if native is None or asked == "dense" or (asked == "auto" and not native):
@@ -467,6 +475,12 @@ class OneDNNEngine:
             native = quantize_linears(model, asked)
         else:
             native = self._matching_blocks(model, native, kernel.gguf_widen)
+        if self.native_tiles is not False:
+            if kernel.gguf_tile_pack is not None:
+                native = on_tiles(native, kernel.gguf_tile_pack)
+            elif self.native_tiles is True:
+                raise ConfigError(f"engine.native_tiles=true: the kernel's AMX tile product does not serve here "
+                                  f"({kernel.gguf_tiles_reason}); use native_tiles=auto or false")
         return native, product, AUTO_NATIVE_ROWS if self.native_rows == "auto" else self.native_rows
 
     def _matching_blocks(self, model: nn.Module, native: dict[str, GgufWeight], widen: Callable) -> dict:
@@ -535,6 +549,8 @@ def _native_names(swaps: list[tuple[nn.Module, str, OneDNNLinear]]) -> str | Non
                              if replacement.packed.native_blocks is not None})
     if not native_formats:
         return None
-    from specpipe.engine.gguf_weights import NATIVE_FORMATS
+    from specpipe.engine.gguf_weights import NATIVE_FORMATS, TILE_FORMAT_NAMES, TILE_FORMATS
 
-    return "/".join(name for name, type_id in NATIVE_FORMATS.items() if type_id in native_formats)
+    names = {type_id: name for name, type_id in NATIVE_FORMATS.items()}
+    names.update({type_id: TILE_FORMAT_NAMES[name] for name, type_id in TILE_FORMATS.items()})
+    return "/".join(names[type_id] for type_id in native_formats)

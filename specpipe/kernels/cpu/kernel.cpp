@@ -15,6 +15,7 @@
 //   attention.h    tree_attention, ragged_tree_attention: a step's or a verify's attention over the KV cache
 //   gate.h         silu_gate: the MLP's silu(gate) * up, bitwise torch's
 //   draft_level.h  block_decoder_layer, block_draft_level: a draft head's layer and level in one call
+//   gguf_tiles.h   gguf_tile_pack: Q4_1 blocks reordered for AMX tiles, which gguf_product then multiplies on them
 //   native_layer.h native_decoder_layer: a target's decoder layer over GGUF blocks in one call
 //
 // One translation unit, because the parts share helpers in anonymous namespaces and call into each other, and torch's
@@ -32,6 +33,7 @@
 #include "attention.h"
 #include "gate.h"
 #include "draft_level.h"
+#include "gguf_tiles.h"
 #include "native_layer.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -47,6 +49,8 @@ m.def("ragged_tree_attention", torch::wrap_pybind_function(ragged_tree_attention
 m.def("silu_gate", torch::wrap_pybind_function(silu_gate), "silu_gate");
 m.def("gguf_product", torch::wrap_pybind_function(gguf_product), "gguf_product");
 m.def("gguf_widen", torch::wrap_pybind_function(gguf_widen), "gguf_widen");
+m.def("gguf_tile_pack", torch::wrap_pybind_function(gguf_tile_pack), "gguf_tile_pack");
+m.def("gguf_tile_unpack", torch::wrap_pybind_function(gguf_tile_unpack), "gguf_tile_unpack");
 m.def("block_decoder_layer", torch::wrap_pybind_function(block_decoder_layer), "block_decoder_layer");
 m.def("block_draft_level", torch::wrap_pybind_function(block_draft_level), "block_draft_level");
 m.def("native_decoder_layer", torch::wrap_pybind_function(native_decoder_layer), "native_decoder_layer");

@@ -1,0 +1,274 @@
+// specpipe's CPU kernel, Q4_1 weights on AMX tiles: gguf_tile_pack reorders a weight's Q4_1 blocks (same bytes, same
+// codes, steps and minimums) so that 16 output features' codes for 32 weights of k widen straight into the B operand
+// of one TDPBF16PS, and gguf_tile_product multiplies rows of x by them on the tiles.
+//
+// Why: the vector product (gguf.h) pays one fused multiply-add per weight and row, so its cost grows with the rows
+// from a few on; one TDPBF16PS multiplies 16 rows by 16 features x 32 weights, so up to 16 rows cost about what one
+// does (widening the codes), and a batch of requests or a tree verifies for about a one-token step's time.
+// The arithmetic: a Q4_1 weight is d * q + m (fp16 step d and minimum m per 32 weights, 4-bit code q), so a row's
+// sum over a block is d * sum(q * x) + m * sum(x). A code is exact in bf16, and an fp32 x is exactly the sum of three
+// bf16 parts (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)), so sum(q * x) is the tiles' fp32 sum of
+// the exact products q * part (one part where x is bf16). Each row's block sums, their scaling and their sum over the
+// blocks run in one order whatever rows come with it: a row's output does not depend on the rows beside it, nor on how
+// many there are. They are not bitwise the vector product's (another order of sums), so a model takes one of the two
+// for all its products (specpipe.engine.packed_weight).
+// A part of kernel.cpp's one translation unit (see there).
+
+#pragma once
+
+#include "blocks.h"
+#include "gguf.h"
+
+namespace {
+
+// A tile of the packed weight: 16 output features x 32 weights of k: the 16 steps (fp16), the 16 minimums (fp16),
+// then for each of the 16 pairs p of k one 16-byte line whose byte j holds B-tile word j in its low nibble and word
+// 16 + j in its high one, where word 2n + s is feature n's code for weight 2p + s.
+constexpr int64_t kQ4TileFeatures = 16, kQ4TileValues = 32, kQ4TileBytes = 16 * 20;
+constexpr int64_t kQ4TileCodes = 64;  // where the code lines start
+
+// Q4_1 blocks [out, in / 32 * 20] -> the same weight in tile order (same shape), tiles of a feature group in the
+// order of k. Needs out a multiple of 16.
+void pack_q4_1_tiles(const uint8_t* blocks, uint8_t* tiles, int64_t out, int64_t in) {
+  const int64_t count = in / kQ4TileValues, row_bytes = count * 20;
+  at::parallel_for(0, out / kQ4TileFeatures, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group)
+      for (int64_t b = 0; b < count; ++b) {
+        uint8_t* tile = tiles + (group * count + b) * kQ4TileBytes;
+        std::memset(tile + kQ4TileCodes, 0, kQ4TileBytes - kQ4TileCodes);
+        for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
+          const uint8_t* block = blocks + (group * kQ4TileFeatures + n) * row_bytes + b * 20;
+          std::memcpy(tile + 2 * n, block, 2);       // d
+          std::memcpy(tile + 32 + 2 * n, block + 2, 2);  // m
+          for (int k = 0; k < kQ4TileValues; ++k) {
+            const int code = k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4;
+            const int p = k / 2, word = 2 * static_cast<int>(n) + k % 2;
+            tile[kQ4TileCodes + 16 * p + word % 16] |= static_cast<uint8_t>(word < 16 ? code : code << 4);
+          }
+        }
+      }
+  });
+}
+
+// The inverse of pack_q4_1_tiles: tiles -> Q4_1 blocks [out, in / 32 * 20]
+void unpack_q4_1_tiles(const uint8_t* tiles, uint8_t* blocks, int64_t out, int64_t in) {
+  const int64_t count = in / kQ4TileValues, row_bytes = count * 20;
+  for (int64_t group = 0; group < out / kQ4TileFeatures; ++group)
+    for (int64_t b = 0; b < count; ++b) {
+      const uint8_t* tile = tiles + (group * count + b) * kQ4TileBytes;
+      for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
+        uint8_t* block = blocks + (group * kQ4TileFeatures + n) * row_bytes + b * 20;
+        std::memcpy(block, tile + 2 * n, 2);
+        std::memcpy(block + 2, tile + 32 + 2 * n, 2);
+        std::memset(block + 4, 0, 16);
+        for (int k = 0; k < kQ4TileValues; ++k) {
+          const int p = k / 2, word = 2 * static_cast<int>(n) + k % 2;
+          const uint8_t line = tile[kQ4TileCodes + 16 * p + word % 16];
+          const int code = word < 16 ? line & 0x0F : line >> 4;
+          block[4 + k % 16] |= static_cast<uint8_t>(k < 16 ? code : code << 4);
+        }
+      }
+    }
+}
+
+#ifdef SPECPIPE_AMX
+constexpr int kQ4TileMaxRows = 16;  // rows of x one TDPBF16PS takes
+
+// Tiles for `rows` rows of parts a product and two feature groups side by side (two independent chains of tile
+// products): 0-1 the feature groups' sums (rows x 16 fp32), 2-3 their codes (16 pairs x 16 features), 4 the parts
+// (rows x 16 pairs)
+SPECPIPE_AMX_TARGET void q4_tiles_configure(int rows) {
+  AmxConfig config;
+  for (int t = 0; t <= 4; ++t) {
+    config.rows[t] = static_cast<uint8_t>(t == 2 || t == 3 ? 16 : rows);
+    config.bytes_per_row[t] = 64;
+  }
+  asm volatile("" : : "r"(&config) : "memory");  // every shape stored before LDTILECFG reads them (see amx_configure)
+  _tile_loadconfig(&config);
+}
+
+// A tile's 16 code lines as the B operand: 16 pairs of k x 16 features of bf16 codes, 64 bytes a pair
+inline void widen_q4_codes(const uint8_t* lines, uint16_t* operand) {
+  // word i < 16: bf16(i), the upper half of the fp32 value (exact), looked up by each word's low 5 bits
+  alignas(64) static constexpr uint16_t kCodes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                                      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i bf16_codes = _mm512_load_si512(kCodes);
+  const __m512i low_nibbles = _mm512_set1_epi16(0x0F);
+#pragma GCC unroll 8
+  for (int p = 0; p < 16; p += 2) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 16 * p)));
+    const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibbles), bf16_codes);
+    const __m512i high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), bf16_codes);
+    _mm512_store_si512(operand + 32 * p, _mm512_shuffle_i64x2(low, high, 0x44));
+    _mm512_store_si512(operand + 32 * (p + 1), _mm512_shuffle_i64x2(low, high, 0xEE));
+  }
+}
+
+// The block's sums of parts (the C tiles', [rows * part_count, 16], a row's parts side by side) scaled into the
+// running sums [rows, 16]: a row's parts' sums added in order (hi + mid + lo), sum += that * d, then sum += m * the
+// row's sum of x over the block
+inline void scale_block(const float* block, const uint8_t* tile, const float* row_sums, int64_t count, float* sums,
+                        int64_t rows, int part_count) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32)));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* parts = block + 16 * part_count * r;
+    __m512 codes_times_x = _mm512_load_ps(parts);
+    for (int s = 1; s < part_count; ++s) codes_times_x = _mm512_add_ps(codes_times_x, _mm512_load_ps(parts + 16 * s));
+    const __m512 acc = _mm512_fmadd_ps(codes_times_x, d, _mm512_load_ps(sums + 16 * r));
+    _mm512_store_ps(sums + 16 * r, _mm512_fmadd_ps(m, _mm512_set1_ps(row_sums[r * count]), acc));
+  }
+}
+
+// out[r, 16 g + n] for the feature groups g = group, group + 1 (G of them) and the `rows` rows of x, from their parts
+// (`parts` [padded, in] bf16: row r's part s at r * part_count + s, zero rows after them), `tile_rows` of them a tile
+// product, and the rows' sums over each block (`block_sums` [rows, count]). Scratch, 64-byte aligned: `sums` [G,
+// rows, 16] and `block` [G, padded, 16] fp32.
+template <int G, typename Out>
+SPECPIPE_AMX_TARGET void q4_tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
+                                                 const float* block_sums, const float* bias, Out* out, float* sums,
+                                                 float* block, int64_t rows, int64_t padded, int tile_rows, int64_t in,
+                                                 int64_t out_stride, int64_t group) {
+  const int64_t count = in / kQ4TileValues, stride = in * static_cast<int64_t>(sizeof(uint16_t));
+  alignas(64) uint16_t operand[G][16 * 32];
+  for (int64_t i = 0; i < G * rows; ++i) _mm512_store_ps(sums + 16 * i, _mm512_setzero_ps());
+  const uint8_t* first_tile = tiles + group * count * kQ4TileBytes;
+  const int64_t group_bytes = count * kQ4TileBytes;
+  for (int64_t b = 0; b < count; ++b) {
+    const uint8_t* tile = first_tile + b * kQ4TileBytes;
+    for (int g = 0; g < G; ++g) {
+      const char* ahead = reinterpret_cast<const char*>(tile + g * group_bytes) + kGgufLookahead;
+      for (int line = 0; line < kQ4TileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+      widen_q4_codes(tile + g * group_bytes + kQ4TileCodes, operand[g]);
+    }
+    _tile_loadd(2, operand[0], 64);
+    if constexpr (G > 1) _tile_loadd(3, operand[1], 64);
+    for (int64_t first = 0; first < padded; first += tile_rows) {
+      _tile_zero(0);
+      if constexpr (G > 1) _tile_zero(1);
+      _tile_loadd(4, parts + first * in + b * kQ4TileValues, stride);
+      _tile_dpbf16ps(0, 4, 2);
+      if constexpr (G > 1) _tile_dpbf16ps(1, 4, 3);
+      _tile_stored(0, block + 16 * first, 64);
+      if constexpr (G > 1) _tile_stored(1, block + 16 * (padded + first), 64);
+    }
+    for (int g = 0; g < G; ++g)
+      scale_block(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count, sums + 16 * g * rows, rows,
+                  part_count);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
+        const int64_t feature = (group + g) * kQ4TileFeatures + n;
+        float value = sums[16 * (g * rows + r) + n];
+        if (bias != nullptr) value += bias[feature];
+        out[r * out_stride + feature] = static_cast<Out>(value);
+      }
+}
+
+// bf16 parts of x's rows [rows, in] (three for fp32 x, one for bf16 x) as q4_tiles_feature_groups takes them, zero rows
+// up to `padded`, and each row's sums over its blocks of 32 [rows, in / 32] (fp32, in one order)
+void q4_tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t padded, int64_t in,
+                   torch::Tensor& parts, torch::Tensor& block_sums) {
+  const bool wide = x.scalar_type() == torch::kFloat32;
+  const int64_t count = in / kQ4TileValues;
+  parts = torch::zeros({padded, in}, x.options().dtype(torch::kBFloat16));
+  block_sums = torch::empty({rows, count}, x.options().dtype(torch::kFloat32));
+  uint16_t* part = reinterpret_cast<uint16_t*>(parts.data_ptr<at::BFloat16>());
+  float* sums = block_sums.data_ptr<float>();
+  const float* wide_rows = wide ? x.data_ptr<float>() : nullptr;
+  const uint16_t* narrow_rows = wide ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < count; ++b) {
+      const int64_t at = r * in + b * kQ4TileValues;
+      __m512 value[2];
+      for (int v = 0; v < 2; ++v) {
+        if (wide) {
+          value[v] = _mm512_loadu_ps(wide_rows + at + 16 * v);
+        } else {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(narrow_rows + at + 16 * v));
+          value[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+      }
+      sums[r * count + b] = _mm512_reduce_add_ps(_mm512_add_ps(value[0], value[1]));
+      for (int s = 0; s < part_count; ++s) {
+        // RNE to bf16; the remainder x - part is exact in fp32, so the parts add up to x
+        uint16_t* target = part + (r * part_count + s) * in + b * kQ4TileValues;
+        const __m512bh rounded = _mm512_cvtne2ps_pbh(value[1], value[0]);
+        _mm512_storeu_si512(target, reinterpret_cast<const __m512i&>(rounded));
+        for (int v = 0; v < 2; ++v) {
+          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(target + 16 * v));
+          value[v] = _mm512_sub_ps(value[v], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+        }
+      }
+    }
+}
+
+template <typename Out>
+void q4_tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bias, Out* out, int64_t rows,
+                     int64_t in, int64_t out_features) {
+  const int part_count = x.scalar_type() == torch::kFloat32 ? 3 : 1;
+  const int tile_rows = static_cast<int>(std::min<int64_t>(rows * part_count, kQ4TileMaxRows));
+  const int64_t padded = (rows * part_count + tile_rows - 1) / tile_rows * tile_rows;
+  torch::Tensor parts, block_sums;
+  q4_tile_parts(x, part_count, rows, padded, in, parts, block_sums);
+  const uint16_t* part = reinterpret_cast<const uint16_t*>(parts.data_ptr<at::BFloat16>());
+  const float* sums = block_sums.data_ptr<float>();
+  const int64_t groups = out_features / kQ4TileFeatures;
+  const int64_t grain = std::max<int64_t>(2, groups / (4 * at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    q4_tiles_configure(tile_rows);
+    std::vector<float> scratch(2 * 16 * (rows + padded) + 16);
+    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    float* block = aligned + 2 * 16 * rows;
+    int64_t group = begin;
+    for (; group + 2 <= end; group += 2)
+      q4_tiles_feature_groups<2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
+                                 out_features, group);
+    if (group < end)
+      q4_tiles_feature_groups<1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
+                                 out_features, group);
+    amx_release();
+  });
+}
+#endif
+
+}  // namespace
+
+// Q4_1 blocks [out, in / 32 * 20] uint8 (out a multiple of 16, in of 32) -> the same weight in tile order, what
+// gguf_product takes as the format kGgufQ4_1Tiles (259) on CPUs with AMX (after amx_request).
+torch::Tensor gguf_tile_pack(torch::Tensor blocks, int64_t in_features) {
+  const int64_t out_features = checked_gguf(blocks, kGgufQ4_1, in_features);
+  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
+  auto tiles = torch::empty_like(blocks);
+  pack_q4_1_tiles(blocks.data_ptr<uint8_t>(), tiles.data_ptr<uint8_t>(), out_features, in_features);
+  return tiles;
+}
+
+// gguf_tile_pack's tiles -> the Q4_1 blocks they were packed from
+torch::Tensor gguf_tile_unpack(torch::Tensor tiles, int64_t in_features) {
+  const int64_t out_features = checked_gguf(tiles, kGgufQ4_1, in_features);
+  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
+  auto blocks = torch::empty_like(tiles);
+  unpack_q4_1_tiles(tiles.data_ptr<uint8_t>(), blocks.data_ptr<uint8_t>(), out_features, in_features);
+  return blocks;
+}
+
+namespace {
+void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, const float* bias, torch::Tensor& out,
+                     int64_t in_features) {
+  const int64_t out_features = checked_gguf(tiles, kGgufQ4_1, in_features);
+  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
+#ifdef SPECPIPE_AMX
+  const int64_t rows = x.numel() / in_features;
+  if (rows == 0) return;
+  const uint8_t* data = tiles.data_ptr<uint8_t>();
+  if (out.scalar_type() == torch::kBFloat16)
+    q4_tile_product(x, data, bias, out.data_ptr<at::BFloat16>(), rows, in_features, out_features);
+  else
+    q4_tile_product(x, data, bias, out.data_ptr<float>(), rows, in_features, out_features);
+#else
+  TORCH_CHECK(false, "Q4_1 tiles: this build of the kernel has no AMX tiles");
+#endif
+}
+}  // namespace
