@@ -1,6 +1,6 @@
-"""Q4_1 weights on AMX tiles (engine.native_tiles): the reordered blocks hold the file's weights, the tile product is
-as close to an fp64 product of them as fp32 sums are, each row's output does not depend on the rows beside it, and
-the embedded model takes the tiles by default where the CPU has them, with greedy answers every pipeline keeps."""
+"""Q4_1 and Q8_0 weights on AMX tiles (engine.native_tiles): the reordered blocks hold the file's weights, the tile
+product is as close to an fp64 product of them as fp32 sums are, each row's output does not depend on the rows beside
+it, and the embedded model takes the tiles by default where the CPU has them."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +16,7 @@ from specpipe.engine.onednn import PackedWeight
 from specpipe.errors import ConfigError
 from specpipe.pipelines.builder import build_pipeline, compose_config
 
-Q4_1, TILES = NATIVE_FORMATS["Q4_1"], TILE_FORMATS["Q4_1_TILES"]
+FORMATS = ("Q4_1", "Q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -27,23 +27,27 @@ def kernel() -> CpuKernel:
     return built
 
 
-def test_tiles_hold_the_blocks_weights(kernel):
-    raw = torch.from_numpy(random_blocks("Q4_1", 48, 160, np.random.default_rng(1)))  # 3 feature groups, 5 blocks
-    tiles = kernel.gguf_tile_pack(raw, 160)
+@pytest.mark.parametrize("name", FORMATS)
+def test_tiles_hold_the_blocks_weights(kernel, name):
+    raw = torch.from_numpy(random_blocks(name, 48, 160, np.random.default_rng(1)))  # 3 feature groups, 5 blocks
+    tiles = kernel.gguf_tile_pack(raw, NATIVE_FORMATS[name], 160)
     assert tiles.shape == raw.shape and not torch.equal(tiles, raw)  # the same bytes, reordered
-    assert torch.equal(kernel.gguf_widen(tiles, TILES, 160), kernel.gguf_widen(raw, Q4_1, 160))
+    assert torch.equal(kernel.gguf_widen(tiles, TILE_FORMATS[f"{name}_TILES"], 160),
+                       kernel.gguf_widen(raw, NATIVE_FORMATS[name], 160))
 
 
+@pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tile_product_is_an_fp32_product_and_rows_sum_alike_in_any_company(kernel, dtype):
+def test_tile_product_is_an_fp32_product_and_rows_sum_alike_in_any_company(kernel, name, dtype):
     out_features, in_features = 64, 576
-    raw = torch.from_numpy(random_blocks("Q4_1", out_features, in_features, np.random.default_rng(2)))
-    tiles = kernel.gguf_tile_pack(raw, in_features)
-    weight = kernel.gguf_widen(raw, Q4_1, in_features).double()  # [out, in]
+    raw = torch.from_numpy(random_blocks(name, out_features, in_features, np.random.default_rng(2)))
+    tiles_id = TILE_FORMATS[f"{name}_TILES"]
+    tiles = kernel.gguf_tile_pack(raw, NATIVE_FORMATS[name], in_features)
+    weight = kernel.gguf_widen(raw, NATIVE_FORMATS[name], in_features).double()  # [out, in]
     generator = torch.Generator().manual_seed(2)
     bias = torch.randn(out_features, generator=generator)
     x = torch.randn(40, in_features, generator=generator).to(dtype)  # [rows, in]
-    out = kernel.gguf_product(x, tiles, TILES, in_features, bias)  # [rows, out]
+    out = kernel.gguf_product(x, tiles, tiles_id, in_features, bias)  # [rows, out]
     reference = x.double() @ weight.t() + bias.double()
     gap = float((out.double() - reference).abs().max())
     scale = float((x.double().abs() @ weight.abs().t()).max())  # the size of the largest sum's terms
@@ -54,18 +58,19 @@ def test_tile_product_is_an_fp32_product_and_rows_sum_alike_in_any_company(kerne
     else:
         assert gap <= float(reference.abs().max()) * 2 ** -8 + 2 ** -16 * scale  # the output's bf16 rounding
     for rows in (1, 2, 3, 5, 6, 16, 17, 33, 40):  # groups of tile rows of every size: the same sums per row
-        assert torch.equal(kernel.gguf_product(x[:rows], tiles, TILES, in_features, bias), out[:rows]), rows
+        assert torch.equal(kernel.gguf_product(x[:rows], tiles, tiles_id, in_features, bias), out[:rows]), rows
     for row in (0, 21, 39):
-        assert torch.equal(kernel.gguf_product(x[row:row + 1], tiles, TILES, in_features, bias), out[row:row + 1])
+        assert torch.equal(kernel.gguf_product(x[row:row + 1], tiles, tiles_id, in_features, bias), out[row:row + 1])
 
 
 @pytest.mark.embedded
 def test_the_embedded_model_takes_the_tiles_by_default_and_says_so(kernel, embedded, caplog):
     with caplog.at_level(logging.INFO):
         pipe = build_pipeline(compose_config(["model=smollm2_135m", "pipeline=vanilla", "cost_curve=flat"]))
-    assert "Q4_1 (on AMX tiles)" in caplog.text
+    assert "Q4_1 (on AMX tiles)/Q8_0 (on AMX tiles)" in caplog.text
     formats = [module.native_format for module in pipe.target.model.modules() if isinstance(module, PackedWeight)]
-    assert formats.count(TILES) == 30 * 4 and formats.count(NATIVE_FORMATS["Q8_0"]) == 1  # the layers; the output
+    # the layers' Q4_1 blocks, the output layer's Q8_0 ones
+    assert formats.count(TILE_FORMATS["Q4_1_TILES"]) == 30 * 4 and formats.count(TILE_FORMATS["Q8_0_TILES"]) == 1
 
 
 def test_native_tiles_true_without_the_tiles_says_why(monkeypatch):

@@ -108,32 +108,35 @@ def gguf_check(gguf_product, gguf_widen) -> None:
 
 
 def gguf_tiles_mismatch(tile_pack, gguf_product, gguf_widen) -> str:
-    """How the product over Q4_1 blocks packed for AMX tiles (gguf_tile_pack) disagrees with the fp32 weights the
-    blocks hold (fp32 and bf16 rows; its sums are not bitwise the vector product's) or with itself across row counts
-    (a row's output must not depend on the rows beside it, 1-40 rows); '' where it agrees."""
+    """How the product over Q4_1 and Q8_0 blocks packed for AMX tiles (gguf_tile_pack) disagrees with the fp32 weights
+    the blocks hold (fp32 and bf16 rows; its sums are not bitwise the vector product's) or with itself across row
+    counts (a row's output must not depend on the rows beside it, 1-40 rows); '' where it agrees."""
     import numpy as np
 
     from specpipe.engine.gguf_weights import NATIVE_FORMATS, TILE_FORMATS, random_blocks
 
     generator = torch.Generator().manual_seed(5)
-    q4_1, tiles_id = NATIVE_FORMATS["Q4_1"], TILE_FORMATS["Q4_1_TILES"]
-    for out_features, in_features in ((48, 96), (32, 576)):
-        blocks = torch.from_numpy(random_blocks("Q4_1", out_features, in_features, np.random.default_rng(5)))
-        tiles = tile_pack(blocks, in_features)
-        weight = gguf_widen(blocks, q4_1, in_features)  # [out, in] fp32
-        if not torch.equal(gguf_widen(tiles, tiles_id, in_features), weight):
-            return "its tiles do not hold the blocks' weights"
-        bias = torch.randn(out_features, generator=generator)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(40, in_features, generator=generator).to(dtype)  # [rows, in]
-            alone = torch.cat([gguf_product(x[row:row + 1], tiles, tiles_id, in_features, bias) for row in range(40)])
-            expected = (x.double() @ weight.double().t() + bias.double()).to(dtype)
-            if not torch.allclose(alone.double(), expected.double(), rtol=1e-4 if dtype == torch.float32 else 2 ** -7,
-                                  atol=1e-4 if dtype == torch.float32 else 1e-2):
-                return f"it disagrees with an fp64 product of the blocks' weights ({dtype} rows)"
-            for rows in (2, 3, 5, 6, 16, 17, 40):
-                if not torch.equal(gguf_product(x[:rows], tiles, tiles_id, in_features, bias), alone[:rows]):
-                    return f"a row of {rows} differs from its one-row product ({dtype} rows)"
+    for name in ("Q4_1", "Q8_0"):
+        file_id, tiles_id = NATIVE_FORMATS[name], TILE_FORMATS[f"{name}_TILES"]
+        for out_features, in_features in ((48, 96), (32, 576)):
+            blocks = torch.from_numpy(random_blocks(name, out_features, in_features, np.random.default_rng(5)))
+            tiles = tile_pack(blocks, file_id, in_features)
+            weight = gguf_widen(blocks, file_id, in_features)  # [out, in] fp32
+            if not torch.equal(gguf_widen(tiles, tiles_id, in_features), weight):
+                return f"its {name} tiles do not hold the blocks' weights"
+            bias = torch.randn(out_features, generator=generator)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(40, in_features, generator=generator).to(dtype)  # [rows, in]
+                alone = torch.cat([gguf_product(x[row:row + 1], tiles, tiles_id, in_features, bias)
+                                   for row in range(40)])
+                expected = (x.double() @ weight.double().t() + bias.double()).to(dtype)
+                wide = dtype == torch.float32
+                if not torch.allclose(alone.double(), expected.double(), rtol=1e-4 if wide else 2 ** -7,
+                                      atol=1e-4 if wide else 1e-2):
+                    return f"it disagrees with an fp64 product of the {name} blocks' weights ({dtype} rows)"
+                for rows in (2, 3, 5, 6, 16, 17, 40):
+                    if not torch.equal(gguf_product(x[:rows], tiles, tiles_id, in_features, bias), alone[:rows]):
+                        return f"a row of {rows} differs from its one-row product ({name}, {dtype} rows)"
     return ""
 
 

@@ -30,10 +30,10 @@ NATIVE_FORMATS = {name: int(GGMLQuantizationType[name])
                   for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 BLOCK_VALUES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0] for name in NATIVE_FORMATS}
 BLOCK_BYTES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][1] for name in NATIVE_FORMATS}
-# Blocks reordered for the kernel's AMX tile product (gguf_tiles.h): the format id gguf_product takes for them (not a
-# ggml type id), by name
-TILE_FORMATS = {"Q4_1_TILES": 0x100 + NATIVE_FORMATS["Q4_1"]}
-TILE_FORMAT_NAMES = {"Q4_1_TILES": "Q4_1 (on AMX tiles)"}
+# Blocks reordered for the kernel's AMX tile product (gguf_tiles.h), by the format they come from: the format id
+# gguf_product takes for them (0x100 + the blocks' ggml type id; not a ggml type id)
+TILE_FORMATS = {f"{name}_TILES": 0x100 + NATIVE_FORMATS[name] for name in ("Q4_1", "Q8_0")}
+TILE_FORMAT_NAMES = {f"{name}_TILES": f"{name} (on AMX tiles)" for name in ("Q4_1", "Q8_0")}
 # engine.target_weights: a dense model's weights quantized at load to these formats (gguf-py's quantizers, which
 # reproduce ggml's): int8 = Q8_0 (an fp16 step per 32 weights), int4 = Q4_1 (an fp16 step and minimum per 32)
 QUANTIZE_AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
@@ -100,11 +100,13 @@ def read_native_weights(path: str | Path, num_heads: int, num_kv_heads: int,
     return weights
 
 
-def on_tiles(weights: dict[str, GgufWeight], tile_pack: Callable[[Tensor, int], Tensor]) -> dict[str, GgufWeight]:
-    """`weights` with every Q4_1 weight whose output features are a multiple of 16 reordered for the kernel's AMX tile
-    product (`tile_pack`: CpuKernel.gguf_tile_pack; same bytes, same weights), the others as they are."""
-    return {name: GgufWeight(tile_pack(weight.blocks, weight.in_features), "Q4_1_TILES", weight.in_features)
-            if weight.format == "Q4_1" and weight.out_features % 16 == 0 else weight
+def on_tiles(weights: dict[str, GgufWeight],
+             tile_pack: Callable[[Tensor, int, int], Tensor]) -> dict[str, GgufWeight]:
+    """`weights` with every Q4_1 and Q8_0 weight whose output features are a multiple of 16 reordered for the kernel's
+    AMX tile product (`tile_pack`: CpuKernel.gguf_tile_pack; same bytes, same weights), the others as they are."""
+    return {name: GgufWeight(tile_pack(weight.blocks, weight.type_id, weight.in_features), f"{weight.format}_TILES",
+                             weight.in_features)
+            if f"{weight.format}_TILES" in TILE_FORMATS and weight.out_features % 16 == 0 else weight
             for name, weight in weights.items()}
 
 

@@ -442,25 +442,25 @@ int64_t checked_gguf(const torch::Tensor& blocks, int64_t format, int64_t in_fea
   return blocks.size(0);
 }
 
-// The format id gguf_product takes for Q4_1 blocks reordered for AMX tiles (gguf_tiles.h; not a ggml type id)
-constexpr int kGgufQ4_1Tiles = 0x100 + kGgufQ4_1;
-// gguf_product for kGgufQ4_1Tiles: x [..., in] fp32 or bf16 (contiguous) into out [..., out] of x's dtype
-// (gguf_tiles.h)
-void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, const float* bias, torch::Tensor& out,
-                     int64_t in_features);
+// gguf_product's format for blocks of Q4_1 or Q8_0 reordered for AMX tiles (gguf_tiles.h): kGgufTiles + the blocks'
+// ggml type id (not ggml type ids themselves)
+constexpr int kGgufTiles = 0x100;
+// gguf_product over tiles: x [..., in] fp32 or bf16 (contiguous) into out [..., out] of x's dtype (gguf_tiles.h)
+void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, int64_t tile_format, const float* bias,
+                     torch::Tensor& out, int64_t in_features);
 
 }  // namespace
 
-torch::Tensor gguf_tile_unpack(torch::Tensor tiles, int64_t in_features);
+torch::Tensor gguf_tile_unpack(torch::Tensor tiles, int64_t format, int64_t in_features);
 
 // x [..., in] fp32 or bf16, blocks [out, in / block values * block bytes] uint8 in the GGUF format `format` (ggml's
 // type id, see above), bias [out] fp32 or None -> [..., out] in x's dtype: each weight widened to fp32 in registers
 // (as gguf-py dequantizes it), each row summed in fp32 in the same order whatever rows come with it.
 torch::Tensor gguf_product(torch::Tensor x, torch::Tensor blocks, int64_t format, int64_t in_features,
                            c10::optional<torch::Tensor> bias) {
-  if (format == kGgufQ4_1Tiles) {
+  if (format > kGgufTiles) {
     auto out = checked_output(x, in_features, blocks.size(0));
-    gguf_tiles_into(x, blocks, checked_fp32(bias, blocks.size(0), "bias"), out, in_features);
+    gguf_tiles_into(x, blocks, format, checked_fp32(bias, blocks.size(0), "bias"), out, in_features);
     return out;
   }
   const int64_t out_features = checked_gguf(blocks, format, in_features);
@@ -481,7 +481,8 @@ torch::Tensor gguf_product(torch::Tensor x, torch::Tensor blocks, int64_t format
 
 // blocks as gguf_product takes them -> the fp32 weights [out, in] they hold (what the product multiplies).
 torch::Tensor gguf_widen(torch::Tensor blocks, int64_t format, int64_t in_features) {
-  if (format == kGgufQ4_1Tiles) return gguf_widen(gguf_tile_unpack(blocks, in_features), kGgufQ4_1, in_features);
+  if (format > kGgufTiles)
+    return gguf_widen(gguf_tile_unpack(blocks, format - kGgufTiles, in_features), format - kGgufTiles, in_features);
   const int64_t out_features = checked_gguf(blocks, format, in_features);
   auto out = torch::empty({out_features, in_features}, blocks.options().dtype(torch::kFloat32));
   const uint8_t* data = blocks.data_ptr<uint8_t>();

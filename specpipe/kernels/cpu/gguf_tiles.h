@@ -1,17 +1,19 @@
-// specpipe's CPU kernel, Q4_1 weights on AMX tiles: gguf_tile_pack reorders a weight's Q4_1 blocks (same bytes, same
-// codes, steps and minimums) so that 16 output features' codes for 32 weights of k widen straight into the B operand
-// of one TDPBF16PS, and gguf_tile_product multiplies rows of x by them on the tiles.
+// specpipe's CPU kernel, Q4_1 and Q8_0 weights on AMX tiles: gguf_tile_pack reorders a weight's blocks (same bytes,
+// same codes and scales) so that 16 output features' codes for 32 weights of k widen straight into the B operand of
+// one TDPBF16PS, and gguf_product multiplies rows of x by them on the tiles (its format kGgufTiles + the blocks' type
+// id).
 //
 // Why: the vector product (gguf.h) pays one fused multiply-add per weight and row, so its cost grows with the rows
 // from a few on; one TDPBF16PS multiplies 16 rows by 16 features x 32 weights, so up to 16 rows cost about what one
 // does (widening the codes), and a batch of requests or a tree verifies for about a one-token step's time.
-// The arithmetic: a Q4_1 weight is d * q + m (fp16 step d and minimum m per 32 weights, 4-bit code q), so a row's
-// sum over a block is d * sum(q * x) + m * sum(x). A code is exact in bf16, and an fp32 x is exactly the sum of three
-// bf16 parts (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)), so sum(q * x) is the tiles' fp32 sum of
-// the exact products q * part (one part where x is bf16). Each row's block sums, their scaling and their sum over the
-// blocks run in one order whatever rows come with it: a row's output does not depend on the rows beside it, nor on how
-// many there are. They are not bitwise the vector product's (another order of sums), so a model takes one of the two
-// for all its products (specpipe.engine.packed_weight).
+// The arithmetic: a weight is d * q + m (Q4_1: fp16 step d and minimum m per 32 weights, 4-bit code q) or d * q (Q8_0:
+// 8-bit code), so a row's sum over a block is d * sum(q * x) [+ m * sum(x)]. A code is exact in bf16, and an fp32 x is
+// exactly the sum of three bf16 parts (hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)), so sum(q * part)
+// is the tiles' fp32 sum of exact products, and the parts' sums are added in one order (one part where x is bf16).
+// Each row's block sums, their scaling and their sum over the blocks run in one order whatever rows come with it: a
+// row's output does not depend on the rows beside it, nor on how many there are. They are not bitwise the vector
+// product's (another order of sums), so a weight takes one of the two for all its products
+// (specpipe.engine.gguf_weights.on_tiles).
 // A part of kernel.cpp's one translation unit (see there).
 
 #pragma once
@@ -21,63 +23,72 @@
 
 namespace {
 
-// A tile of the packed weight: 16 output features x 32 weights of k: the 16 steps (fp16), the 16 minimums (fp16),
-// then for each of the 16 pairs p of k one 16-byte line whose byte j holds B-tile word j in its low nibble and word
-// 16 + j in its high one, where word 2n + s is feature n's code for weight 2p + s.
-constexpr int64_t kQ4TileFeatures = 16, kQ4TileValues = 32, kQ4TileBytes = 16 * 20;
-constexpr int64_t kQ4TileCodes = 64;  // where the code lines start
+constexpr int64_t kTileFeatures = 16, kTileValues = 32;  // a tile: 16 output features x one block of 32 weights of k
 
-// Q4_1 blocks [out, in / 32 * 20] -> the same weight in tile order (same shape), tiles of a feature group in the
-// order of k. Needs out a multiple of 16.
-void pack_q4_1_tiles(const uint8_t* blocks, uint8_t* tiles, int64_t out, int64_t in) {
-  const int64_t count = in / kQ4TileValues, row_bytes = count * 20;
-  at::parallel_for(0, out / kQ4TileFeatures, 1, [&](int64_t begin, int64_t end) {
+// A tile of a packed weight: the 16 features' steps (fp16), [Q4_1: their 16 minimums (fp16)], then for each of the 16
+// pairs p of k one line of the B operand's codes, whose word 2n + s is feature n's code for weight 2p + s (Q4_1: a
+// 16-byte line whose byte j holds word j in its low nibble and word 16 + j in its high one; Q8_0: 32 bytes, word w in
+// byte w).
+template <int Format>
+struct TileLayout;
+template <>
+struct TileLayout<kGgufQ4_1> {
+  static constexpr int64_t kBlockBytes = 20, kBytes = 16 * kBlockBytes, kCodes = 64, kLineBytes = 16;
+  static constexpr bool kMinimum = true;
+  static uint8_t block_code(const uint8_t* block, int k) { return k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4; }
+  static void set_block_code(uint8_t* block, int k, uint8_t code) { block[4 + k % 16] |= k < 16 ? code : code << 4; }
+  static void set_line_code(uint8_t* line, int word, uint8_t code) { line[word % 16] |= word < 16 ? code : code << 4; }
+  static uint8_t line_code(const uint8_t* line, int word) { return word < 16 ? line[word] & 0x0F : line[word - 16] >> 4; }
+};
+template <>
+struct TileLayout<kGgufQ8_0> {
+  static constexpr int64_t kBlockBytes = 34, kBytes = 16 * kBlockBytes, kCodes = 32, kLineBytes = 32;
+  static constexpr bool kMinimum = false;
+  static uint8_t block_code(const uint8_t* block, int k) { return block[2 + k]; }
+  static void set_block_code(uint8_t* block, int k, uint8_t code) { block[2 + k] = code; }
+  static void set_line_code(uint8_t* line, int word, uint8_t code) { line[word] = code; }
+  static uint8_t line_code(const uint8_t* line, int word) { return line[word]; }
+};
+
+// blocks [out, in / 32 * block bytes] -> the same weight in tile order (same shape), the tiles of a feature group in
+// the order of k (`pack`), or back (!`pack`). Needs out a multiple of 16.
+template <int Format>
+void reorder_tiles(const uint8_t* from, uint8_t* to, int64_t out, int64_t in, bool pack) {
+  using Layout = TileLayout<Format>;
+  constexpr int64_t kScales = Layout::kMinimum ? 2 : 1;
+  const int64_t count = in / kTileValues, row_bytes = count * Layout::kBlockBytes;
+  at::parallel_for(0, out / kTileFeatures, 1, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group)
       for (int64_t b = 0; b < count; ++b) {
-        uint8_t* tile = tiles + (group * count + b) * kQ4TileBytes;
-        std::memset(tile + kQ4TileCodes, 0, kQ4TileBytes - kQ4TileCodes);
-        for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
-          const uint8_t* block = blocks + (group * kQ4TileFeatures + n) * row_bytes + b * 20;
-          std::memcpy(tile + 2 * n, block, 2);       // d
-          std::memcpy(tile + 32 + 2 * n, block + 2, 2);  // m
-          for (int k = 0; k < kQ4TileValues; ++k) {
-            const int code = k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4;
-            const int p = k / 2, word = 2 * static_cast<int>(n) + k % 2;
-            tile[kQ4TileCodes + 16 * p + word % 16] |= static_cast<uint8_t>(word < 16 ? code : code << 4);
+        const int64_t tile_at = (group * count + b) * Layout::kBytes;
+        if (pack) std::memset(to + tile_at + Layout::kCodes, 0, Layout::kBytes - Layout::kCodes);
+        for (int n = 0; n < kTileFeatures; ++n) {
+          const int64_t block_at = (group * kTileFeatures + n) * row_bytes + b * Layout::kBlockBytes;
+          const uint8_t* block = pack ? from + block_at : to + block_at;
+          uint8_t* tile = pack ? to + tile_at : const_cast<uint8_t*>(from) + tile_at;
+          if (!pack) std::memset(to + block_at + 2 * kScales, 0, Layout::kBlockBytes - 2 * kScales);
+          for (int64_t scale = 0; scale < kScales; ++scale) {  // d, then m
+            if (pack) std::memcpy(tile + 32 * scale + 2 * n, block + 2 * scale, 2);
+            else std::memcpy(to + block_at + 2 * scale, tile + 32 * scale + 2 * n, 2);
+          }
+          for (int k = 0; k < kTileValues; ++k) {
+            uint8_t* line = tile + Layout::kCodes + Layout::kLineBytes * (k / 2);
+            const int word = 2 * n + k % 2;
+            if (pack) Layout::set_line_code(line, word, Layout::block_code(block, k));
+            else Layout::set_block_code(to + block_at, k, Layout::line_code(line, word));
           }
         }
       }
   });
 }
 
-// The inverse of pack_q4_1_tiles: tiles -> Q4_1 blocks [out, in / 32 * 20]
-void unpack_q4_1_tiles(const uint8_t* tiles, uint8_t* blocks, int64_t out, int64_t in) {
-  const int64_t count = in / kQ4TileValues, row_bytes = count * 20;
-  for (int64_t group = 0; group < out / kQ4TileFeatures; ++group)
-    for (int64_t b = 0; b < count; ++b) {
-      const uint8_t* tile = tiles + (group * count + b) * kQ4TileBytes;
-      for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
-        uint8_t* block = blocks + (group * kQ4TileFeatures + n) * row_bytes + b * 20;
-        std::memcpy(block, tile + 2 * n, 2);
-        std::memcpy(block + 2, tile + 32 + 2 * n, 2);
-        std::memset(block + 4, 0, 16);
-        for (int k = 0; k < kQ4TileValues; ++k) {
-          const int p = k / 2, word = 2 * static_cast<int>(n) + k % 2;
-          const uint8_t line = tile[kQ4TileCodes + 16 * p + word % 16];
-          const int code = word < 16 ? line & 0x0F : line >> 4;
-          block[4 + k % 16] |= static_cast<uint8_t>(k < 16 ? code : code << 4);
-        }
-      }
-    }
-}
-
 #ifdef SPECPIPE_AMX
-constexpr int kQ4TileMaxRows = 16;  // rows of x one TDPBF16PS takes
+constexpr int kTileMaxRows = 16;  // rows of x one TDPBF16PS takes
 
 // Tiles for `rows` rows of parts a product and two feature groups side by side (two independent chains of tile
 // products): 0-1 the feature groups' sums (rows x 16 fp32), 2-3 their codes (16 pairs x 16 features), 4 the parts
 // (rows x 16 pairs)
-SPECPIPE_AMX_TARGET void q4_tiles_configure(int rows) {
+SPECPIPE_AMX_TARGET void tiles_configure(int rows) {
   AmxConfig config;
   for (int t = 0; t <= 4; ++t) {
     config.rows[t] = static_cast<uint8_t>(t == 2 || t == 3 ? 16 : rows);
@@ -88,7 +99,11 @@ SPECPIPE_AMX_TARGET void q4_tiles_configure(int rows) {
 }
 
 // A tile's 16 code lines as the B operand: 16 pairs of k x 16 features of bf16 codes, 64 bytes a pair
-inline void widen_q4_codes(const uint8_t* lines, uint16_t* operand) {
+template <int Format>
+void widen_codes(const uint8_t* lines, uint16_t* operand);
+
+template <>
+inline void widen_codes<kGgufQ4_1>(const uint8_t* lines, uint16_t* operand) {
   // word i < 16: bf16(i), the upper half of the fp32 value (exact), looked up by each word's low 5 bits
   alignas(64) static constexpr uint16_t kCodes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
                                                       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
@@ -104,19 +119,35 @@ inline void widen_q4_codes(const uint8_t* lines, uint16_t* operand) {
   }
 }
 
+template <>
+inline void widen_codes<kGgufQ8_0>(const uint8_t* lines, uint16_t* operand) {
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) {
+    // int8 -> fp32 -> bf16: exact (8 bits)
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lines + 32 * p))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lines + 32 * p + 16))));
+    const __m512bh codes = _mm512_cvtne2ps_pbh(high, low);
+    _mm512_store_si512(operand + 32 * p, reinterpret_cast<const __m512i&>(codes));
+  }
+}
+
 // The block's sums of parts (the C tiles', [rows * part_count, 16], a row's parts side by side) scaled into the
-// running sums [rows, 16]: a row's parts' sums added in order (hi + mid + lo), sum += that * d, then sum += m * the
-// row's sum of x over the block
+// running sums [rows, 16]: a row's parts' sums added in order (hi + mid + lo), sum += that * d, then [Q4_1] sum += m *
+// the row's sum of x over the block
+template <int Format>
 inline void scale_block(const float* block, const uint8_t* tile, const float* row_sums, int64_t count, float* sums,
                         int64_t rows, int part_count) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32)));
+  const __m512 m = TileLayout<Format>::kMinimum
+                       ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32)))
+                       : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
     const float* parts = block + 16 * part_count * r;
     __m512 codes_times_x = _mm512_load_ps(parts);
     for (int s = 1; s < part_count; ++s) codes_times_x = _mm512_add_ps(codes_times_x, _mm512_load_ps(parts + 16 * s));
-    const __m512 acc = _mm512_fmadd_ps(codes_times_x, d, _mm512_load_ps(sums + 16 * r));
-    _mm512_store_ps(sums + 16 * r, _mm512_fmadd_ps(m, _mm512_set1_ps(row_sums[r * count]), acc));
+    __m512 acc = _mm512_fmadd_ps(codes_times_x, d, _mm512_load_ps(sums + 16 * r));
+    if constexpr (TileLayout<Format>::kMinimum) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(row_sums[r * count]), acc);
+    _mm512_store_ps(sums + 16 * r, acc);
   }
 }
 
@@ -124,54 +155,55 @@ inline void scale_block(const float* block, const uint8_t* tile, const float* ro
 // (`parts` [padded, in] bf16: row r's part s at r * part_count + s, zero rows after them), `tile_rows` of them a tile
 // product, and the rows' sums over each block (`block_sums` [rows, count]). Scratch, 64-byte aligned: `sums` [G,
 // rows, 16] and `block` [G, padded, 16] fp32.
-template <int G, typename Out>
-SPECPIPE_AMX_TARGET void q4_tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
-                                                 const float* block_sums, const float* bias, Out* out, float* sums,
-                                                 float* block, int64_t rows, int64_t padded, int tile_rows, int64_t in,
-                                                 int64_t out_stride, int64_t group) {
-  const int64_t count = in / kQ4TileValues, stride = in * static_cast<int64_t>(sizeof(uint16_t));
+template <int Format, int G, typename Out>
+SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
+                                              const float* block_sums, const float* bias, Out* out, float* sums,
+                                              float* block, int64_t rows, int64_t padded, int tile_rows, int64_t in,
+                                              int64_t out_stride, int64_t group) {
+  using Layout = TileLayout<Format>;
+  const int64_t count = in / kTileValues, stride = in * static_cast<int64_t>(sizeof(uint16_t));
   alignas(64) uint16_t operand[G][16 * 32];
   for (int64_t i = 0; i < G * rows; ++i) _mm512_store_ps(sums + 16 * i, _mm512_setzero_ps());
-  const uint8_t* first_tile = tiles + group * count * kQ4TileBytes;
-  const int64_t group_bytes = count * kQ4TileBytes;
+  const uint8_t* first_tile = tiles + group * count * Layout::kBytes;
+  const int64_t group_bytes = count * Layout::kBytes;
   for (int64_t b = 0; b < count; ++b) {
-    const uint8_t* tile = first_tile + b * kQ4TileBytes;
+    const uint8_t* tile = first_tile + b * Layout::kBytes;
     for (int g = 0; g < G; ++g) {
       const char* ahead = reinterpret_cast<const char*>(tile + g * group_bytes) + kGgufLookahead;
-      for (int line = 0; line < kQ4TileBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-      widen_q4_codes(tile + g * group_bytes + kQ4TileCodes, operand[g]);
+      for (int line = 0; line < Layout::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+      widen_codes<Format>(tile + g * group_bytes + Layout::kCodes, operand[g]);
     }
     _tile_loadd(2, operand[0], 64);
     if constexpr (G > 1) _tile_loadd(3, operand[1], 64);
     for (int64_t first = 0; first < padded; first += tile_rows) {
       _tile_zero(0);
       if constexpr (G > 1) _tile_zero(1);
-      _tile_loadd(4, parts + first * in + b * kQ4TileValues, stride);
+      _tile_loadd(4, parts + first * in + b * kTileValues, stride);
       _tile_dpbf16ps(0, 4, 2);
       if constexpr (G > 1) _tile_dpbf16ps(1, 4, 3);
       _tile_stored(0, block + 16 * first, 64);
       if constexpr (G > 1) _tile_stored(1, block + 16 * (padded + first), 64);
     }
     for (int g = 0; g < G; ++g)
-      scale_block(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count, sums + 16 * g * rows, rows,
+      scale_block<Format>(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count, sums + 16 * g * rows, rows,
                   part_count);
   }
   for (int g = 0; g < G; ++g)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t n = 0; n < kQ4TileFeatures; ++n) {
-        const int64_t feature = (group + g) * kQ4TileFeatures + n;
+      for (int64_t n = 0; n < kTileFeatures; ++n) {
+        const int64_t feature = (group + g) * kTileFeatures + n;
         float value = sums[16 * (g * rows + r) + n];
         if (bias != nullptr) value += bias[feature];
         out[r * out_stride + feature] = static_cast<Out>(value);
       }
 }
 
-// bf16 parts of x's rows [rows, in] (three for fp32 x, one for bf16 x) as q4_tiles_feature_groups takes them, zero rows
+// bf16 parts of x's rows [rows, in] (three for fp32 x, one for bf16 x) as tiles_feature_groups takes them, zero rows
 // up to `padded`, and each row's sums over its blocks of 32 [rows, in / 32] (fp32, in one order)
-void q4_tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t padded, int64_t in,
+void tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t padded, int64_t in,
                    torch::Tensor& parts, torch::Tensor& block_sums) {
   const bool wide = x.scalar_type() == torch::kFloat32;
-  const int64_t count = in / kQ4TileValues;
+  const int64_t count = in / kTileValues;
   parts = torch::zeros({padded, in}, x.options().dtype(torch::kBFloat16));
   block_sums = torch::empty({rows, count}, x.options().dtype(torch::kFloat32));
   uint16_t* part = reinterpret_cast<uint16_t*>(parts.data_ptr<at::BFloat16>());
@@ -180,7 +212,7 @@ void q4_tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t
   const uint16_t* narrow_rows = wide ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < count; ++b) {
-      const int64_t at = r * in + b * kQ4TileValues;
+      const int64_t at = r * in + b * kTileValues;
       __m512 value[2];
       for (int v = 0; v < 2; ++v) {
         if (wide) {
@@ -193,7 +225,7 @@ void q4_tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t
       sums[r * count + b] = _mm512_reduce_add_ps(_mm512_add_ps(value[0], value[1]));
       for (int s = 0; s < part_count; ++s) {
         // RNE to bf16; the remainder x - part is exact in fp32, so the parts add up to x
-        uint16_t* target = part + (r * part_count + s) * in + b * kQ4TileValues;
+        uint16_t* target = part + (r * part_count + s) * in + b * kTileValues;
         const __m512bh rounded = _mm512_cvtne2ps_pbh(value[1], value[0]);
         _mm512_storeu_si512(target, reinterpret_cast<const __m512i&>(rounded));
         for (int v = 0; v < 2; ++v) {
@@ -204,71 +236,83 @@ void q4_tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t
     }
 }
 
-template <typename Out>
-void q4_tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bias, Out* out, int64_t rows,
+template <int Format, typename Out>
+void tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bias, Out* out, int64_t rows,
                      int64_t in, int64_t out_features) {
   const int part_count = x.scalar_type() == torch::kFloat32 ? 3 : 1;
-  const int tile_rows = static_cast<int>(std::min<int64_t>(rows * part_count, kQ4TileMaxRows));
+  const int tile_rows = static_cast<int>(std::min<int64_t>(rows * part_count, kTileMaxRows));
   const int64_t padded = (rows * part_count + tile_rows - 1) / tile_rows * tile_rows;
   torch::Tensor parts, block_sums;
-  q4_tile_parts(x, part_count, rows, padded, in, parts, block_sums);
+  tile_parts(x, part_count, rows, padded, in, parts, block_sums);
   const uint16_t* part = reinterpret_cast<const uint16_t*>(parts.data_ptr<at::BFloat16>());
   const float* sums = block_sums.data_ptr<float>();
-  const int64_t groups = out_features / kQ4TileFeatures;
+  const int64_t groups = out_features / kTileFeatures;
   const int64_t grain = std::max<int64_t>(2, groups / (4 * at::get_num_threads()));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    q4_tiles_configure(tile_rows);
+    tiles_configure(tile_rows);
     std::vector<float> scratch(2 * 16 * (rows + padded) + 16);
     float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
     float* block = aligned + 2 * 16 * rows;
     int64_t group = begin;
     for (; group + 2 <= end; group += 2)
-      q4_tiles_feature_groups<2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
+      tiles_feature_groups<Format, 2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
                                  out_features, group);
     if (group < end)
-      q4_tiles_feature_groups<1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
+      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
                                  out_features, group);
     amx_release();
   });
 }
 #endif
 
-}  // namespace
-
-// Q4_1 blocks [out, in / 32 * 20] uint8 (out a multiple of 16, in of 32) -> the same weight in tile order, what
-// gguf_product takes as the format kGgufQ4_1Tiles (259) on CPUs with AMX (after amx_request).
-torch::Tensor gguf_tile_pack(torch::Tensor blocks, int64_t in_features) {
-  const int64_t out_features = checked_gguf(blocks, kGgufQ4_1, in_features);
-  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
-  auto tiles = torch::empty_like(blocks);
-  pack_q4_1_tiles(blocks.data_ptr<uint8_t>(), tiles.data_ptr<uint8_t>(), out_features, in_features);
-  return tiles;
+// Calls f(std::integral_constant<int, Format>) for Q4_1 or Q8_0 (the file's format of blocks on tiles)
+template <typename F>
+void with_tile_format(int64_t format, F&& f) {
+  TORCH_CHECK(format == kGgufQ4_1 || format == kGgufQ8_0, "tiles: the blocks of Q4_1 (3) or Q8_0 (8)");
+  if (format == kGgufQ4_1) f(std::integral_constant<int, kGgufQ4_1>{});
+  else f(std::integral_constant<int, kGgufQ8_0>{});
 }
 
-// gguf_tile_pack's tiles -> the Q4_1 blocks they were packed from
-torch::Tensor gguf_tile_unpack(torch::Tensor tiles, int64_t in_features) {
-  const int64_t out_features = checked_gguf(tiles, kGgufQ4_1, in_features);
-  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
-  auto blocks = torch::empty_like(tiles);
-  unpack_q4_1_tiles(tiles.data_ptr<uint8_t>(), blocks.data_ptr<uint8_t>(), out_features, in_features);
-  return blocks;
+torch::Tensor reordered_tiles(const torch::Tensor& from, int64_t format, int64_t in_features, bool pack) {
+  const int64_t out_features = checked_gguf(from, format, in_features);
+  TORCH_CHECK(out_features % kTileFeatures == 0, "tiles: out_features a multiple of 16");
+  auto to = torch::empty_like(from);
+  with_tile_format(format, [&](auto kind) {
+    reorder_tiles<kind.value>(from.data_ptr<uint8_t>(), to.data_ptr<uint8_t>(), out_features, in_features, pack);
+  });
+  return to;
 }
 
-namespace {
-void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, const float* bias, torch::Tensor& out,
-                     int64_t in_features) {
-  const int64_t out_features = checked_gguf(tiles, kGgufQ4_1, in_features);
-  TORCH_CHECK(out_features % kQ4TileFeatures == 0, "Q4_1 tiles: out_features a multiple of 16");
+void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, int64_t tile_format, const float* bias,
+                     torch::Tensor& out, int64_t in_features) {
+  const int64_t format = tile_format - kGgufTiles;
+  const int64_t out_features = checked_gguf(tiles, format, in_features);
+  TORCH_CHECK(out_features % kTileFeatures == 0, "tiles: out_features a multiple of 16");
 #ifdef SPECPIPE_AMX
   const int64_t rows = x.numel() / in_features;
   if (rows == 0) return;
   const uint8_t* data = tiles.data_ptr<uint8_t>();
-  if (out.scalar_type() == torch::kBFloat16)
-    q4_tile_product(x, data, bias, out.data_ptr<at::BFloat16>(), rows, in_features, out_features);
-  else
-    q4_tile_product(x, data, bias, out.data_ptr<float>(), rows, in_features, out_features);
+  with_tile_format(format, [&](auto kind) {
+    if (out.scalar_type() == torch::kBFloat16)
+      tile_product<kind.value>(x, data, bias, out.data_ptr<at::BFloat16>(), rows, in_features, out_features);
+    else
+      tile_product<kind.value>(x, data, bias, out.data_ptr<float>(), rows, in_features, out_features);
+  });
 #else
-  TORCH_CHECK(false, "Q4_1 tiles: this build of the kernel has no AMX tiles");
+  TORCH_CHECK(false, "tiles: this build of the kernel has no AMX tiles");
 #endif
 }
+
 }  // namespace
+
+// blocks [out, in / 32 * block bytes] uint8 of Q4_1 (3) or Q8_0 (8) (out a multiple of 16, in of 32) -> the same
+// weight in tile order, what gguf_product multiplies as the format kGgufTiles + format on CPUs with AMX (after
+// amx_request).
+torch::Tensor gguf_tile_pack(torch::Tensor blocks, int64_t format, int64_t in_features) {
+  return reordered_tiles(blocks, format, in_features, true);
+}
+
+// gguf_tile_pack's tiles -> the blocks they were packed from
+torch::Tensor gguf_tile_unpack(torch::Tensor tiles, int64_t format, int64_t in_features) {
+  return reordered_tiles(tiles, format, in_features, false);
+}

@@ -15,7 +15,7 @@
 //   attention.h    tree_attention, ragged_tree_attention: a step's or a verify's attention over the KV cache
 //   gate.h         silu_gate: the MLP's silu(gate) * up, bitwise torch's
 //   draft_level.h  block_decoder_layer, block_draft_level: a draft head's layer and level in one call
-//   gguf_tiles.h   gguf_tile_pack: Q4_1 blocks reordered for AMX tiles, which gguf_product then multiplies on them
+//   gguf_tiles.h   gguf_tile_pack: Q4_1 and Q8_0 blocks reordered for AMX tiles, which gguf_product multiplies there
 //   native_layer.h native_decoder_layer: a target's decoder layer over GGUF blocks in one call
 //
 // One translation unit, because the parts share helpers in anonymous namespaces and call into each other, and torch's
