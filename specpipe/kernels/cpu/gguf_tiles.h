@@ -35,10 +35,14 @@ template <>
 struct TileLayout<kGgufQ4_1> {
   static constexpr int64_t kBlockBytes = 20, kBytes = 16 * kBlockBytes, kCodes = 64, kLineBytes = 16;
   static constexpr bool kMinimum = true;
-  static uint8_t block_code(const uint8_t* block, int k) { return k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4; }
+  static uint8_t block_code(const uint8_t* block, int k) {
+    return k < 16 ? block[4 + k] & 0x0F : block[4 + k - 16] >> 4;
+  }
   static void set_block_code(uint8_t* block, int k, uint8_t code) { block[4 + k % 16] |= k < 16 ? code : code << 4; }
   static void set_line_code(uint8_t* line, int word, uint8_t code) { line[word % 16] |= word < 16 ? code : code << 4; }
-  static uint8_t line_code(const uint8_t* line, int word) { return word < 16 ? line[word] & 0x0F : line[word - 16] >> 4; }
+  static uint8_t line_code(const uint8_t* line, int word) {
+    return word < 16 ? line[word] & 0x0F : line[word - 16] >> 4;
+  }
 };
 template <>
 struct TileLayout<kGgufQ8_0> {
@@ -124,8 +128,9 @@ inline void widen_codes<kGgufQ8_0>(const uint8_t* lines, uint16_t* operand) {
 #pragma GCC unroll 16
   for (int p = 0; p < 16; ++p) {
     // int8 -> fp32 -> bf16: exact (8 bits)
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lines + 32 * p))));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lines + 32 * p + 16))));
+    const __m128i* line = reinterpret_cast<const __m128i*>(lines + 32 * p);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
     const __m512bh codes = _mm512_cvtne2ps_pbh(high, low);
     _mm512_store_si512(operand + 32 * p, reinterpret_cast<const __m512i&>(codes));
   }
@@ -185,8 +190,8 @@ SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16
       if constexpr (G > 1) _tile_stored(1, block + 16 * (padded + first), 64);
     }
     for (int g = 0; g < G; ++g)
-      scale_block<Format>(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count, sums + 16 * g * rows, rows,
-                  part_count);
+      scale_block<Format>(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count,
+                          sums + 16 * g * rows, rows, part_count);
   }
   for (int g = 0; g < G; ++g)
     for (int64_t r = 0; r < rows; ++r)
@@ -255,11 +260,11 @@ void tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bia
     float* block = aligned + 2 * 16 * rows;
     int64_t group = begin;
     for (; group + 2 <= end; group += 2)
-      tiles_feature_groups<Format, 2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
-                                 out_features, group);
+      tiles_feature_groups<Format, 2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded,
+                                      tile_rows, in, out_features, group);
     if (group < end)
-      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded, tile_rows, in,
-                                 out_features, group);
+      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded,
+                                      tile_rows, in, out_features, group);
     amx_release();
   });
 }
