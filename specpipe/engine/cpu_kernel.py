@@ -93,9 +93,9 @@ class CpuKernel:
         # cleared with `product`
         self.gguf_product = None
         self.gguf_widen = None
-        # gguf_tile_pack(blocks [out, in / 32 * 20] uint8 Q4_1, in) -> the blocks reordered for the AMX tile product
-        # (gguf_weights.TILE_FORMATS), where this CPU has AMX tiles, Linux grants them and the product passes its
-        # check; else None, and `gguf_tiles_reason` says why
+        # gguf_tile_pack(blocks [out, in / 32 * block bytes] uint8, format, in) -> Q4_1 or Q8_0 blocks reordered for
+        # the AMX tile product (gguf_weights.TILE_FORMATS), where this CPU has AMX tiles, Linux grants them and the
+        # product passes its check; else None, and `gguf_tiles_reason` says why
         self.gguf_tile_pack = None
         self.gguf_tiles_reason = ""
         # quantized_product(x [..., in], weight [out, in] int8, scale [out] fp32, bias [out] fp32 or None) ->
@@ -201,8 +201,8 @@ class CpuKernel:
             self.native_layer = module.native_decoder_layer
 
     def _take_gguf_tiles(self, module) -> None:
-        """The Q4_1 product on AMX tiles (gguf_tile_pack), where this build and CPU have the tiles, Linux grants them
-        and the product passes its check; else `gguf_tiles_reason`."""
+        """The Q4_1 and Q8_0 product on AMX tiles (gguf_tile_pack), where this build and CPU have the tiles, Linux
+        grants them and the product passes its check; else `gguf_tiles_reason`."""
         if self.isa != "avx512_bf16":
             self.gguf_tiles_reason = f"the kernel's {self.isa} build has no AMX tile product"
         elif "amx_bf16" not in cpu_flags():
@@ -216,7 +216,7 @@ class CpuKernel:
             except RuntimeError as error:  # a compiler without the tile intrinsics builds the product as an error
                 mismatch = _first_line(error)[:200]
             if mismatch:
-                self.gguf_tiles_reason = f"its Q4_1 product on AMX tiles fails its check here ({mismatch})"
+                self.gguf_tiles_reason = f"its product on AMX tiles fails its check here ({mismatch})"
             else:
                 self.gguf_tile_pack = module.gguf_tile_pack
 

@@ -133,7 +133,7 @@ class OneDNNEngine:
     # With native weights: products of up to this many rows run over the blocks (larger ones, prompts, over the dense
     # weights); "auto" = 64
     native_rows: int | str = "auto"
-    # With native weights on CPUs with AMX tiles: Q4_1 blocks reordered once for the kernel's tile product
+    # With native weights on CPUs with AMX tiles: Q4_1 and Q8_0 blocks reordered once for the kernel's tile product
     # (gguf_tiles.h: codes widened to bf16 on the tiles, fp32 rows as three exact bf16 parts, per-block fp32 scaling),
     # whose cost grows far slower with the rows than the vector product's. Its sums are in another order than the
     # vector product's (not bitwise alike); each row's output is still the same whatever rows come with it. "auto" =
