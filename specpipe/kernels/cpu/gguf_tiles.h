@@ -206,7 +206,7 @@ SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16
 // bf16 parts of x's rows [rows, in] (three for fp32 x, one for bf16 x) as tiles_feature_groups takes them, zero rows
 // up to `padded`, and each row's sums over its blocks of 32 [rows, in / 32] (fp32, in one order)
 void tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t padded, int64_t in,
-                   torch::Tensor& parts, torch::Tensor& block_sums) {
+                torch::Tensor& parts, torch::Tensor& block_sums) {
   const bool wide = x.scalar_type() == torch::kFloat32;
   const int64_t count = in / kTileValues;
   parts = torch::zeros({padded, in}, x.options().dtype(torch::kBFloat16));
@@ -219,31 +219,22 @@ void tile_parts(const torch::Tensor& x, int part_count, int64_t rows, int64_t pa
     for (int64_t b = 0; b < count; ++b) {
       const int64_t at = r * in + b * kTileValues;
       __m512 value[2];
-      for (int v = 0; v < 2; ++v) {
-        if (wide) {
-          value[v] = _mm512_loadu_ps(wide_rows + at + 16 * v);
-        } else {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(narrow_rows + at + 16 * v));
-          value[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-        }
-      }
+      for (int v = 0; v < 2; ++v)
+        value[v] = wide ? lanes_load(wide_rows + at + 16 * v) : load_weights(narrow_rows + at + 16 * v);
       sums[r * count + b] = _mm512_reduce_add_ps(_mm512_add_ps(value[0], value[1]));
       for (int s = 0; s < part_count; ++s) {
         // RNE to bf16; the remainder x - part is exact in fp32, so the parts add up to x
         uint16_t* target = part + (r * part_count + s) * in + b * kTileValues;
         const __m512bh rounded = _mm512_cvtne2ps_pbh(value[1], value[0]);
         _mm512_storeu_si512(target, reinterpret_cast<const __m512i&>(rounded));
-        for (int v = 0; v < 2; ++v) {
-          const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(target + 16 * v));
-          value[v] = _mm512_sub_ps(value[v], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-        }
+        for (int v = 0; v < 2; ++v) value[v] = _mm512_sub_ps(value[v], load_weights(target + 16 * v));
       }
     }
 }
 
 template <int Format, typename Out>
 void tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bias, Out* out, int64_t rows,
-                     int64_t in, int64_t out_features) {
+                  int64_t in, int64_t out_features) {
   const int part_count = x.scalar_type() == torch::kFloat32 ? 3 : 1;
   const int tile_rows = static_cast<int>(std::min<int64_t>(rows * part_count, kTileMaxRows));
   const int64_t padded = (rows * part_count + tile_rows - 1) / tile_rows * tile_rows;
@@ -278,9 +269,15 @@ void with_tile_format(int64_t format, F&& f) {
   else f(std::integral_constant<int, kGgufQ8_0>{});
 }
 
-torch::Tensor reordered_tiles(const torch::Tensor& from, int64_t format, int64_t in_features, bool pack) {
-  const int64_t out_features = checked_gguf(from, format, in_features);
+// The out features of blocks (or their tiles) of Q4_1 or Q8_0, checked as gguf_product takes them, a multiple of 16
+int64_t checked_tiles(const torch::Tensor& blocks, int64_t format, int64_t in_features) {
+  const int64_t out_features = checked_gguf(blocks, format, in_features);
   TORCH_CHECK(out_features % kTileFeatures == 0, "tiles: out_features a multiple of 16");
+  return out_features;
+}
+
+torch::Tensor reordered_tiles(const torch::Tensor& from, int64_t format, int64_t in_features, bool pack) {
+  const int64_t out_features = checked_tiles(from, format, in_features);
   auto to = torch::empty_like(from);
   with_tile_format(format, [&](auto kind) {
     reorder_tiles<kind.value>(from.data_ptr<uint8_t>(), to.data_ptr<uint8_t>(), out_features, in_features, pack);
@@ -291,8 +288,7 @@ torch::Tensor reordered_tiles(const torch::Tensor& from, int64_t format, int64_t
 void gguf_tiles_into(const torch::Tensor& x, const torch::Tensor& tiles, int64_t tile_format, const float* bias,
                      torch::Tensor& out, int64_t in_features) {
   const int64_t format = tile_format - kGgufTiles;
-  const int64_t out_features = checked_gguf(tiles, format, in_features);
-  TORCH_CHECK(out_features % kTileFeatures == 0, "tiles: out_features a multiple of 16");
+  const int64_t out_features = checked_tiles(tiles, format, in_features);
 #ifdef SPECPIPE_AMX
   const int64_t rows = x.numel() / in_features;
   if (rows == 0) return;
