@@ -313,7 +313,8 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
 
 
 def gate_measures(pipeline: Pipeline) -> dict[int, dict[str, float]]:
-    """What a pipeline's speculation gate measured per batch size: tokens per ms speculating and plain."""
+    """What a pipeline's speculation gate measured per batch size: tokens per ms speculating and plain (decayed means
+    over each kind's steps), and the ratio it decides on (from the two kinds measured close together)."""
     gate = pipeline.decoder.gate
     if gate is None:
         return {}
@@ -321,16 +322,20 @@ def gate_measures(pipeline: Pipeline) -> dict[int, dict[str, float]]:
     for size in range(2, pipeline.limits.max_sequences + 1):
         speculating, plain = gate.rates(size)
         if speculating or plain:
-            measured[gate.bucket(size)] = {"speculating": speculating, "plain": plain}  # the sizes up to it
+            measured[gate.bucket(size)] = {"speculating": speculating, "plain": plain,  # the sizes up to it
+                                           "ratio": gate.ratio(size)}
     return measured
 
 
 def gate_lines(gates: dict) -> str:
-    """The speculation gates' measures as text: per method, tokens/ms speculating / plain at each batch size."""
+    """The speculation gates' measures as text: per method, tokens/ms speculating / plain at each batch size, and the
+    paired ratio the gate decides on (older reports have none)."""
     lines = [f"- `{name}`: " + ", ".join(f"{size}: {m['speculating']:.3f} / {m['plain']:.3f}"
+                                        + (f" (paired {m['ratio']:.2f}x)" if m.get("ratio") else "")
                                         for size, m in sorted(measured.items(), key=lambda item: int(item[0])))
              for name, measured in gates.items() if measured]
-    return ("\nSpeculation gate, tokens per ms speculating / plain by batch size (plain wins where it is larger):\n"
+    return ("\nSpeculation gate, tokens per ms speculating / plain by batch size, and speculating over plain in runs "
+            "taken close together (the gate speculates where that is above 1.03x):\n"
             + "\n".join(lines) + "\n") if lines else ""
 
 
