@@ -462,3 +462,40 @@ def test_a_bf16_draft_models_whole_level_runs_in_one_kernel_call(tiny_mixed, sel
     for prompt in prompts:
         assert run_steps(pipe, prompt, 12)[0] == run_steps(vanilla, prompt, 12)[0]
     assert levels["kernel"] >= 5 and levels["runner"] >= 1
+
+
+def test_a_batchs_draft_model_level_runs_in_kernel_calls_each_request_bitwise_as_alone(tiny_mixed):
+    """A batch's level of a bf16 draft model (several requests' rows, each over its own cache) runs in as few calls of
+    the kernel's level as its row limit allows: each request's log-probs and cache rows are bitwise its rows alone."""
+    import copy
+
+    from specpipe.engine.cpu_kernel_build import kernel_isa
+    from specpipe.kv_cache import PositionIndexedCache
+
+    pipe = build_pipeline(compose_config(["model=tiny_random", "model.dtype=bf16", "cost_curve=flat",
+                                          "pipeline=specinfer_mix", f"pipeline.drafters.model.path={tiny_draft_dir('bf16')}"]))
+    drafter = pipe.decoder.drafters[0]
+    level = drafter._kernel_level()
+    if kernel_isa() != "avx512_bf16" or level is None:
+        pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: the draft runs op by op")
+    kernel, calls = level.level_kernel, []
+    level.level_kernel = lambda *arguments: calls.append(arguments[0].shape[0]) or kernel(*arguments)
+    generator = torch.Generator().manual_seed(9)
+
+    def feed(cached: int, rows: int, logprob_rows: int):
+        cache = PositionIndexedCache()
+        drafter._forward_logprobs(torch.randint(0, 1000, (cached,), generator=generator), torch.arange(cached),
+                                  torch.ones(cached, cached, dtype=torch.bool).tril(), cache, 1)
+        mask = torch.ones(rows, cached + rows, dtype=torch.bool).tril(cached)
+        return (torch.randint(0, 1000, (rows,), generator=generator), torch.arange(cached, cached + rows), mask, cache,
+                logprob_rows)
+
+    feeds = [feed(5, 1, 1), feed(11, 3, 2), feed(8, level.max_rows - 3, 1), feed(6, 2, 2)]
+    alone = copy.deepcopy(feeds)
+    calls.clear()
+    together = drafter._levels(feeds)
+    assert len(calls) == 2  # max_rows + 3 rows: the long feed alone, the others together
+    for logprobs, one, ours in zip(together, alone, feeds, strict=True):
+        assert torch.equal(logprobs, drafter._forward_logprobs(*one))
+        for mine, single in zip(ours[3].layers, one[3].layers, strict=True):
+            assert torch.equal(mine.keys, single.keys) and torch.equal(mine.values, single.values)

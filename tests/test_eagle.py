@@ -728,6 +728,65 @@ def test_a_bf16_heads_whole_level_in_one_kernel_call_drafts_bitwise_as_op_by_op(
     assert cache.get_seq_length() == 5 and all(layer.length == 5 for layer in cache.layers)
 
 
+@pytest.mark.parametrize("quantize", ["null", "int8"])
+def test_a_batchs_draft_level_runs_in_one_kernel_call_each_request_bitwise_as_alone(tiny_mixed, quantize):
+    """A batch's draft level (several requests' rows, each over its own cache, under its own mask) runs in one call of
+    the kernel's level where its rows fit one call, in several where they do not: each request's predicted features,
+    log-probs and cache rows are bitwise those of its rows alone; a call that fails leaves every cache as it was."""
+    import copy
+
+    from specpipe.pipelines.builder import compose_config
+    from specpipe.stages.draft.eagle import _Rows
+
+    overrides = ["model=tiny_random", "model.dtype=bf16", "pipeline=eagle_mix", "cost_curve=flat",
+                 f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random')}",
+                 "pipeline.drafters.eagle.vocab_top_k=0", f"pipeline.drafters.eagle.weight_quantization={quantize}"]
+    drafter = build_pipeline(compose_config(overrides)).decoder.drafters[0]
+    level = drafter._kernel_level()
+    if level is None:
+        pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: levels run op by op")
+    kernel, calls = level.level_kernel, []
+    level.level_kernel = lambda *arguments: calls.append(arguments[0].shape[0]) or kernel(*arguments)
+    hidden = tiny_mixed.loaded.model.config.hidden_size
+    generator = torch.Generator().manual_seed(5)
+
+    def feed(cached: int, rows: int, logprob_rows: int, tree: bool) -> _Rows:
+        cache = PositionIndexedCache()
+        with torch.inference_mode():  # `cached` committed rows, fed op by op
+            drafter._forward(torch.randn(cached, hidden, generator=generator).bfloat16(),
+                             torch.randint(0, 1000, (cached,), generator=generator), torch.arange(cached),
+                             torch.ones(cached, cached, dtype=torch.bool).tril(), cache)
+        mask = torch.ones(rows, cached + rows, dtype=torch.bool).tril(cached)
+        if tree:  # siblings: each row sees the cache and itself only
+            mask[:, cached:] = torch.eye(rows, dtype=torch.bool)
+        return _Rows(torch.randn(rows, hidden, generator=generator).bfloat16(),
+                     torch.randint(0, 1000, (rows,), generator=generator),
+                     torch.arange(cached, cached + rows) if not tree else torch.full((rows,), cached), mask, cache,
+                     logprob_rows)
+
+    for shapes in ([(7, 1, 1, False), (30, 3, 3, True), (12, 2, 1, False)],  # one call
+                   [(9, 5, 5, True), (20, level.max_rows - 4, 2, False), (3, 4, 4, True), (15, 1, 1, False)]):
+        feeds = [feed(*shape) for shape in shapes]
+        alone = copy.deepcopy(feeds)
+        calls.clear()
+        together = drafter._levels(feeds)
+        groups = len(calls)
+        expected = [drafter._level(*one) for one in alone]
+        assert groups == (1 if sum(shape[1] for shape in shapes) <= level.max_rows else 2)
+        for (predicted, logprobs), (predicted_alone, logprobs_alone), ours, theirs in zip(together, expected, feeds,
+                                                                                         alone, strict=True):
+            assert torch.equal(predicted, predicted_alone) and torch.equal(logprobs, logprobs_alone)
+            for mine, single in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+                assert mine.length == single.length
+                assert torch.equal(mine.keys, single.keys) and torch.equal(mine.values, single.values)
+    feeds = [feed(6, 2, 1, False), feed(8, 2, 2, False)]
+    broken = feeds[1]._replace(mask=torch.ones(2, 5, dtype=torch.bool))  # not [rows, cached + rows]
+    with pytest.raises(RuntimeError, match=r"mask: bool \[q, length \+ q\]"):
+        drafter._levels([feeds[0], broken])
+    assert [one.cache.get_seq_length() for one in feeds] == [6, 8]
+    assert all(layer.length == cached for one, cached in zip(feeds, (6, 8)) for layer in one.cache.layers)
+
+
 def tokens_embedding(model, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with torch.inference_mode():
         return model.reference.get_input_embeddings()(tokens).to(dtype)  # [q, hidden]

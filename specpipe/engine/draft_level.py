@@ -10,6 +10,8 @@ transformers'. The engine hands the kernel's functions to the models it rewrites
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -173,10 +175,16 @@ class KernelDraftLevel:
                    final_norm.weight if final_norm is not None else None)
 
     def serves(self, rows: int, logprob_rows: int, cache) -> bool:
+        return self.serves_many([(rows, logprob_rows, cache)])
+
+    def serves_many(self, sequences: list[tuple[int, int, object]]) -> bool:
+        """Whether one call takes these sequences' rows: (rows, log-prob rows, cache) each."""
         from specpipe.kv_cache import PositionIndexedCache
 
-        return (1 <= rows <= self.max_rows and 1 <= logprob_rows <= min(rows, self.max_logprob_rows)
-                and type(cache) is PositionIndexedCache)  # a subclass (LayerSubsetCache) lays its rows out otherwise
+        return (1 <= sum(rows for rows, _, _ in sequences) <= self.max_rows
+                and sum(logprob_rows for _, logprob_rows, _ in sequences) <= self.max_logprob_rows
+                and all(1 <= logprob_rows <= rows and type(cache) is PositionIndexedCache  # a subclass (LayerSubsetCache)
+                        for rows, logprob_rows, cache in sequences))  # lays its rows out otherwise
 
     def __call__(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, mask: Tensor | None, cache,
                  logprob_rows: int) -> tuple[Tensor, Tensor] | None:
@@ -185,34 +193,91 @@ class KernelDraftLevel:
         an EAGLE head's predicted features, a draft model's normed last hidden states; log-probs [logprob_rows, vocab]
         fp32 of the last rows), q rows appended to `cache`; None (nothing written) where the rotary tables no longer
         serve."""
-        q = token_ids.shape[0]
+        return self.many(token_ids, features, positions, [DraftRows(int(token_ids.shape[0]), mask, cache, logprob_rows)])
+
+    def many(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, sequences: list["DraftRows"]
+             ) -> tuple[Tensor, Tensor] | None:
+        """`__call__` for several sequences' rows side by side (token_ids [R], features [R, hidden_size] or None,
+        positions [R]), each sequence's `rows` over its own cache and mask: (hidden [R, hidden_size], log-probs
+        [sum of logprob_rows, vocab] of each sequence's last rows, in order); each sequence's rows bitwise what its
+        rows alone give. None (nothing written) where the rotary tables no longer serve."""
         tables = self.rotary.signed_tables(self.embedding, int(positions.max()) + 1)
         if tables is None:
             return None
-        started = cache.get_seq_length()
+        starts = [sequence.cache.get_seq_length() for sequence in sequences]
         try:
-            keys, values, lengths = [], [], set()
+            keys, values, lengths, masks = [], [], [[] for _ in sequences], []
             like = self.embedding.new_empty(1, self.kv_heads, 0, tables[0].shape[-1])  # [1, kv_heads, 0, head_dim]
-            for layer_idx in self.layer_ids:
-                key_buffer, value_buffer, length = cache.rows_to_write(layer_idx, like, q)
-                keys.append(key_buffer)
-                values.append(value_buffer)
-                lengths.add(length)
-            if len(lengths) != 1:
-                raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(lengths)})")
-            if mask is None and q > 1:
-                mask = torch.ones(q, length + q, dtype=torch.bool).tril(length)
+            for layer_idx in self.layer_ids:  # layer-major: the kernel reads layer l's caches of every sequence
+                for index, sequence in enumerate(sequences):
+                    key_buffer, value_buffer, length = sequence.cache.rows_to_write(layer_idx, like, sequence.rows)
+                    keys.append(key_buffer)
+                    values.append(value_buffer)
+                    lengths[index].append(length)
+            for sequence, found in zip(sequences, lengths):
+                if len(set(found)) != 1:
+                    raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(set(found))})")
+                mask = sequence.mask
+                if mask is None and sequence.rows > 1:
+                    mask = torch.ones(sequence.rows, found[0] + sequence.rows, dtype=torch.bool).tril(found[0])
+                masks.append(mask)
             fc = (self.fc.blocks, self.fc.scale, self.fc.kernel_bias) if self.fc is not None else (None, None, None)
-            hidden, logprobs = self.level_kernel(
+            return tuple(self.level_kernel(
                 token_ids, features, self.embedding, *fc, *tables,
                 positions, self.input_norms, self.post_norms, self.eps, self.blocks, self.scales, self.biases,
-                self.heads, self.kv_heads, self.intermediate, keys, values, length, mask, self.scaling,
+                self.heads, self.kv_heads, self.intermediate, keys, values, [found[0] for found in lengths],
+                [sequence.rows for sequence in sequences], masks, self.scaling,
                 self.final_norm, self.head.blocks, self.head.out_features, self.head.scale, self.head.kernel_bias,
-                logprob_rows)
+                [sequence.logprob_rows for sequence in sequences]))
         except BaseException:
-            cache.crop(started)  # rows_to_write counted rows a failed call never wrote
+            for sequence, start in zip(sequences, starts):
+                sequence.cache.crop(start)  # rows_to_write counted rows a failed call never wrote
             raise
-        return hidden, logprobs
+
+
+    def in_groups(self, calls: list[tuple[Tensor, Tensor | None, Tensor, "DraftRows"]]
+                  ) -> list[tuple[Tensor, Tensor] | None]:
+        """Several sequences' levels, (token_ids, features, positions, DraftRows) each, in as few calls of `many` as its
+        row limits allow (each sequence into the first group it fits): per sequence (hidden [rows, hidden_size],
+        log-probs [logprob_rows, vocab]), or None where no call takes it (more rows than one call takes, a cache laid
+        out otherwise) or the rotary tables no longer serve."""
+        sequences = [(rows.rows, rows.logprob_rows, rows.cache) for *_, rows in calls]
+        groups: list[list[int]] = []
+        for index, sequence in enumerate(sequences):
+            if not self.serves_many([sequence]):
+                continue
+            group = next((group for group in groups
+                          if self.serves_many([*(sequences[i] for i in group), sequence])), None)
+            if group is None:
+                groups.append([index])
+            else:
+                group.append(index)
+        out: list[tuple[Tensor, Tensor] | None] = [None] * len(calls)
+        for group in groups:
+            chosen = [calls[index] for index in group]
+            features = [call[1] for call in chosen]
+            done = self.many(torch.cat([call[0] for call in chosen]),
+                             torch.cat(features) if features[0] is not None else None,
+                             torch.cat([call[2] for call in chosen]), [call[3] for call in chosen])
+            if done is None:
+                continue
+            hidden, logprobs = done
+            row = logprob_row = 0
+            for index, (*_, rows) in zip(group, chosen):
+                out[index] = (hidden[row:row + rows.rows], logprobs[logprob_row:logprob_row + rows.logprob_rows])
+                row += rows.rows
+                logprob_row += rows.logprob_rows
+        return out
+
+
+class DraftRows(NamedTuple):
+    """One sequence's rows in a KernelDraftLevel call: how many, their mask [rows, cached + rows] bool over its cache
+    then them (None: causal), its cache, and how many of its last rows' log-probs are wanted."""
+
+    rows: int
+    mask: Tensor | None
+    cache: object
+    logprob_rows: int
 
 
 def _block_product(module: nn.Module | None):

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.draft_level import KernelDraftLevel
+from specpipe.engine.draft_level import DraftRows, KernelDraftLevel
 from specpipe.engine.lean_model import LeanLlamaModel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
@@ -268,10 +268,28 @@ class DraftModelDrafter(StepDrafter):
         return order, (input_ids, positions, mask, session.cache, len(order))
 
     def _levels(self, feeds: list[tuple[Tensor, Tensor, Tensor, PositionIndexedCache, int]]) -> list[Tensor]:
-        """`_forward_logprobs` of each feed; several feeds over plain caches in one forward of the draft, each row
-        attending its own cache (TargetModel.forward_rows)."""
+        """`_forward_logprobs` of each feed; several feeds over plain caches in as few calls of the kernel's level as
+        its row limit allows where the engine gave the draft's level one (KernelDraftLevel.in_groups), the others in
+        one forward of the draft, each row attending its own cache (TargetModel.forward_rows)."""
         if len(feeds) <= 1 or any(type(feed[3]) is not PositionIndexedCache for feed in feeds):
             return [self._forward_logprobs(*feed) for feed in feeds]  # a layer subset's cache lays rows out its way
+        level = self._kernel_level()
+        out: list[Tensor | None] = [None] * len(feeds)
+        if level is not None:
+            with torch.inference_mode():
+                done = level.in_groups([(ids, None, positions, DraftRows(int(ids.shape[0]), mask, cache, rows))
+                                        for ids, positions, mask, cache, rows in feeds])
+            out = [result[1] if result is not None else None for result in done]
+        rest = [index for index, result in enumerate(out) if result is None]
+        if len(rest) == 1:
+            out[rest[0]] = self._forward_logprobs(*feeds[rest[0]])
+        elif rest:
+            for index, result in zip(rest, self._ragged_logprobs([feeds[index] for index in rest])):
+                out[index] = result
+        return out
+
+    def _ragged_logprobs(self, feeds: list[tuple[Tensor, Tensor, Tensor, PositionIndexedCache, int]]) -> list[Tensor]:
+        """Several feeds in one forward of the draft, each row attending its own cache."""
         reduced = self._reduced_head()
         wanted, start = [], 0
         for input_ids, _, _, _, rows in feeds:  # each feed's last `rows` rows

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.draft_level import KernelDraftLevel
+from specpipe.engine.draft_level import DraftRows, KernelDraftLevel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
@@ -239,10 +239,28 @@ class EagleDrafter(StepDrafter):
     @torch.inference_mode()
     def _levels(self, feeds: list["_Rows"]) -> list[tuple[Tensor, Tensor]]:
         """One draft level of each feed's rows (one request's, over its own cache): (predicted features [q, hidden],
-        log-probs [logprob_rows, vocab] of its last rows) each. A lone feed runs as `_level`; several, in one
-        forward of the head whose rows attend each its own cache (specpipe.target.RaggedBatch)."""
+        log-probs [logprob_rows, vocab] of its last rows) each. A lone feed runs as `_level`; several, in as few kernel
+        calls as the kernel's row limit allows where the engine gave the head's level one (KernelDraftLevel.many),
+        else in one forward of the head whose rows attend each its own cache (specpipe.target.RaggedBatch)."""
         if len(feeds) <= 1:
             return [self._level(*feed) for feed in feeds]
+        level = self._kernel_level()
+        if level is not None and all(feed.features.dtype == torch.bfloat16 for feed in feeds):
+            out = level.in_groups([(feed.tokens, feed.features, feed.positions,
+                                    DraftRows(len(feed.tokens), feed.mask, feed.cache, feed.logprob_rows))
+                                   for feed in feeds])
+        else:
+            out = [None] * len(feeds)
+        rest = [index for index, done in enumerate(out) if done is None]
+        if len(rest) == 1:
+            out[rest[0]] = self._level(*feeds[rest[0]])
+        elif rest:
+            for index, result in zip(rest, self._ragged_level([feeds[index] for index in rest])):
+                out[index] = result
+        return out
+
+    def _ragged_level(self, feeds: list["_Rows"]) -> list[tuple[Tensor, Tensor]]:
+        """Several feeds' level op by op, in one forward of the head whose rows attend each its own cache."""
         device = self.target.device
         ragged = RaggedBatch([feed.cache for feed in feeds], [len(feed.tokens) for feed in feeds],
                              [feed.mask for feed in feeds])
