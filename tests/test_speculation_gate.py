@@ -102,3 +102,23 @@ def test_neighbouring_batch_sizes_share_a_measure():
     for size, speculate in zip((6, 7), chosen):
         gate.observe(size, speculate, 10, 20.0)
     assert gate.speculate(8) is False  # plain's first measure, wherever in the bucket it is taken
+
+
+def test_a_catch_up_is_not_measured_when_the_batch_size_changed_since_the_plain_steps():
+    """Plain steps at 4 requests, then 2 are left: the first speculating step at 2 feeds the drafters what the plain
+    steps at 4 committed. It belongs to no batch size's measure."""
+    gate = SpeculationGate(explore_every=8, first_steps=2)
+    last = [True]
+
+    def step(batch: int, speculating_ms: float) -> None:
+        speculate = gate.speculate(batch)
+        after_plain = speculate and not last[-1]
+        last.append(speculate)
+        gate.observe(batch, speculate, 10, 50.0 if after_plain else speculating_ms if speculate else 8.0)
+
+    for _ in range(60):
+        step(4, speculating_ms=20.0)  # plain wins at 4
+    assert not last[-1]
+    for _ in range(3):
+        step(2, speculating_ms=5.0)
+    assert gate.rates(2)[0] == pytest.approx(2.0)  # 10 tokens in 5 ms: the 50 ms catch-up was left out

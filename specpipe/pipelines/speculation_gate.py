@@ -40,7 +40,6 @@ class _Bucket:
     weight: float = 0.0  # the pairs' decayed count
     pairs: int = 0
     steps: int = 0
-    last_speculated: bool = True
     exploring: bool | None = None  # the kind an exploration under way tries, and its steps measured so far
     explored: int = 0
     confirmed: int = 0  # explorations in a row that left the decision as it was
@@ -82,6 +81,7 @@ class SpeculationGate:
         self.window = window
         self._pair_keep = 1.0 - 1.0 / pair_memory
         self._buckets: dict[int, _Bucket] = {}
+        self._last_speculated = True  # whether the decoder's last step speculated, whatever its batch size
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -115,15 +115,13 @@ class SpeculationGate:
         return state.exploring
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, milliseconds: float) -> None:
-        if batch_size < 2 or milliseconds <= 0:
+        # A speculating step after a plain one, of any batch size, pays for what the drafters skipped (an EAGLE head
+        # feeds the rows committed meanwhile): measured, it would price speculation by its catch-ups and keep it off
+        after_plain = speculated and not self._last_speculated
+        self._last_speculated = speculated
+        if batch_size < 2 or milliseconds <= 0 or after_plain:
             return
         state = self._state(batch_size)
-        # A speculating step after a plain one pays for what the drafters skipped (an EAGLE head feeds the rows
-        # committed meanwhile): measured, it would price speculation by its catch-ups and keep it off
-        if speculated and not state.last_speculated:
-            state.last_speculated = True
-            return
-        state.last_speculated = speculated
         (state.speculating if speculated else state.plain).add(tokens, milliseconds, self._keep)
         recent = state.recent[speculated]
         recent.append((tokens, milliseconds))
