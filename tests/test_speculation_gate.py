@@ -57,15 +57,26 @@ def test_the_gate_compares_kinds_measured_close_together_while_the_machine_speed
 
 def test_explorations_grow_rarer_while_they_change_nothing():
     """Plain steps are 2x faster at this size: each exploration (3 speculating steps after a catch-up) costs, so
-    after the first three pairs (every 8th step: one pair says little) they come every 64th step, and twice and four
-    times as seldom after two and four explorations in a row that agreed with the decision."""
+    after the first three pairs (every 8th step: one pair says little) they come every 64th step, and two, four and
+    eight times as seldom after two, four and six explorations in a row that agreed with the decision."""
     gate = SpeculationGate(explore_every=8)
-    chosen = run(gate, 8, speculating_rate=0.5, plain_rate=1.0, steps=2000)
-    starts = [step for step in range(1, len(chosen)) if chosen[step] and not chosen[step - 1]]
-    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
-    # explorations at steps 8 and 16, then 128 and 256 (every 128th: two agreed), then every 256th (four agreed)
-    assert [start + 1 for start in starts[:4]] == [8, 16, 128, 256] and set(gaps[3:]) == {256}
-    assert all(chosen[start:start + 4] == [True] * 4 for start in starts[:-1])  # a catch-up, then 3 measured
+    chosen = run(gate, 8, speculating_rate=0.5, plain_rate=1.0, steps=3000)
+    starts = [step + 1 for step in range(1, len(chosen)) if chosen[step] and not chosen[step - 1]]  # the gate's steps
+    assert starts == [8, 16, 128, 256, 512, 768, 1024, 1536, 2048, 2560]
+    assert all(chosen[start - 1:start + 3] == [True] * 4 for start in starts)  # a catch-up, then 3 measured
+
+
+def test_a_larger_batch_starts_plain_where_a_smaller_one_lost_by_speculating():
+    """Speculation pays less as the batch grows: where 3-4 sequences found plain steps 2x faster, a first batch of 8
+    starts plain (no first speculating measures, no try for 128 steps); where 3-4 found speculating faster, 8 measures
+    for itself from its first step."""
+    gate = SpeculationGate(explore_every=8)
+    run(gate, 4, speculating_rate=0.5, plain_rate=1.0, steps=200)
+    chosen = run(gate, 8, speculating_rate=0.5, plain_rate=1.0, steps=300)
+    assert [step + 1 for step, speculate in enumerate(chosen) if speculate] == [128, 129, 130, 131, 256, 257, 258, 259]
+    gate = SpeculationGate(explore_every=8)
+    run(gate, 4, speculating_rate=1.5, plain_rate=1.0, steps=200)
+    assert run(gate, 8, speculating_rate=0.5, plain_rate=1.0, steps=2) == [True, True]
 
 
 @pytest.mark.parametrize("settings", [dict(explore_every=1), dict(first_steps=0), dict(memory=0.5), dict(margin=1.0),

@@ -183,8 +183,9 @@ class KernelDraftLevel:
 
         return (1 <= sum(rows for rows, _, _ in sequences) <= self.max_rows
                 and sum(logprob_rows for _, logprob_rows, _ in sequences) <= self.max_logprob_rows
-                and all(1 <= logprob_rows <= rows and type(cache) is PositionIndexedCache  # a subclass (LayerSubsetCache)
-                        for rows, logprob_rows, cache in sequences))  # lays its rows out otherwise
+                # a subclass of the cache (LayerSubsetCache) lays its rows out otherwise
+                and all(1 <= logprob_rows <= rows and type(cache) is PositionIndexedCache
+                        for rows, logprob_rows, cache in sequences))
 
     def __call__(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, mask: Tensor | None, cache,
                  logprob_rows: int) -> tuple[Tensor, Tensor] | None:
@@ -193,7 +194,8 @@ class KernelDraftLevel:
         an EAGLE head's predicted features, a draft model's normed last hidden states; log-probs [logprob_rows, vocab]
         fp32 of the last rows), q rows appended to `cache`; None (nothing written) where the rotary tables no longer
         serve."""
-        return self.many(token_ids, features, positions, [DraftRows(int(token_ids.shape[0]), mask, cache, logprob_rows)])
+        rows = DraftRows(int(token_ids.shape[0]), mask, cache, logprob_rows)
+        return self.many(token_ids, features, positions, [rows])
 
     def many(self, token_ids: Tensor, features: Tensor | None, positions: Tensor, sequences: list["DraftRows"]
              ) -> tuple[Tensor, Tensor] | None:
@@ -216,7 +218,8 @@ class KernelDraftLevel:
                     lengths[index].append(length)
             for sequence, found in zip(sequences, lengths):
                 if len(set(found)) != 1:
-                    raise RuntimeError(f"the draft cache's layers hold different numbers of rows ({sorted(set(found))})")
+                    raise RuntimeError(f"the draft cache's layers hold different numbers of rows "
+                                       f"({sorted(set(found))})")
                 mask = sequence.mask
                 if mask is None and sequence.rows > 1:
                     mask = torch.ones(sequence.rows, found[0] + sequence.rows, dtype=torch.bool).tril(found[0])

@@ -60,12 +60,16 @@ class SpeculationGate:
     steps measured now. The decision follows a decayed mean of those pairs' log ratios: speculate unless plain steps
     are measurably faster (`margin`). Every `explore_every` steps the other kind is tried for `window` measured
     steps (every `explore_every * 4` while one kind leads by more than 5%, `* 8` by more than 25%, and twice and four
-    times as seldom after two and four explorations in a row that agreed with the decision), so a change of load or of text
-    is seen; until `sure_pairs` pairs are in, every `explore_every` steps whatever the lead: one pair of a few
-    steps says little (a speculating step commits 1 to 3 tokens a request, by luck). A batch of one is left to the
-    cost curve alone."""
+    times as seldom after two and four explorations in a row that agreed with the decision, eight times after six), so a
+    change of load or of text is seen; until `sure_pairs` pairs are in, every `explore_every` steps whatever the
+    lead: one pair of a few steps says little (a speculating step commits 1 to 3 tokens a request, by luck). A
+    speculating try after plain steps costs more than its steps: the drafters first catch up on every row committed
+    meanwhile (~3 plain steps' time for an EAGLE head at 8 requests). So a batch size measured for the first time
+    starts plain where a smaller one found plain steps more than 25% faster (`_inherit`). A batch of one is left to
+    the cost curve alone."""
 
     sure_pairs = 3
+    _PLAIN_LEAD = 1.25  # a smaller batch size's lead of plain steps that a larger one starts from (`_inherit`)
 
     def __init__(self, explore_every: int = 8, first_steps: int = 2, memory: float = 32.0, margin: float = 0.03,
                  window: int = 3, pair_memory: float = 6.0) -> None:
@@ -103,16 +107,30 @@ class SpeculationGate:
         state.steps += 1
         if state.exploring is not None:
             return state.exploring
-        if state.weight == 0.0:  # the first measures: speculating steps, then plain ones
-            return state.speculating.count < self.first_steps
+        if state.weight == 0.0 and not self._inherit(state, self.bucket(batch_size)):
+            return state.speculating.count < self.first_steps  # the first measures: speculating steps, then plain
         better = self._better(state)
         lead = math.exp(abs(state.log_ratio))
         every = self.explore_every * (1 if lead < 1.05 or state.pairs < self.sure_pairs else 4 if lead < 1.25 else 8)
-        every <<= 2 if state.confirmed >= 4 else 1 if state.confirmed >= 2 else 0
+        every <<= min(3, state.confirmed // 2)
         if state.steps % every != 0:
             return better
         state.exploring, state.explored = not better, 0  # `window` measured steps of the other kind
         return state.exploring
+
+    def _inherit(self, state: _Bucket, bucket: int) -> bool:
+        """Starts a bucket not measured yet from a smaller batch size's measure where plain steps won there by more
+        than `_PLAIN_LEAD`: speculation pays less as the batch grows (more rows per forward turn its cost from
+        streaming the weights to computing), so a larger batch is taken to lose as much, until its own explorations
+        say otherwise. Whether it did."""
+        smaller = [other for size, other in self._buckets.items() if size < bucket and other.pairs >= self.sure_pairs]
+        if not smaller:
+            return False
+        nearest = max(smaller, key=lambda other: other.steps)
+        if nearest.log_ratio >= -math.log(self._PLAIN_LEAD):
+            return False
+        state.log_ratio, state.weight, state.pairs, state.confirmed = nearest.log_ratio, 1.0, self.sure_pairs, 2
+        return True
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, milliseconds: float) -> None:
         # A speculating step after a plain one, of any batch size, pays for what the drafters skipped (an EAGLE head
@@ -143,8 +161,9 @@ class SpeculationGate:
             return
         before = self._better(state) if state.weight > 0 else None
         ratio = math.log(speculating / plain)
-        state.log_ratio = (state.log_ratio * state.weight * self._pair_keep + ratio) / (state.weight * self._pair_keep + 1)
-        state.weight = state.weight * self._pair_keep + 1.0
+        kept = state.weight * self._pair_keep
+        state.log_ratio = (state.log_ratio * kept + ratio) / (kept + 1.0)
+        state.weight = kept + 1.0
         state.pairs += 1
         # a pair that disagrees with the decision brings the next exploration near again, even where the mean has
         # not turned yet: the text or the load may have changed

@@ -80,7 +80,8 @@ void check_segments(const std::vector<DraftSegment>& segments, int64_t q, int64_
 // (each row's outputs are those of its rows alone: the sums run the same way for any number of rows), the rotary
 // embedding, the cache writes and the attention per sequence (attend_ragged: each unit as `attend` computes it).
 torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::optional<torch::Tensor>& input_norm,
-                                     const torch::Tensor& post_norm, double eps, const std::vector<torch::Tensor>& blocks,
+                                     const torch::Tensor& post_norm, double eps,
+                                     const std::vector<torch::Tensor>& blocks,
                                      const std::vector<c10::optional<torch::Tensor>>& scales,
                                      const std::vector<c10::optional<torch::Tensor>>& biases, int64_t heads,
                                      int64_t kv_heads, int64_t intermediate, const torch::Tensor& cos,
