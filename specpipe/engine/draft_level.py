@@ -283,6 +283,18 @@ class DraftRows(NamedTuple):
     logprob_rows: int
 
 
+def fill_the_rest(out: list, feeds: list, alone, together) -> list:
+    """`out` (a batch's results, None for a feed no kernel call took) with those feeds' results: a lone one through
+    `alone(feed)`, several through `together(feeds)` (one forward for all of them)."""
+    rest = [index for index, result in enumerate(out) if result is None]
+    if len(rest) == 1:
+        out[rest[0]] = alone(feeds[rest[0]])
+    elif rest:
+        for index, result in zip(rest, together([feeds[index] for index in rest])):
+            out[index] = result
+    return out
+
+
 def _block_product(module: nn.Module | None):
     """The PackedWeight of a lone OneDNNLinear whose products the engine runs over column blocks, else None."""
     from specpipe.engine.packed_weight import OneDNNLinear

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.draft_level import DraftRows, KernelDraftLevel
+from specpipe.engine.draft_level import DraftRows, KernelDraftLevel, fill_the_rest
 from specpipe.engine.lean_model import LeanLlamaModel
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
@@ -280,13 +280,7 @@ class DraftModelDrafter(StepDrafter):
                 done = level.in_groups([(ids, None, positions, DraftRows(int(ids.shape[0]), mask, cache, rows))
                                         for ids, positions, mask, cache, rows in feeds])
             out = [result[1] if result is not None else None for result in done]
-        rest = [index for index, result in enumerate(out) if result is None]
-        if len(rest) == 1:
-            out[rest[0]] = self._forward_logprobs(*feeds[rest[0]])
-        elif rest:
-            for index, result in zip(rest, self._ragged_logprobs([feeds[index] for index in rest])):
-                out[index] = result
-        return out
+        return fill_the_rest(out, feeds, lambda feed: self._forward_logprobs(*feed), self._ragged_logprobs)
 
     def _ragged_logprobs(self, feeds: list[tuple[Tensor, Tensor, Tensor, PositionIndexedCache, int]]) -> list[Tensor]:
         """Several feeds in one forward of the draft, each row attending its own cache."""

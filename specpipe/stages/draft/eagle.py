@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from specpipe.cost import CostCurve
-from specpipe.engine.draft_level import DraftRows, KernelDraftLevel
+from specpipe.engine.draft_level import DraftRows, KernelDraftLevel, fill_the_rest
 from specpipe.engine.quantize import checked_quantization
 from specpipe.errors import ConfigError
 from specpipe.kv_cache import PositionIndexedCache
@@ -251,13 +251,7 @@ class EagleDrafter(StepDrafter):
                                    for feed in feeds])
         else:
             out = [None] * len(feeds)
-        rest = [index for index, done in enumerate(out) if done is None]
-        if len(rest) == 1:
-            out[rest[0]] = self._level(*feeds[rest[0]])
-        elif rest:
-            for index, result in zip(rest, self._ragged_level([feeds[index] for index in rest])):
-                out[index] = result
-        return out
+        return fill_the_rest(out, feeds, lambda feed: self._level(*feed), self._ragged_level)
 
     def _ragged_level(self, feeds: list["_Rows"]) -> list[tuple[Tensor, Tensor]]:
         """Several feeds' level op by op, in one forward of the head whose rows attend each its own cache."""
