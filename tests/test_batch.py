@@ -425,3 +425,26 @@ def test_plain_steps_between_speculating_ones_keep_every_stage_in_step(tiny_mixe
         index = getattr(sequence.state.stage_state.get(stage), "index", None)
         if index is not None and getattr(stage, "text", "context") == "context":
             assert index.tokens == sequence.state.tokens
+
+
+@pytest.mark.parametrize("pipeline", [name for name in PIPELINES if name in ("eagle_mix", "specinfer_mix")])
+def test_steps_of_the_proposers_trees_alone_grow_no_drafter_and_stay_lossless(tiny_mixed, pipeline):
+    """Where the draft gate says that growing the drafters does not pay at a batch size, a speculating step builds the
+    proposers' trees alone: no drafter level runs in it (the drafters catch up at the next step that grows them),
+    every request's tokens are still its solo greedy tokens, and a pipeline with both kinds of sources gets a draft
+    gate from the builder."""
+    assert tiny_mixed.pipeline(pipeline, cost_curve="online", fresh=True).decoder.draft_gate is not None
+    assert tiny_mixed.pipeline("lookahead_trie", cost_curve="online", fresh=True).decoder.draft_gate is None
+    pipe = tiny_mixed.pipeline(pipeline, fresh=True)
+    assert pipe.decoder.proposers and pipe.decoder.drafters
+    pipe.decoder.draft_gate = Alternating()
+    drafter = pipe.decoder.drafters[0]
+    grown = []
+    start_many = drafter.start_many
+    drafter.start_many = lambda states: grown.append(pipe.decoder.draft_gate.steps) or start_many(states)
+    prompts = random_prompts(6, seed=55)
+    lengths = [LENGTHS[i % len(LENGTHS)] for i in range(len(prompts))]
+    results = decode_with_schedule(pipe, prompts, lengths, seed=7)
+    for index, (tokens, _) in results.items():
+        assert tokens == tiny_mixed.greedy_hf(prompts[index], lengths[index]), f"{pipeline}, prompt {index}"
+    assert grown and all(step % 2 == 0 for step in grown)  # only in the steps the gate let draft

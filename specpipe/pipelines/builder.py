@@ -162,12 +162,14 @@ def assemble_pipeline(cfg: DictConfig, target: TargetModel, loaded: LoadedModel,
         if pipeline_cfg.get("augment") is not None else None
     # a batch measures whether speculating pays at its size, where trees are sized by measured costs at all
     gate = SpeculationGate() if tree_builder is not None and cfg.get("cost_curve", "measured") != "flat" else None
+    # and, where drafters grow trees beside proposers, whether growing the drafters pays at its size
+    draft_gate = SpeculationGate() if gate is not None and drafters and proposers else None
     if cfg.get("commit") is None:
         raise ConfigError("commit= names the Commit stage (conf/commit/: commit=kv_compact); this config has none")
     committer: Committer = _instantiate_stage(cfg.commit, "commit")
     decoder = SpeculativeDecoder(target, proposers, tree_builder, verifier, committer, drafters=drafters,
                                  forward_costs=cost_curve if isinstance(cost_curve, OnlineCostCurve) else None,
-                                 gate=gate, prefix_cache=prefix_cache(cfg, target))
+                                 gate=gate, prefix_cache=prefix_cache(cfg, target), draft_gate=draft_gate)
     limits = scheduler_limits(cfg)
     return Pipeline(str(pipeline_cfg.name), decoder, loaded.tokenizer, chat_template=bool(cfg.chat_template),
                     system_prompt=cfg.get("system_prompt"), sampling=sampling, augmenter=augmenter, limits=limits)

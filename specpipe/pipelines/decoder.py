@@ -80,6 +80,7 @@ class _Plan:
     tree: DraftTree = field(default_factory=DraftTree.empty)
     seconds: dict[str, float] = field(default_factory=dict)  # per stage (StepObserver.timing)
     plain: bool = False  # a plain step: nothing proposed or drafted (SpeculationGate)
+    undrafted: bool = False  # a step of the proposers' trees alone: no drafter grown (the decoder's draft_gate)
 
     @property
     def rows(self) -> int:
@@ -104,7 +105,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, proposers: list[Proposer], tree_builder: TreeBuilder | None,
                  verifier: Verifier, committer: Committer, drafters: list[StepDrafter] = (),
                  forward_costs: OnlineCostCurve | None = None, gate: SpeculationGate | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, draft_gate: SpeculationGate | None = None) -> None:
         self.target = target
         self.proposers = list(proposers)
         self.drafters = list(drafters)  # expanded by the tree builder itself (tree=eagle2)
@@ -112,6 +113,10 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.committer = committer
         self.gate = gate  # whether a batched step speculates, measured against plain steps (None: it always does)
+        # whether a batched speculating step grows the drafters too, measured against steps of the proposers' trees
+        # alone (None: it always does): under load a draft model's or head's levels can cost more than they add
+        # while the proposers' nodes, drafted for free, still pay, so speculation backs off a source at a time
+        self.draft_gate = draft_gate
         self.prefix_cache = prefix_cache  # prompt prefixes' rows kept for later prompts (None: every prefill whole)
         # times the stages; teaches `forward_costs` (the tree builder's online curve) each step's time
         self.observer = StepObserver(tree_builder, forward_costs)
@@ -196,8 +201,10 @@ class SpeculativeDecoder:
         self.observer.start_step()
         results: list[StepOutput | BaseException | None] = [None] * len(batch)
         speculate = self.gate is None or self.gate.speculate(len(batch))
-        # a sampled request speculates in any batch: its seed must give the same tokens whatever else runs
-        plans = {index: _Plan(sequence, plain=not speculate and sequence.state.sampling.greedy)
+        # a sampled request speculates and drafts in any batch: its seed must give the same tokens whatever else runs
+        draft = not speculate or self.draft_gate is None or self.draft_gate.speculate(len(batch))
+        plans = {index: _Plan(sequence, plain=not speculate and sequence.state.sampling.greedy,
+                              undrafted=not draft and sequence.state.sampling.greedy)
                  for index, sequence in enumerate(batch)}
         self._each(plans, results, self._propose)  # Retrieve / Draft
         self._build_trees(plans, results)  # TreeBuild
@@ -212,6 +219,12 @@ class SpeculativeDecoder:
                 self._fail(plan.sequence, results, index, error)
                 del plans[index]
         self.observer.end_step(plans.values(), results, total_rows, speculate, self.gate)
+        if self.draft_gate is not None:
+            # a plain step only tells it that the drafters fell behind; so does a step where sampled requests drafted
+            # and greedy ones did not (neither kind to measure)
+            mixed = not draft and any(not plan.undrafted for plan in plans.values())
+            self.observer.end_step_drafting(results, speculate and draft, self.draft_gate,
+                                            measured=speculate and not mixed)
         return results
 
     def _each(self, plans: dict[int, _Plan], results: list, work) -> None:
@@ -244,9 +257,14 @@ class SpeculativeDecoder:
         whole batch at once (`build_many`: one draft forward per level for all sequences), every tree is priced
         against the others' plain rows, and `_trim` chooses among the nodes afterwards."""
         building = [index for index, plan in plans.items()
-                    if self.tree_builder is not None and not plan.plain and (plan.proposals or self.drafters)]
+                    if self.tree_builder is not None and not plan.plain
+                    and (plan.proposals or (self.drafters and not plan.undrafted))]
         for plan in plans.values():
             plan.seconds["tree"] = 0.0
+        undrafted = [index for index in building if plans[index].undrafted]
+        for index in undrafted:  # the proposers' trees alone
+            self._build_one(plans, results, index, drafters=[])
+        building = [index for index in building if index not in undrafted]
         if self.drafters and len(building) > 1 and self.tree_builder.batches_drafters:
             for index in building:
                 self._set_budget(plans, index)
@@ -268,18 +286,22 @@ class SpeculativeDecoder:
             self._rotation = (self._rotation + 1) % len(order)
             order = order[self._rotation:] + order[:self._rotation]
         for index in order:
-            plan = plans.get(index)
-            if plan is None:
-                continue
-            self._set_budget(plans, index)
-            try:
-                with self.observer.timing("tree", plan.seconds):
-                    plan.tree = self.tree_builder.build(plan.sequence.state, plan.proposals, self.drafters)
-            except Exception as error:  # noqa: BLE001
-                self._fail(plan.sequence, results, index, error)
-                del plans[index]
-            finally:
-                plan.sequence.state.budget = NO_BUDGET
+            self._build_one(plans, results, index, self.drafters)
+
+    def _build_one(self, plans: dict[int, _Plan], results: list, index: int, drafters: list[StepDrafter]) -> None:
+        """Sequence `index`'s tree alone, priced against the batch as it stands."""
+        plan = plans.get(index)
+        if plan is None:
+            return
+        self._set_budget(plans, index)
+        try:
+            with self.observer.timing("tree", plan.seconds):
+                plan.tree = self.tree_builder.build(plan.sequence.state, plan.proposals, drafters)
+        except Exception as error:  # noqa: BLE001
+            self._fail(plan.sequence, results, index, error)
+            del plans[index]
+        finally:
+            plan.sequence.state.budget = NO_BUDGET
 
     def _set_budget(self, plans: dict[int, _Plan], index: int) -> None:
         """What the rest of the batch puts in the step, for sequence `index`'s tree builder (DecodeState.budget)."""

@@ -93,6 +93,15 @@ class StepObserver:
                             if result is not None and not isinstance(result, BaseException))
             gate.observe(len(results), speculated, committed, 1000.0 * (clock() - self._step_started))
 
+    def end_step_drafting(self, results: list, drafted: bool, draft_gate: SpeculationGate, measured: bool) -> None:
+        """After a step, teaches the draft gate whether growing the drafters paid: a speculating step's tokens per ms,
+        drafted or of the proposers' trees alone; a plain step (`measured` false) only that the drafters fell
+        behind (the next drafted step catches up)."""
+        committed = sum(len(result.tokens) for result in results
+                        if result is not None and not isinstance(result, BaseException))
+        milliseconds = 1000.0 * (clock() - self._step_started) if measured else 0.0
+        draft_gate.observe(len(results), drafted, committed, milliseconds)
+
     def _learn_step_cost(self, plans: list, total_rows: int) -> None:
         """Learns what a step costs. Trees are sized for expected tokens per millisecond of the whole step, which
         costs more than its verify forward: the proposers, a drafter's first forward (feeding the committed rows),

@@ -315,7 +315,7 @@ def run_bench_load(cfg: DictConfig, loaded=None) -> dict:
 def gate_measures(pipeline: Pipeline) -> dict[int, dict[str, float]]:
     """What a pipeline's speculation gate measured per batch size: tokens per ms speculating and plain (decayed means
     over each kind's steps), and the ratio it decides on (from the two kinds measured close together)."""
-    gate = pipeline.decoder.gate
+    gate, draft_gate = pipeline.decoder.gate, pipeline.decoder.draft_gate
     if gate is None:
         return {}
     measured = {}
@@ -324,6 +324,8 @@ def gate_measures(pipeline: Pipeline) -> dict[int, dict[str, float]]:
         if speculating or plain:
             measured[gate.bucket(size)] = {"speculating": speculating, "plain": plain,  # the sizes up to it
                                            "ratio": gate.ratio(size)}
+            if draft_gate is not None and draft_gate.ratio(size):
+                measured[gate.bucket(size)]["drafting_ratio"] = draft_gate.ratio(size)
     return measured
 
 
@@ -331,11 +333,14 @@ def gate_lines(gates: dict) -> str:
     """The speculation gates' measures as text: per method, tokens/ms speculating / plain at each batch size, and the
     paired ratio the gate decides on (older reports have none)."""
     lines = [f"- `{name}`: " + ", ".join(f"{size}: {m['speculating']:.3f} / {m['plain']:.3f}"
-                                        + (f" (paired {m['ratio']:.2f}x)" if m.get("ratio") else "")
+                                        + (f" (paired {m['ratio']:.2f}x" if m.get("ratio") else "")
+                                        + (f"; drafting {m['drafting_ratio']:.2f}x" if m.get("drafting_ratio") else "")
+                                        + (")" if m.get("ratio") else "")
                                         for size, m in sorted(measured.items(), key=lambda item: int(item[0])))
              for name, measured in gates.items() if measured]
     return ("\nSpeculation gate, tokens per ms speculating / plain by batch size, and speculating over plain in runs "
-            "taken close together (the gate speculates where that is above 1.03x):\n"
+            "taken close together (the gate speculates where that is above 1.03x; `drafting`: steps that grew the "
+            "drafters over steps of the proposers' trees alone, the same way):\n"
             + "\n".join(lines) + "\n") if lines else ""
 
 
