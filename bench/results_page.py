@@ -47,6 +47,7 @@ AVX2_ZEN3 = ("run-79-llamacpp-zen3-fp32-before", "run-79-llamacpp-zen3-fp32-shuf
 AVX2_ZEN3_LATER = ("run-80-llamacpp-zen3-fp32-attention",)
 LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_TILES = ("run-82-load-tiles-bf16", "run-82-load-tiles-fp32")
+LOAD_GATES = ("run-83-load-gates-bf16", "run-83-load-gates-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
 LOAD_ZEN3 = "run-80-load-zen3-fp32"
@@ -325,6 +326,11 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "keeps most batches plain (accepted 1.0-1.2), the head's drafting and the wider verify costing "
               "about what they bring:"),
         *(load_section(measurements[name]) for name in LOAD_TILES),
+        prose("With the speculation gates of run 83 (speculating and plain steps compared only in pairs taken close "
+              "together; a draft gate that drops the head's levels before the trie's nodes: `eagle_mix` at 4 "
+              "requests speculates with the trie alone) and a batch's draft level in kernel calls; the VM ran slower "
+              "still, and two runs of one setting move by about 5% at 8 requests:"),
+        *(load_section(measurements[name]) for name in LOAD_GATES),
         "The same benchmark on dense weights:",
         *(load_section(measurements[name]) for name in LOAD_DENSE),
         prose("On an AVX2-only CPU (AMD Zen 3), the embedded model's Q4_1 blocks. Every product is compute-bound "
