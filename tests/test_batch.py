@@ -153,6 +153,21 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_mixed):
     assert len(set(map(tuple, alone))) > 1
 
 
+def test_seeded_sampling_stays_independent_of_the_batch_when_greedy_requests_skip_the_drafters(tiny_mixed):
+    """Where the gates make greedy requests' steps plain or of the proposers' trees alone, sampled requests in the
+    same batch still speculate with every source: their seeds give the tokens they give alone."""
+    pipe = tiny_mixed.pipeline("eagle_mix", "verifier=rejection", fresh=True)
+    pipe.decoder.gate, pipe.decoder.draft_gate = Alternating(), Alternating()
+    prompts = random_prompts(4, seed=56)
+    sampling = [{"temperature": 0.9, "seed": 200 + i} for i in range(len(prompts))]
+    alone = [pipe.generate(prompt, max_new_tokens=24, sampling=s).token_ids for prompt, s in zip(prompts, sampling)]
+    handles = [pipe.submit(prompt, max_new_tokens=24, sampling=s) for prompt, s in zip(prompts, sampling)]
+    greedy = [pipe.submit(prompt, max_new_tokens=24) for prompt in random_prompts(3, seed=57)]  # beside them
+    assert [pipe.result(handle).token_ids for handle in handles] == alone
+    for handle, prompt in zip(greedy, random_prompts(3, seed=57)):
+        assert pipe.result(handle).token_ids == tiny_mixed.greedy_hf(prompt, 24)
+
+
 def test_one_request_failing_fails_alone(tiny_mixed):
     """A stage that raises for one request fails that request with its error; the others finish unchanged."""
     pipe = tiny_mixed.pipeline("lookahead_trie", fresh=True)
