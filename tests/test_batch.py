@@ -138,34 +138,27 @@ def test_generate_many_and_async_forms_equal_generate(tiny_mixed):
     assert result.token_ids == expected[0] and result.finish_reason in ("length", "eos")
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(tiny_mixed):
+@pytest.mark.parametrize("pipeline", ["lookahead_trie", "eagle_mix"])
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_mixed, pipeline):
     """Each request has its own generator, and a sampled request's trees are sized as if it were alone (a tree
-    of other shape would consume its generator otherwise): the same seed gives the same tokens in any batch."""
-    pipe = tiny_mixed.pipeline("lookahead_trie", "verifier=rejection", cost_curve="measured")
+    of other shape would consume its generator otherwise): the same seed gives the same tokens in any batch. With
+    `eagle_mix` the gates make the greedy requests' steps plain or of the proposers' trees alone every other step;
+    the sampled requests in the same batch still speculate with every source."""
+    if pipeline == "lookahead_trie":
+        pipe = tiny_mixed.pipeline(pipeline, "verifier=rejection", cost_curve="measured")
+    else:
+        pipe = tiny_mixed.pipeline(pipeline, "verifier=rejection", fresh=True)
+        pipe.decoder.gate, pipe.decoder.draft_gate = Alternating(), Alternating()
     prompts = random_prompts(6, seed=46)
     sampling = [{"temperature": 0.9, "seed": 100 + i} for i in range(len(prompts))]
     alone = [pipe.generate(prompt, max_new_tokens=30, sampling=s).token_ids for prompt, s in zip(prompts, sampling)]
     handles = [pipe.submit(prompt, max_new_tokens=30, sampling=s) for prompt, s in zip(prompts, sampling)]
-    greedy = [pipe.submit(prompt, max_new_tokens=30) for prompt in random_prompts(4, seed=47)]  # beside them
+    greedy_prompts = random_prompts(4, seed=47)
+    greedy = [pipe.submit(prompt, max_new_tokens=30) for prompt in greedy_prompts]  # beside them
     assert [pipe.result(handle).token_ids for handle in handles] == alone
-    for handle in greedy:
-        pipe.result(handle)
+    for handle, prompt in zip(greedy, greedy_prompts):
+        assert pipe.result(handle).token_ids == tiny_mixed.greedy_hf(prompt, 30)
     assert len(set(map(tuple, alone))) > 1
-
-
-def test_seeded_sampling_stays_independent_of_the_batch_when_greedy_requests_skip_the_drafters(tiny_mixed):
-    """Where the gates make greedy requests' steps plain or of the proposers' trees alone, sampled requests in the
-    same batch still speculate with every source: their seeds give the tokens they give alone."""
-    pipe = tiny_mixed.pipeline("eagle_mix", "verifier=rejection", fresh=True)
-    pipe.decoder.gate, pipe.decoder.draft_gate = Alternating(), Alternating()
-    prompts = random_prompts(4, seed=56)
-    sampling = [{"temperature": 0.9, "seed": 200 + i} for i in range(len(prompts))]
-    alone = [pipe.generate(prompt, max_new_tokens=24, sampling=s).token_ids for prompt, s in zip(prompts, sampling)]
-    handles = [pipe.submit(prompt, max_new_tokens=24, sampling=s) for prompt, s in zip(prompts, sampling)]
-    greedy = [pipe.submit(prompt, max_new_tokens=24) for prompt in random_prompts(3, seed=57)]  # beside them
-    assert [pipe.result(handle).token_ids for handle in handles] == alone
-    for handle, prompt in zip(greedy, random_prompts(3, seed=57)):
-        assert pipe.result(handle).token_ids == tiny_mixed.greedy_hf(prompt, 24)
 
 
 def test_one_request_failing_fails_alone(tiny_mixed):

@@ -237,7 +237,6 @@ class KernelDraftLevel:
                 sequence.cache.crop(start)  # rows_to_write counted rows a failed call never wrote
             raise
 
-
     def in_groups(self, calls: list[tuple[Tensor, Tensor | None, Tensor, "DraftRows"]]
                   ) -> list[tuple[Tensor, Tensor] | None]:
         """Several sequences' levels, (token_ids, features, positions, DraftRows) each, in as few calls of `many` as its

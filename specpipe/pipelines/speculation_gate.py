@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -33,9 +33,9 @@ def _window_rate(window: deque) -> float:
 class _Bucket:
     speculating: _Rate
     plain: _Rate
-    # the latest measured steps of each kind, (tokens, ms): an exploration's are compared with the other kind's
-    # steps just before it
-    recent: dict = field(default_factory=lambda: {True: deque(), False: deque()})
+    # the latest `window` measured steps of each kind, (tokens, ms): an exploration's are compared with the other
+    # kind's steps just before it
+    recent: dict[bool, deque]
     log_ratio: float = 0.0  # decayed mean of log(speculating / plain) over such pairs
     weight: float = 0.0  # the pairs' decayed count
     pairs: int = 0
@@ -94,7 +94,11 @@ class SpeculationGate:
         return 1 << math.ceil(math.log2(batch_size))
 
     def _state(self, batch_size: int) -> _Bucket:
-        return self._buckets.setdefault(self.bucket(batch_size), _Bucket(_Rate(), _Rate()))
+        bucket = self.bucket(batch_size)
+        if bucket not in self._buckets:
+            recent = {kind: deque(maxlen=self.window) for kind in (True, False)}
+            self._buckets[bucket] = _Bucket(_Rate(), _Rate(), recent)
+        return self._buckets[bucket]
 
     def _better(self, state: _Bucket) -> bool:
         return state.log_ratio > math.log1p(self.margin)
@@ -123,10 +127,10 @@ class SpeculationGate:
         than `_PLAIN_LEAD`: speculation pays less as the batch grows (more rows per forward turn its cost from
         streaming the weights to computing), so a larger batch is taken to lose as much, until its own explorations
         say otherwise. Whether it did."""
-        smaller = [other for size, other in self._buckets.items() if size < bucket and other.pairs >= self.sure_pairs]
+        smaller = [size for size, other in self._buckets.items() if size < bucket and other.pairs >= self.sure_pairs]
         if not smaller:
             return False
-        nearest = max(smaller, key=lambda other: other.steps)
+        nearest = self._buckets[max(smaller)]
         if nearest.log_ratio >= -math.log(self._PLAIN_LEAD):
             return False
         state.log_ratio, state.weight, state.pairs, state.confirmed = nearest.log_ratio, 1.0, self.sure_pairs, 2
@@ -141,10 +145,7 @@ class SpeculationGate:
             return
         state = self._state(batch_size)
         (state.speculating if speculated else state.plain).add(tokens, milliseconds, self._keep)
-        recent = state.recent[speculated]
-        recent.append((tokens, milliseconds))
-        if len(recent) > self.window:
-            recent.popleft()
+        state.recent[speculated].append((tokens, milliseconds))
         if state.weight == 0.0:
             if not speculated and state.plain.count >= self.first_steps:
                 self._pair(state)  # the first measures of both kinds

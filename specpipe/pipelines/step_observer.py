@@ -89,18 +89,17 @@ class StepObserver:
         Teaches the gate (None: none) whether speculating paid."""
         self._learn_step_cost(list(plans), total_rows)
         if gate is not None:
-            committed = sum(len(result.tokens) for result in results
-                            if result is not None and not isinstance(result, BaseException))
-            gate.observe(len(results), speculated, committed, 1000.0 * (clock() - self._step_started))
+            gate.observe(len(results), speculated, committed_tokens(results), self._step_milliseconds())
 
     def end_step_drafting(self, results: list, drafted: bool, draft_gate: SpeculationGate, measured: bool) -> None:
         """After a step, teaches the draft gate whether growing the drafters paid: a speculating step's tokens per ms,
         drafted or of the proposers' trees alone; a plain step (`measured` false) only that the drafters fell
         behind (the next drafted step catches up)."""
-        committed = sum(len(result.tokens) for result in results
-                        if result is not None and not isinstance(result, BaseException))
-        milliseconds = 1000.0 * (clock() - self._step_started) if measured else 0.0
-        draft_gate.observe(len(results), drafted, committed, milliseconds)
+        draft_gate.observe(len(results), drafted, committed_tokens(results),
+                           self._step_milliseconds() if measured else 0.0)
+
+    def _step_milliseconds(self) -> float:
+        return 1000.0 * (clock() - self._step_started)
 
     def _learn_step_cost(self, plans: list, total_rows: int) -> None:
         """Learns what a step costs. Trees are sized for expected tokens per millisecond of the whole step, which
@@ -115,7 +114,7 @@ class StepObserver:
         if not plans:
             return
         drafting_ms = sum(plan.tree.drafting_ms for plan in plans)
-        step_ms = 1000.0 * (clock() - self._step_started) - drafting_ms
+        step_ms = self._step_milliseconds() - drafting_ms
         if len(plans) > 1:
             curve = self.forward_costs or (self.tree_builder.cost_curve if self.tree_builder is not None else None)
             if curve is not None:
@@ -126,3 +125,8 @@ class StepObserver:
         (plan,) = plans
         if self.forward_costs is not None and plan.sequence.steps > 1:
             self.forward_costs.observe(total_rows, step_ms)
+
+
+def committed_tokens(results: list) -> int:
+    """The tokens a step committed: `results` per sequence its StepOutput, the exception that failed it, or None."""
+    return sum(len(result.tokens) for result in results if result is not None and not isinstance(result, BaseException))

@@ -240,7 +240,7 @@ class EagleDrafter(StepDrafter):
     def _levels(self, feeds: list["_Rows"]) -> list[tuple[Tensor, Tensor]]:
         """One draft level of each feed's rows (one request's, over its own cache): (predicted features [q, hidden],
         log-probs [logprob_rows, vocab] of its last rows) each. A lone feed runs as `_level`; several, in as few kernel
-        calls as the kernel's row limit allows where the engine gave the head's level one (KernelDraftLevel.many),
+        calls as the kernel's row limit allows where the engine gave the head's level one (KernelDraftLevel.in_groups),
         else in one forward of the head whose rows attend each its own cache (specpipe.target.RaggedBatch)."""
         if len(feeds) <= 1:
             return [self._level(*feed) for feed in feeds]
