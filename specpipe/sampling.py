@@ -26,6 +26,15 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return scores.softmax(dim=-1)
 
 
+def greedy_tokens(logits: Tensor) -> list[int]:
+    """The index of each row's largest value, logits [m, vocab] -> m ints: the first of equal maxima (a NaN counts as
+    the largest), as torch.argmax. fp32 rows on the CPU go through numpy's argmax, which is vectorized: ATen's
+    reduction walks the row one element at a time (~0.12 ms a row of 49152 against ~5 us)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(probs: Tensor, rng: torch.Generator | None) -> int:
     """One token from probs [vocab]. A seeded generator lives on the CPU (the decoder makes it there, so
     a seed gives the same draws whatever device the model is on): GPU probabilities are copied to it."""

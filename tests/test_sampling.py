@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 from specpipe.cost import CostCurve
 from specpipe.pipelines.decoder import SpeculativeDecoder
 from specpipe.pipelines.stopping import StopCondition
-from specpipe.sampling import target_probs
+from specpipe.sampling import greedy_tokens, target_probs
 from specpipe.stages.base import Proposer, StepDrafter
 from specpipe.stages.commit.kv_compact import KVCompactCommit
 from specpipe.stages.draft.draft_model import DraftModelDrafter
@@ -94,6 +94,24 @@ def first_tokens_of_chain(verifier, p_logits, q, samples, rng, sampling):
         result = verifier.accept(tree, logits, rng, sampling)
         counts[x if result.accepted else result.bonus] += 1
     return counts / samples
+
+
+def test_greedy_tokens_are_torch_argmax_on_ties_nan_and_infinities():
+    """The verifiers' argmax takes numpy's on CPU fp32 rows: it must pick the same index as torch.argmax wherever
+    values tie (the first), a row holds NaN (the first NaN) or only -inf, and on strided rows and other dtypes."""
+    generator = torch.Generator().manual_seed(SEED)
+    for trial in range(300):
+        rows, vocab = int(torch.randint(1, 6, (), generator=generator)), int(torch.randint(1, 200, (), generator=generator))
+        logits = torch.randint(-3, 3, (rows, 2 * vocab), generator=generator).float()[:, ::2]  # ties, strided rows
+        if trial % 3 == 0:
+            logits[0, int(torch.randint(0, vocab, (), generator=generator))] = float("nan")
+        if trial % 5 == 0:
+            logits[-1] = float("-inf")
+        assert greedy_tokens(logits) == logits.argmax(dim=-1).tolist()
+        assert greedy_tokens(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()
+    wide = torch.randn(3, 49152, generator=generator)
+    wide[1, 40000] = wide[1, 123] = wide[1].max() + 1  # a tie far apart: the first wins
+    assert greedy_tokens(wide) == wide.argmax(dim=-1).tolist() and greedy_tokens(wide)[1] == 123
 
 
 def test_rejection_sampling_chain_reproduces_target(rng):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specpipe.sampling import greedy_tokens
 from specpipe.stages.base import Verifier
 from specpipe.types import DraftTree, SamplingConfig, VerifyResult
 
@@ -29,7 +30,7 @@ def greedy_accept(tree: DraftTree, logits: Tensor) -> VerifyResult:
 
     logits: [n + 1, vocab]; row 0 follows the root, row i + 1 follows node i.
     """
-    best = logits.argmax(dim=-1).tolist()  # [n + 1]
+    best = greedy_tokens(logits)  # [n + 1]
     tokens = tree.tokens.tolist()
     children = tree.children()
     accepted: list[int] = []
