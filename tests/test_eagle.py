@@ -678,7 +678,8 @@ def test_a_bf16_heads_whole_level_in_one_kernel_call_drafts_bitwise_as_op_by_op(
     overrides = ["model=tiny_random", "model.dtype=bf16", "pipeline=eagle_mix", "cost_curve=flat",
                  f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random', layers=layers)}",
                  f"pipeline.drafters.eagle.vocab_top_k={vocab_top_k}", f"pipeline.drafters.eagle.vocab_counts={corpus}",
-                 f"pipeline.drafters.eagle.weight_quantization={quantize}", "pipeline.tree.min_score=0"]
+                 f"pipeline.drafters.eagle.weight_quantization={quantize}", "pipeline.tree.min_score=0",
+                 "engine.amx_rows=0"]  # the vector product, which the op-by-op path runs too (not AMX tiles)
     from specpipe.pipelines.builder import compose_config
 
     pipe = build_pipeline(compose_config(overrides))
@@ -728,11 +729,14 @@ def test_a_bf16_heads_whole_level_in_one_kernel_call_drafts_bitwise_as_op_by_op(
     assert cache.get_seq_length() == 5 and all(layer.length == 5 for layer in cache.layers)
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("quantize", ["null", "int8"])
-def test_a_batchs_draft_level_runs_in_one_kernel_call_each_request_bitwise_as_alone(tiny_mixed, quantize):
+def test_a_batchs_draft_level_runs_in_one_kernel_call_each_request_bitwise_as_alone(tiny_mixed, quantize, tiles):
     """A batch's draft level (several requests' rows, each over its own cache, under its own mask) runs in one call of
     the kernel's level where its rows fit one call, in several where they do not: each request's predicted features,
-    log-probs and cache rows are bitwise those of its rows alone; a call that fails leaves every cache as it was."""
+    log-probs and cache rows are bitwise those of its rows alone; a call that fails leaves every cache as it was.
+    On AMX tiles (CPUs that have them), a call of DRAFT_LEVEL_TILE_ROWS rows and more runs its products there, in
+    another order of sums: each request's rows then agree with its rows alone to bf16 rounding."""
     import copy
 
     from specpipe.pipelines.builder import compose_config
@@ -740,11 +744,20 @@ def test_a_batchs_draft_level_runs_in_one_kernel_call_each_request_bitwise_as_al
 
     overrides = ["model=tiny_random", "model.dtype=bf16", "pipeline=eagle_mix", "cost_curve=flat",
                  f"pipeline.drafters.eagle.path={eagle_head_dir(tiny_mixed.loaded.model.config, 'random')}",
-                 "pipeline.drafters.eagle.vocab_top_k=0", f"pipeline.drafters.eagle.weight_quantization={quantize}"]
+                 "pipeline.drafters.eagle.vocab_top_k=0", f"pipeline.drafters.eagle.weight_quantization={quantize}",
+                 *([] if tiles else ["engine.amx_rows=0"])]
     drafter = build_pipeline(compose_config(overrides)).decoder.drafters[0]
     level = drafter._kernel_level()
     if level is None:
         pytest.skip("the kernel's AVX512_BF16 build (column blocks) does not serve here: levels run op by op")
+    if tiles and level.level_kernel.tile_rows == 0:
+        pytest.skip("no AMX tiles here: the level runs the vector product")
+
+    def same(ours: torch.Tensor, theirs: torch.Tensor) -> bool:  # bf16 features and cache rows, fp32 log-probs
+        if not tiles:
+            return torch.equal(ours, theirs)
+        return torch.allclose(ours.float(), theirs.float(), rtol=2 ** -6 if ours.dtype == torch.bfloat16 else 0,
+                              atol=2 ** -6)
     kernel, calls = level.level_kernel, []
     level.level_kernel = lambda *arguments: calls.append(arguments[0].shape[0]) or kernel(*arguments)
     hidden = tiny_mixed.loaded.model.config.hidden_size
@@ -775,10 +788,10 @@ def test_a_batchs_draft_level_runs_in_one_kernel_call_each_request_bitwise_as_al
         assert groups == (1 if sum(shape[1] for shape in shapes) <= level.max_rows else 2)
         for (predicted, logprobs), (predicted_alone, logprobs_alone), ours, theirs in zip(together, expected, feeds,
                                                                                          alone, strict=True):
-            assert torch.equal(predicted, predicted_alone) and torch.equal(logprobs, logprobs_alone)
+            assert same(predicted, predicted_alone) and same(logprobs, logprobs_alone)
             for mine, single in zip(ours.cache.layers, theirs.cache.layers, strict=True):
                 assert mine.length == single.length
-                assert torch.equal(mine.keys, single.keys) and torch.equal(mine.values, single.values)
+                assert same(mine.keys, single.keys) and same(mine.values, single.values)
     feeds = [feed(6, 2, 1, False), feed(8, 2, 2, False)]
     broken = feeds[1]._replace(mask=torch.ones(2, 5, dtype=torch.bool))  # not [rows, cached + rows]
     with pytest.raises(RuntimeError, match=r"mask: bool \[q, length \+ q\]"):

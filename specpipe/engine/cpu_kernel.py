@@ -54,6 +54,24 @@ def auto_amx_rows() -> int:
     return AUTO_AMX_ROWS if "amx_bf16" in cpu_flags() else 0
 
 
+# Where the kernel's column blocks run on AMX tiles (engine.amx_rows > 0), a draft's level in one kernel call
+# (block_draft_level) runs its products of this many rows and more on them: an EAGLE head's int8 level costs about the
+# same from 1 to 9 rows there (widening to bf16 included), while the vector product's cost grows with every row and
+# is the cheaper up to 2 rows (docs/notebook/run-84.md).
+DRAFT_LEVEL_TILE_ROWS = 3
+
+
+class DraftLevelCall:
+    """The kernel's block_draft_level with its products on AMX tiles from `tile_rows` rows (0 = never)."""
+
+    def __init__(self, module, tile_rows: int) -> None:
+        self.module = module
+        self.tile_rows = tile_rows
+
+    def __call__(self, *arguments) -> list:  # [hidden, log-probs], as block_draft_level returns them
+        return self.module.block_draft_level(*arguments, self.tile_rows)
+
+
 class TileRows:
     """From how many rows the column blocks' products run on AMX tiles: `min_rows` inside `permitted()`, never outside.
 
@@ -154,7 +172,7 @@ class CpuKernel:
             self.gguf_product, self.gguf_widen = module.gguf_product, module.gguf_widen
             if self.isa == "avx512_bf16":
                 self.blocks = BlockProduct(module.pair_blocks, module.int8_pair_blocks, module.block_product,
-                                           module.block_decoder_layer, module.block_draft_level)
+                                           module.block_decoder_layer, DraftLevelCall(module, 0))
             self_check(self.product, self.quantized_product, self.blocks)
             gguf_check(self.gguf_product, self.gguf_widen)
             self._take_gguf_tiles(module)
@@ -246,7 +264,8 @@ class CpuKernel:
                         return vector_product(x, blocks, out_features, scale, bias)
                     return module.amx_block_product(x, blocks, out_features, scale, bias, rows)
 
-                self.blocks = self.blocks._replace(product=tiles_where_permitted)
+                self.blocks = self.blocks._replace(product=tiles_where_permitted,
+                                                   draft_level=DraftLevelCall(module, DRAFT_LEVEL_TILE_ROWS))
                 self.tiles = tiles
                 self.amx = True
 

@@ -143,28 +143,26 @@ def gguf_tiles_mismatch(tile_pack, gguf_product, gguf_widen) -> str:
 def amx_mismatch(amx_product, blocks: BlockProduct) -> str:
     """How the AMX product disagrees with the column blocks' (fp32 sums of bf16 products both, in the order of k,
     maybe not bitwise alike) or with itself across row counts (a row's output must not depend on the rows beside
-    it); '' where it agrees. Widths of 16 pairs and more (the tiles' step), odd features, 1-33 rows, int8 blocks."""
+    it); '' where it agrees. Widths of 16 pairs and more (the tiles' step), odd features, 1-33 rows, bf16 and int8
+    blocks (widened to bf16 on their way to the tiles)."""
     generator = torch.Generator().manual_seed(1)
     for out_features, in_features in ((37, 96), (16, 32), (50, 576)):
         weight = torch.randn(out_features, in_features, generator=generator).bfloat16()  # [out, in]
+        codes = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
         bias = torch.randn(out_features, generator=generator)  # [out]
-        packed = blocks.pack(weight)
         x = torch.randn(33, in_features, generator=generator).bfloat16()  # [rows, in]
-        alone = torch.cat([amx_product(x[row:row + 1], packed, out_features, None, bias) for row in range(33)])
-        for rows in (1, 3, 16, 19, 33):
-            out = amx_product(x[:rows], packed, out_features, None, bias)  # [rows, out]
-            if not torch.equal(out, alone[:rows]):
-                return f"{rows} rows of {in_features} inputs differ from the same rows one at a time"
-            expected = blocks.product(x[:rows], packed, out_features, None, bias)
-            if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3):
-                gap = (out.float() - expected.float()).abs().max()
-                return f"{rows} rows of {in_features} inputs: off by up to {gap:.3g}"
-    codes = torch.randint(-127, 128, (37, 96), generator=generator, dtype=torch.int8)  # [out, in]
-    scale = torch.rand(37, generator=generator) / 64  # [out]
-    x = torch.randn(5, 96, generator=generator).bfloat16()  # [rows, in]
-    packed = blocks.pack_int8(codes)
-    if not torch.equal(amx_product(x, packed, 37, scale, None), blocks.product(x, packed, 37, scale, None)):
-        return "int8 blocks (the column blocks' own product) differ"
+        steps = torch.rand(out_features, generator=generator) / 64  # [out]: the int8 codes' scale
+        for kind, packed, scale in (("bf16", blocks.pack(weight), None), ("int8", blocks.pack_int8(codes), steps)):
+            alone = torch.cat([amx_product(x[row:row + 1], packed, out_features, scale, bias) for row in range(33)])
+            for rows in (1, 3, 16, 19, 33):
+                out = amx_product(x[:rows], packed, out_features, scale, bias)  # [rows, out]
+                if not torch.equal(out, alone[:rows]):
+                    return (f"{rows} rows of {in_features} inputs differ from the same rows one at a time "
+                            f"({kind} blocks)")
+                expected = blocks.product(x[:rows], packed, out_features, scale, bias)
+                if not torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-3):
+                    gap = (out.float() - expected.float()).abs().max()
+                    return f"{rows} rows of {in_features} inputs: off by up to {gap:.3g} ({kind} blocks)"
     return ""
 
 

@@ -11,6 +11,8 @@
 
 #pragma once
 
+#include <type_traits>
+
 #include "product.h"
 
 // ---- bf16 weights in column blocks (AVX512_BF16): the product without horizontal sums ----
@@ -200,18 +202,35 @@ SPECPIPE_AMX_TARGET void amx_configure(int rows) {
 
 SPECPIPE_AMX_TARGET void amx_release() { _tile_release(); }
 
+// Where a block's 16 lines from pair p on lie as the B operand of one TDPBF16PS (64 bytes a line): bf16 lines where
+// they lie in the weight, int8 lines widened (Line::load, exact) into `widened` [16 lines x 64 bytes] first
+template <typename Line>
+inline const void* amx_lines(const typename Line::Unit* lines, uint32_t* widened) {
+  if constexpr (std::is_same_v<Line, Bf16Pairs>) {
+    return lines;
+  } else {
+#pragma GCC unroll 16
+    for (int l = 0; l < kAmxPairs; ++l)
+      _mm512_store_si512(widened + l * kBlockFeatures, Line::load(lines + l * kBlockFeatures));
+    // GCC's TILELOADD names only the address: without this the stores above are dead to it and may be dropped
+    asm volatile("" : : "r"(widened) : "memory");
+    return widened;
+  }
+}
+
 // out[r, 16 (first + b) + j] for the configured rows (x's, `rows` of them) and B blocks from `first`
-template <int B>
-SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const uint32_t* blocks, Epilogue epilogue,
+template <typename Line, int B>
+SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const typename Line::Unit* blocks, Epilogue epilogue,
                                    uint16_t* out, int64_t pairs, int64_t out_stride, int64_t out_features,
                                    int64_t first) {
   _tile_zero(0);
   if constexpr (B > 1) _tile_zero(1);
   if constexpr (B > 2) _tile_zero(2);
   if constexpr (B > 3) _tile_zero(3);
-  const uint32_t* lines[B];
+  const typename Line::Unit* lines[B];
   for (int b = 0; b < B; ++b) lines[b] = blocks + (first + b) * pairs * kBlockFeatures;
   const int64_t x_stride = pairs * sizeof(uint32_t);
+  alignas(64) uint32_t widened[2][kAmxPairs * kBlockFeatures];  // int8 lines made bf16, one buffer per B tile
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
     // the next step's lines of each block, and L2 for the lines kBlockLookaheadBytes on (at any row count: the
     // tiles serve products of several rows); past the weight's end only lines that go unused, never a fault
@@ -224,18 +243,18 @@ SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const uint32_t* 
       }
     }
     _tile_loadd(4, x + p, x_stride);
-    _tile_loadd(5, lines[0] + p * kBlockFeatures, 64);
+    _tile_loadd(5, amx_lines<Line>(lines[0] + p * kBlockFeatures, widened[0]), 64);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (B > 1) {
-      _tile_loadd(6, lines[1] + p * kBlockFeatures, 64);
+      _tile_loadd(6, amx_lines<Line>(lines[1] + p * kBlockFeatures, widened[1]), 64);
       _tile_dpbf16ps(1, 4, 6);
     }
     if constexpr (B > 2) {
-      _tile_loadd(5, lines[2] + p * kBlockFeatures, 64);
+      _tile_loadd(5, amx_lines<Line>(lines[2] + p * kBlockFeatures, widened[0]), 64);
       _tile_dpbf16ps(2, 4, 5);
     }
     if constexpr (B > 3) {
-      _tile_loadd(6, lines[3] + p * kBlockFeatures, 64);
+      _tile_loadd(6, amx_lines<Line>(lines[3] + p * kBlockFeatures, widened[1]), 64);
       _tile_dpbf16ps(3, 4, 6);
     }
   }
@@ -250,10 +269,12 @@ SPECPIPE_AMX_TARGET void amx_group(const uint32_t* x, int rows, const uint32_t* 
   }
 }
 
-// block_product_rows on the tiles: bf16 blocks whose pairs are a multiple of kAmxPairs
-void amx_product_rows(const uint32_t* xs, const uint32_t* w, Epilogue epilogue, uint16_t* os, int64_t rows,
+// block_product_rows on the tiles: blocks whose pairs are a multiple of kAmxPairs
+template <typename Line>
+void amx_product_rows(const uint32_t* xs, const typename Line::Unit* w, Epilogue epilogue, uint16_t* os, int64_t rows,
                       int64_t pairs, int64_t count, int64_t out_features) {
-  const int64_t tile = std::max<int64_t>(kAmxBlocks, kBlockTileBytes / (pairs * kBlockFeatures * sizeof(uint32_t)));
+  const int64_t tile = std::max<int64_t>(
+      kAmxBlocks, kBlockTileBytes / (pairs * kBlockFeatures * static_cast<int64_t>(sizeof(typename Line::Unit))));
   const int64_t grain = std::max<int64_t>(kAmxBlocks, count / (4 * at::get_num_threads()));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     int configured = 0;
@@ -267,8 +288,8 @@ void amx_product_rows(const uint32_t* xs, const uint32_t* w, Epilogue epilogue, 
         uint16_t* out = os + first * out_features;
         int64_t b = tile_begin;
         for (; b + kAmxBlocks <= tile_end; b += kAmxBlocks)
-          amx_group<kAmxBlocks>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
-        for (; b < tile_end; ++b) amx_group<1>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
+          amx_group<Line, kAmxBlocks>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
+        for (; b < tile_end; ++b) amx_group<Line, 1>(x, group, w, epilogue, out, pairs, out_features, out_features, b);
       }
     }
     if (configured) amx_release();
@@ -347,8 +368,11 @@ torch::Tensor blocks_times(torch::Tensor x, const torch::Tensor& blocks, int64_t
   const uint16_t* codes = int8 ? reinterpret_cast<const uint16_t*>(blocks.data_ptr<int16_t>()) : nullptr;
   const uint32_t* pairs_of = int8 ? nullptr : reinterpret_cast<const uint32_t*>(blocks.data_ptr<int32_t>());
 #ifdef SPECPIPE_AMX
-  if (amx_rows > 0 && rows >= amx_rows && !int8 && pairs % kAmxPairs == 0) {
-    amx_product_rows(xs, pairs_of, epilogue, os, rows, pairs, blocks.size(0), out_features);
+  if (amx_rows > 0 && rows >= amx_rows && pairs % kAmxPairs == 0) {
+    if (int8)
+      amx_product_rows<Int8Pairs>(xs, codes, epilogue, os, rows, pairs, blocks.size(0), out_features);
+    else
+      amx_product_rows<Bf16Pairs>(xs, pairs_of, epilogue, os, rows, pairs, blocks.size(0), out_features);
     return out;
   }
 #endif
@@ -378,8 +402,9 @@ torch::Tensor block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_f
   return blocks_times(x, blocks, out_features, scale, bias, false);
 }
 
-// block_product on AMX tiles for products of `min_rows` rows (>= 1) and more where the blocks are bf16 and their
-// pairs of k a multiple of 16 (else block_product itself). Only after amx_request() granted the tiles to this process.
+// block_product on AMX tiles for products of `min_rows` rows (>= 1) and more where the blocks' pairs of k are a
+// multiple of 16 (else block_product itself); int8 blocks are widened to bf16 (exact) on their way to the tiles.
+// Only after amx_request() granted the tiles to this process.
 torch::Tensor amx_block_product(torch::Tensor x, torch::Tensor blocks, int64_t out_features,
                                 c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                 int64_t min_rows) {

@@ -79,6 +79,7 @@ void check_segments(const std::vector<DraftSegment>& segments, int64_t q, int64_
 // The layer of block_decoder_layer over several sequences' rows: the products, norms and gate over all rows at once
 // (each row's outputs are those of its rows alone: the sums run the same way for any number of rows), the rotary
 // embedding, the cache writes and the attention per sequence (attend_ragged: each unit as `attend` computes it).
+// amx_rows > 0: the products of that many rows and more on AMX tiles (amx_block_product's), 0 = never.
 torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::optional<torch::Tensor>& input_norm,
                                      const torch::Tensor& post_norm, double eps,
                                      const std::vector<torch::Tensor>& blocks,
@@ -86,7 +87,7 @@ torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::opt
                                      const std::vector<c10::optional<torch::Tensor>>& biases, int64_t heads,
                                      int64_t kv_heads, int64_t intermediate, const torch::Tensor& cos,
                                      const torch::Tensor& signed_sin, const std::vector<DraftSegment>& segments,
-                                     double scale) {
+                                     double scale, int64_t amx_rows) {
 #ifdef __AVX512BF16__
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kBFloat16 && hidden.is_contiguous(),
               "hidden: contiguous bf16 [q, width]");
@@ -101,7 +102,7 @@ torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::opt
   check_segments(segments, q, kv_heads, head_dim);
   const int64_t rotated = heads + kv_heads, half = head_dim / 2;
   auto normed = input_norm.has_value() ? rms_norm(hidden, *input_norm, eps) : hidden;
-  auto qkv = blocks_times(normed, blocks[0], (rotated + kv_heads) * head_dim, scales[0], biases[0], true);
+  auto qkv = blocks_times(normed, blocks[0], (rotated + kv_heads) * head_dim, scales[0], biases[0], true, amx_rows);
   // rotary embedding of the q and k heads (x * cos + rotate_half(x) * sin: each product and the sum rounded),
   // the queries into `query` [1, heads, q, head_dim], the keys and values into their sequence's cache rows
   auto query = torch::empty({1, heads, q, head_dim}, hidden.options());
@@ -152,10 +153,12 @@ torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::opt
     starts.push_back(q);
     attend_ragged<at::BFloat16, uint16_t>(query, keys, values, starts, masks, static_cast<float>(scale), attended);
   }
-  auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1], true));
-  auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true);
+  auto x = bf16_add(hidden, blocks_times(attended.view({q, heads * head_dim}), blocks[1], width, scales[1], biases[1],
+                                         true, amx_rows));
+  auto gate_up = blocks_times(rms_norm(x, post_norm, eps), blocks[2], 2 * intermediate, scales[2], biases[2], true,
+                              amx_rows);
   if (intermediate % kLanes == 0 && has_aten_exp())  // ATen's vector exp, over both threads
-    return bf16_add(x, blocks_times(silu_gate(gate_up), blocks[3], width, scales[3], biases[3], true));
+    return bf16_add(x, blocks_times(silu_gate(gate_up), blocks[3], width, scales[3], biases[3], true, amx_rows));
   auto gated = torch::empty({q, intermediate}, hidden.options());
   const at::BFloat16* gate_up_data = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* gated_data = gated.data_ptr<at::BFloat16>();
@@ -165,7 +168,7 @@ torch::Tensor decoder_layer_segments(const torch::Tensor& hidden, const c10::opt
       const at::BFloat16 silu = rounded(gate / (1.0f + std::exp(-gate)));
       gated_data[r * intermediate + i] = rounded(widen(silu) * widen(gate_up_data[(r * 2 + 1) * intermediate + i]));
     }
-  return bf16_add(x, blocks_times(gated, blocks[3], width, scales[3], biases[3], true));
+  return bf16_add(x, blocks_times(gated, blocks[3], width, scales[3], biases[3], true, amx_rows));
 #else
   TORCH_CHECK(false, "block_decoder_layer needs the kernel's AVX512_BF16 build");
   return hidden;
@@ -191,7 +194,7 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
   const std::vector<DraftSegment> one{{0, hidden.size(0), key_cache, value_cache, length,
                                        mask.has_value() ? mask->contiguous() : torch::Tensor()}};
   return decoder_layer_segments(hidden, input_norm, post_norm, eps, blocks, scales, biases, heads, kv_heads,
-                                intermediate, cos, signed_sin, one, scale);
+                                intermediate, cos, signed_sin, one, scale, 0);
 }
 
 // One level of a draft in one call: an EAGLE head's (the rows' token embeddings beside their features through fc) or
@@ -212,7 +215,9 @@ torch::Tensor block_decoder_layer(torch::Tensor hidden, c10::optional<torch::Ten
 // and sequence b, key_caches[l * S + b] and value_caches[l * S + b] as block_decoder_layer takes them, written at
 // rows lengths[b] .. lengths[b] + rows[b] - 1, under masks[b] [rows[b], lengths[b] + rows[b]] or None.
 // final_norm [width] bf16 or None (eps as the layers'). head: column blocks of [head_features, width], scale and
-// bias [head_features] fp32 or None. -> {hidden [q, width] bf16 (after final_norm), log-probs
+// bias [head_features] fp32 or None. amx_rows > 0: the products of that many rows and more on AMX tiles (only after
+// amx_request() granted them; a row's sums then run in the tiles' order), 0 = never. -> {hidden [q, width] bf16
+// (after final_norm), log-probs
 // [sum(logprob_rows), head_features] fp32: the last logprob_rows[b] rows of each sequence b, in order}.
 std::vector<torch::Tensor> block_draft_level(
     torch::Tensor token_ids, c10::optional<torch::Tensor> features, torch::Tensor embedding,
@@ -225,7 +230,7 @@ std::vector<torch::Tensor> block_draft_level(
     std::vector<torch::Tensor> value_caches, std::vector<int64_t> lengths, std::vector<int64_t> rows,
     std::vector<c10::optional<torch::Tensor>> masks, double scale, c10::optional<torch::Tensor> final_norm,
     torch::Tensor head_blocks, int64_t head_features, c10::optional<torch::Tensor> head_scale,
-    c10::optional<torch::Tensor> head_bias, std::vector<int64_t> logprob_rows) {
+    c10::optional<torch::Tensor> head_bias, std::vector<int64_t> logprob_rows, int64_t amx_rows) {
   const size_t layers = post_norms.size(), sequences = rows.size();
   TORCH_CHECK(layers >= 1 && input_norms.size() == layers && blocks.size() == 4 * layers &&
               scales.size() == 4 * layers && biases.size() == 4 * layers, "one input norm and post norm per layer, "
@@ -263,19 +268,20 @@ std::vector<torch::Tensor> block_draft_level(
   TORCH_CHECK(start == q, "the sequences' rows must add up to q");
   auto hidden = at::embedding(embedding, token_ids);  // [q, width]
   if (fc_blocks.has_value())
-    hidden = blocks_times(torch::cat({hidden, *features}, 1), *fc_blocks, width, fc_scale, fc_bias, true);
+    hidden = blocks_times(torch::cat({hidden, *features}, 1), *fc_blocks, width, fc_scale, fc_bias, true, amx_rows);
   const auto cos = cos_table.index_select(0, positions), signed_sin = signed_sin_table.index_select(0, positions);
   for (size_t l = 0; l < layers; ++l) {
     std::vector<torch::Tensor> layer_blocks(blocks.begin() + 4 * l, blocks.begin() + 4 * l + 4);
     std::vector<c10::optional<torch::Tensor>> layer_scales(scales.begin() + 4 * l, scales.begin() + 4 * l + 4);
     std::vector<c10::optional<torch::Tensor>> layer_biases(biases.begin() + 4 * l, biases.begin() + 4 * l + 4);
     hidden = decoder_layer_segments(hidden, input_norms[l], post_norms[l], eps, layer_blocks, layer_scales,
-                                    layer_biases, heads, kv_heads, intermediate, cos, signed_sin, segments[l], scale);
+                                    layer_biases, heads, kv_heads, intermediate, cos, signed_sin, segments[l], scale,
+                                    amx_rows);
   }
   if (final_norm.has_value()) hidden = rms_norm(hidden, *final_norm, eps);
   const auto heads_rows = sequences == 1 ? hidden.narrow(0, q - logprob_rows[0], logprob_rows[0])
                                          : hidden.index_select(0, torch::tensor(last_rows, torch::kLong));
-  auto logits = blocks_times(heads_rows.contiguous(), head_blocks, head_features, head_scale, head_bias,
-                             true);  // [sum(logprob_rows), head_features] bf16
+  auto logits = blocks_times(heads_rows.contiguous(), head_blocks, head_features, head_scale, head_bias, true,
+                             amx_rows);  // [sum(logprob_rows), head_features] bf16
   return {hidden, at::log_softmax(logits.to(torch::kFloat), -1)};
 }
