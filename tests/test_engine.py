@@ -643,7 +643,11 @@ def test_the_lean_forward_runs_prompts_steps_and_tree_verifies_through_the_kerne
     assert with_kernel.model.attention_kernel is not None and with_sdpa.model.attention_kernel is None
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     isa = cpu_kernel_build.kernel_isa()
-    assert with_kernel.model.attention_max_rows[torch_dtype] == lean_model.KERNEL_ATTENTION_MAX_ROWS[isa][torch_dtype]
+    on_tiles = torch_dtype == torch.bfloat16 and "amx" in cpu.probe_linear_path(torch.bfloat16).kernel
+    assert with_kernel.model.attention_max_rows == lean_model.kernel_attention_max_rows(isa, on_tiles)
+    assert with_kernel.model.attention_max_rows[torch_dtype] == (
+        min(lean_model.KERNEL_ATTENTION_MAX_ROWS[isa][torch_dtype], lean_model.AMX_BF16_ATTENTION_MAX_ROWS) if on_tiles
+        else lean_model.KERNEL_ATTENTION_MAX_ROWS[isa][torch_dtype])
     prompt = random_prompts(1, seed=4)[0]
     limit = max(len(prompt), 8)  # the prompt's rows are the most the kernel serves here
     with_kernel.model.attention_max_rows = {torch_dtype: limit}

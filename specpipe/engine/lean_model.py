@@ -53,6 +53,19 @@ LEAN_KWARGS = frozenset({"output_hidden_states", "return_dict", "cache_position"
 KERNEL_ATTENTION_MAX_ROWS = {"avx512_bf16": {torch.bfloat16: 2048, torch.float32: 512},
                              "avx512": {torch.bfloat16: 512, torch.float32: 512},
                              "avx2": {torch.bfloat16: 64, torch.float32: 64}}
+# Where oneDNN multiplies bf16 on AMX tiles, SDPA's flash path does too for a bf16 prompt's causal block: there it
+# passes the kernel's attention from about 96 rows (a whole bf16 prefill of 256-384 tokens of SmolLM2-135M 17-21%
+# faster, 2-core AMX CPU; fp32's prefills unchanged). Row-invariant forwards keep the kernel at any rows.
+AMX_BF16_ATTENTION_MAX_ROWS = 64
+
+
+def kernel_attention_max_rows(isa: str, bf16_on_tiles: bool = False) -> dict[torch.dtype, int]:
+    """The most query rows the attention kernel's `isa` build serves per dtype (KERNEL_ATTENTION_MAX_ROWS), bf16's
+    capped at AMX_BF16_ATTENTION_MAX_ROWS where oneDNN's bf16 products run on AMX tiles (`bf16_on_tiles`)."""
+    rows = dict(KERNEL_ATTENTION_MAX_ROWS[isa])
+    if bf16_on_tiles:
+        rows[torch.bfloat16] = min(rows[torch.bfloat16], AMX_BF16_ATTENTION_MAX_ROWS)
+    return rows
 # The attention functions the kernel stands in for where it serves: the target's tree attention, and the
 # plain SDPA the drafters' own layers (an EAGLE head) are configured with. Both compute exact attention
 # under a boolean mask; the kernel sums in another order (a draft may flip a near-tie, the target's
@@ -337,18 +350,18 @@ def rotary_lookup(model: nn.Module) -> RotaryTables | None:
 
 def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, attention_isa: str = "avx2",
                     layer_kernel=None, level_kernel=None, draft_model: bool = False,
-                    ragged_attention_kernel=None, native_layer_kernel=None) -> int:
+                    ragged_attention_kernel=None, native_layer_kernel=None, bf16_on_tiles: bool = False) -> int:
     """Turns every LlamaModel inside `model` the lean forward serves into a LeanLlamaModel; returns how many.
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
-    CpuKernel.attention, for their forwards of up to KERNEL_ATTENTION_MAX_ROWS[attention_isa] rows
-    (`attention_isa`: the build's CpuKernel.isa), and `ragged_attention_kernel` (CpuKernel.ragged_attention) for
-    their forwards of several sequences' rows; `layer_kernel`: the kernel's block_decoder_layer
+    CpuKernel.attention, for their forwards of up to kernel_attention_max_rows(attention_isa, bf16_on_tiles) rows
+    (`attention_isa`: the build's CpuKernel.isa; `bf16_on_tiles`: oneDNN's bf16 products run on AMX tiles), and
+    `ragged_attention_kernel` (CpuKernel.ragged_attention) for their forwards of several sequences' rows; `layer_kernel`: the kernel's block_decoder_layer
     (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
     block_draft_level (BlockProduct.draft_level), for a draft's whole level (KernelDraftLevel): an EAGLE head's, and
     with `draft_model` (the model only drafts) a LlamaModel's. Each also gets `rotary_lookup`
     (RotaryTables, where they serve its rotary embedding). `native_layer_kernel`: CpuKernel.native_layer, for the
     decoder layers over GGUF blocks of the models whose norms and attention the kernel runs (native_layers)."""
-    max_rows = MappingProxyType(KERNEL_ATTENTION_MAX_ROWS[attention_isa])
+    max_rows = MappingProxyType(kernel_attention_max_rows(attention_isa, bf16_on_tiles))
     swapped = 0
     for module in list(model.modules()):
         if getattr(module, "accepts_lean_kernels", False):  # a draft head with a lean loop of its own (EagleNet)

@@ -318,7 +318,8 @@ class OneDNNEngine:
                                           attention_isa=extension.isa if extension is not None else "avx2",
                                           layer_kernel=layer, level_kernel=level, draft_model=drafter,
                                           native_layer_kernel=getattr(extension, "native_layer", None)
-                                          if self.native_layers and not drafter else None)
+                                          if self.native_layers and not drafter else None,
+                                          bf16_on_tiles=path.dtype == torch.bfloat16 and "amx" in path.kernel)
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
             getattr(module, "layer_kernel", None) is layer for module in model.modules()) else "")
         if layers and level is not None:
