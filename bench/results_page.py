@@ -48,6 +48,7 @@ AVX2_ZEN3_LATER = ("run-80-llamacpp-zen3-fp32-attention",)
 LOAD_NATIVE = ("run-78-load-native-bf16", "run-78-load-native-fp32")
 LOAD_TILES = ("run-82-load-tiles-bf16", "run-82-load-tiles-fp32")
 LOAD_GATES = ("run-83-load-gates-bf16", "run-83-load-gates-fp32")
+LOAD_ARGMAX_TILES = ("run-84-load-bf16", "run-84-load-fp32")
 LOAD_DENSE = ("run-73-load-dense-bf16", "run-73-load-dense-fp32")
 SERVER_LOAD = "run-73-server-load-bf16"
 LOAD_ZEN3 = "run-80-load-zen3-fp32"
@@ -331,6 +332,10 @@ def render_page(measurements: dict[str, Measurement]) -> str:
               "requests speculates with the trie alone) and a batch's draft level in kernel calls; the VM ran slower "
               "still, and two runs of one setting move by about 5% at 8 requests:"),
         *(load_section(measurements[name]) for name in LOAD_GATES),
+        prose("With the verifier's argmax taken by numpy (ATen's walked each 49152-wide row element by element), a "
+              "batch's draft level on AMX tiles from 3 rows, and bf16 prompts of more than 64 tokens attended by "
+              "SDPA's flash path (run 84):"),
+        *(load_section(measurements[name]) for name in LOAD_ARGMAX_TILES),
         "The same benchmark on dense weights:",
         *(load_section(measurements[name]) for name in LOAD_DENSE),
         prose("On an AVX2-only CPU (AMD Zen 3), the embedded model's Q4_1 blocks. Every product is compute-bound "

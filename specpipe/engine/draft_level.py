@@ -112,6 +112,14 @@ class BlockLayers:
         return rows[None]
 
 
+# The most rows one call takes where the level's products run on AMX tiles (cpu_kernel.DraftLevelCall.tile_rows): a
+# batch's catch-up after plain steps (each request's committed rows) in one call rather than in one call per request
+# or op by op; a batch's level of more rows than that runs op by op in one forward, which oneDNN's products then make
+# the faster (8 requests x 8 / 16 / 32 rows: 2.8 / 5.3 / 10.3 ms in calls of 64 rows, 7.3 / 5.2 / 8.2 ms in calls of
+# 12 and op by op; docs/notebook/run-84.md).
+TILED_LEVEL_MAX_ROWS = 64
+
+
 class KernelDraftLevel:
     """A draft's whole level in one call of the CPU kernel's block_draft_level (its AVX512_BF16 build): an EAGLE
     head's (the rows' token embeddings beside their features through `fc`) or a draft model's (the embeddings alone,
@@ -122,10 +130,12 @@ class KernelDraftLevel:
     is still outside its products and attention: the embedding, the cat, `fc`, the rotary lookup, the cache's
     bookkeeping, the output layer and its log-softmax are small torch ops with the Python around them.
     The call runs the same ops and products: an EAGLE level's outputs are bitwise those
-    of its level op by op (its layers through BlockLayers). `of` gives None where a part is not served (a layer
-    BlockLayers does not take, an embedding that renormalizes, a product the engine does not run over column blocks,
-    no rotary tables); `serves` says which calls it takes: those whose products every path runs over the column
-    blocks (up to `max_rows` rows, the output layer's up to `max_logprob_rows`), over a plain PositionIndexedCache."""
+    of its level op by op (its layers through BlockLayers), except where its products run on AMX tiles (from
+    cpu_kernel.DRAFT_LEVEL_TILE_ROWS rows, where the engine has them). `of` gives None where a part is not served (a
+    layer BlockLayers does not take, an embedding that renormalizes, a product the engine does not run over column
+    blocks, no rotary tables); `serves` says which calls it takes: those whose products every path runs over the
+    column blocks (up to `max_rows` rows, the output layer's up to `max_logprob_rows`; on the tiles
+    TILED_LEVEL_MAX_ROWS), over a plain PositionIndexedCache."""
 
     def __init__(self, level_kernel, layer_arguments: tuple, fc, head, embedding: Tensor, rotary: RotaryTables,
                  final_norm: Tensor | None) -> None:
@@ -135,8 +145,14 @@ class KernelDraftLevel:
         self.embedding = embedding  # [vocab, hidden_size] bf16
         self.rotary = rotary
         self.final_norm = final_norm  # [hidden_size] bf16 or None
-        self.max_rows = min(max_rows, fc.kernel_rows) if fc is not None else max_rows
-        self.max_logprob_rows = head.kernel_rows
+        self.tiled = getattr(level_kernel, "tile_rows", 0) > 0
+        if self.tiled:
+            # its products of several rows run on AMX tiles, not as the op-by-op path runs them (oneDNN above the
+            # weights' kernel_rows): nothing to keep it alike, and a drafter's catch-up of many rows costs little
+            self.max_rows = self.max_logprob_rows = TILED_LEVEL_MAX_ROWS
+        else:
+            self.max_rows = min(max_rows, fc.kernel_rows) if fc is not None else max_rows
+            self.max_logprob_rows = head.kernel_rows
         self.input_norms, self.post_norms, self.blocks, self.scales, self.biases = [], [], [], [], []
         for input_norm, post_norm, _, blocks, scales, biases, *_ in arguments:
             self.input_norms.append(input_norm)
@@ -244,6 +260,9 @@ class KernelDraftLevel:
         log-probs [logprob_rows, vocab]), or None where no call takes it (more rows than one call takes, a cache laid
         out otherwise) or the rotary tables no longer serve."""
         sequences = [(rows.rows, rows.logprob_rows, rows.cache) for *_, rows in calls]
+        if self.tiled and sum(rows for rows, _, _ in sequences) > self.max_rows:
+            # more rows than one call takes: one forward op by op (oneDNN's products over all of them) is the faster
+            return [None] * len(calls)
         groups: list[list[int]] = []
         for index, sequence in enumerate(sequences):
             if not self.serves_many([sequence]):
