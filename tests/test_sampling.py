@@ -101,7 +101,8 @@ def test_greedy_tokens_are_torch_argmax_on_ties_nan_and_infinities():
     values tie (the first), a row holds NaN (the first NaN) or only -inf, and on strided rows and other dtypes."""
     generator = torch.Generator().manual_seed(SEED)
     for trial in range(300):
-        rows, vocab = int(torch.randint(1, 6, (), generator=generator)), int(torch.randint(1, 200, (), generator=generator))
+        rows = int(torch.randint(1, 6, (), generator=generator))
+        vocab = int(torch.randint(1, 200, (), generator=generator))
         logits = torch.randint(-3, 3, (rows, 2 * vocab), generator=generator).float()[:, ::2]  # ties, strided rows
         if trial % 3 == 0:
             logits[0, int(torch.randint(0, vocab, (), generator=generator))] = float("nan")

@@ -355,12 +355,13 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
     `norm_kernel`: CpuKernel.norm, for the models whose norms it serves; `attention_kernel`:
     CpuKernel.attention, for their forwards of up to kernel_attention_max_rows(attention_isa, bf16_on_tiles) rows
     (`attention_isa`: the build's CpuKernel.isa; `bf16_on_tiles`: oneDNN's bf16 products run on AMX tiles), and
-    `ragged_attention_kernel` (CpuKernel.ragged_attention) for their forwards of several sequences' rows; `layer_kernel`: the kernel's block_decoder_layer
-    (BlockProduct.decoder_layer), for draft heads' layers only (BlockLayers); `level_kernel`: the kernel's
-    block_draft_level (BlockProduct.draft_level), for a draft's whole level (KernelDraftLevel): an EAGLE head's, and
-    with `draft_model` (the model only drafts) a LlamaModel's. Each also gets `rotary_lookup`
-    (RotaryTables, where they serve its rotary embedding). `native_layer_kernel`: CpuKernel.native_layer, for the
-    decoder layers over GGUF blocks of the models whose norms and attention the kernel runs (native_layers)."""
+    `ragged_attention_kernel` (CpuKernel.ragged_attention) for their forwards of several sequences' rows;
+    `layer_kernel`: the kernel's block_decoder_layer (BlockProduct.decoder_layer), for draft heads' layers only
+    (BlockLayers); `level_kernel`: the kernel's block_draft_level (BlockProduct.draft_level), for a draft's whole
+    level (KernelDraftLevel): an EAGLE head's, and with `draft_model` (the model only drafts) a LlamaModel's. Each
+    also gets `rotary_lookup` (RotaryTables, where they serve its rotary embedding). `native_layer_kernel`:
+    CpuKernel.native_layer, for the decoder layers over GGUF blocks of the models whose norms and attention the
+    kernel runs (native_layers)."""
     max_rows = MappingProxyType(kernel_attention_max_rows(attention_isa, bf16_on_tiles))
     swapped = 0
     for module in list(model.modules()):
