@@ -74,7 +74,8 @@ class BlockProduct(NamedTuple):
     row's output is the same whatever rows come with it. `decoder_layer`: a draft head's whole Llama decoder
     layer over such weights in one call (the source's block_decoder_layer; specpipe.engine.draft_level.BlockLayers).
     `draft_level`: an EAGLE head's whole level (fc, its decoder layers, its output layer's log-probs) in one call (the
-    source's block_draft_level; specpipe.engine.draft_level.KernelDraftLevel)."""
+    source's block_draft_level, with the rows from which its products take AMX tiles: cpu_kernel.DraftLevelCall;
+    specpipe.engine.draft_level.KernelDraftLevel)."""
 
     pack: Callable[[torch.Tensor], torch.Tensor]
     pack_int8: Callable[[torch.Tensor], torch.Tensor]
