@@ -136,63 +136,57 @@ inline void widen_codes<kGgufQ8_0>(const uint8_t* lines, uint16_t* operand) {
   }
 }
 
-// The block's sums of parts (the C tiles', [rows * part_count, 16], a row's parts side by side) scaled into the
-// running sums [rows, 16]: a row's parts' sums added in order (hi + mid + lo), sum += that * d, then [Q4_1] sum += m *
-// the row's sum of x over the block
+// One row's sum over a block (its parts' sums of codes times x, [part_count, 16] at `parts`, the C tiles' rows),
+// scaled into its running sum `sum`: the parts' sums added in order (hi + mid + lo), sum += that * d, then [Q4_1]
+// sum += m * the row's sum of x over the block (`row_sum`)
 template <int Format>
-inline void scale_block(const float* block, const uint8_t* tile, const float* row_sums, int64_t count, float* sums,
-                        int64_t rows, int part_count) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
-  const __m512 m = TileLayout<Format>::kMinimum
-                       ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32)))
-                       : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* parts = block + 16 * part_count * r;
-    __m512 codes_times_x = _mm512_load_ps(parts);
-    for (int s = 1; s < part_count; ++s) codes_times_x = _mm512_add_ps(codes_times_x, _mm512_load_ps(parts + 16 * s));
-    __m512 acc = _mm512_fmadd_ps(codes_times_x, d, _mm512_load_ps(sums + 16 * r));
-    if constexpr (TileLayout<Format>::kMinimum) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(row_sums[r * count]), acc);
-    _mm512_store_ps(sums + 16 * r, acc);
+inline __m512 scaled_row(const float* parts, int part_count, __m512 d, __m512 m, float row_sum, __m512 sum) {
+  __m512 codes_times_x = _mm512_load_ps(parts);
+  for (int s = 1; s < part_count; ++s) codes_times_x = _mm512_add_ps(codes_times_x, _mm512_load_ps(parts + 16 * s));
+  sum = _mm512_fmadd_ps(codes_times_x, d, sum);
+  if constexpr (TileLayout<Format>::kMinimum) sum = _mm512_fmadd_ps(m, _mm512_set1_ps(row_sum), sum);
+  return sum;
+}
+
+// A tile's 16 features' steps d and [Q4_1] minimums m, fp32
+template <int Format>
+inline void tile_scales(const uint8_t* tile, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
+  m = TileLayout<Format>::kMinimum ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32)))
+                                   : _mm512_setzero_ps();
+}
+
+// Block b's tile products for the G feature groups whose first tile is at `tile` (the next group's `group_bytes`
+// further on): their codes widened into `operand` [G, 16 x 32] and times every tile of rows' parts (`parts` [padded,
+// in] bf16), the sums stored to `block` [G, padded, 16] fp32
+template <int Format, int G>
+SPECPIPE_AMX_TARGET inline void block_tile_sums(const uint8_t* tile, int64_t group_bytes, const uint16_t* parts,
+                                                int64_t b, int64_t in, int64_t padded, int tile_rows,
+                                                uint16_t (*operand)[16 * 32], float* block) {
+  using Layout = TileLayout<Format>;
+  for (int g = 0; g < G; ++g) {
+    const char* ahead = reinterpret_cast<const char*>(tile + g * group_bytes) + kGgufLookahead;
+    for (int line = 0; line < Layout::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    widen_codes<Format>(tile + g * group_bytes + Layout::kCodes, operand[g]);
+  }
+  _tile_loadd(2, operand[0], 64);
+  if constexpr (G > 1) _tile_loadd(3, operand[1], 64);
+  const int64_t stride = in * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t first = 0; first < padded; first += tile_rows) {
+    _tile_zero(0);
+    if constexpr (G > 1) _tile_zero(1);
+    _tile_loadd(4, parts + first * in + b * kTileValues, stride);
+    _tile_dpbf16ps(0, 4, 2);
+    if constexpr (G > 1) _tile_dpbf16ps(1, 4, 3);
+    _tile_stored(0, block + 16 * first, 64);
+    if constexpr (G > 1) _tile_stored(1, block + 16 * (padded + first), 64);
   }
 }
 
-// out[r, 16 g + n] for the feature groups g = group, group + 1 (G of them) and the `rows` rows of x, from their parts
-// (`parts` [padded, in] bf16: row r's part s at r * part_count + s, zero rows after them), `tile_rows` of them a tile
-// product, and the rows' sums over each block (`block_sums` [rows, count]). Scratch, 64-byte aligned: `sums` [G,
-// rows, 16] and `block` [G, padded, 16] fp32.
-template <int Format, int G, typename Out>
-SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
-                                              const float* block_sums, const float* bias, Out* out, float* sums,
-                                              float* block, int64_t rows, int64_t padded, int tile_rows, int64_t in,
-                                              int64_t out_stride, int64_t group) {
-  using Layout = TileLayout<Format>;
-  const int64_t count = in / kTileValues, stride = in * static_cast<int64_t>(sizeof(uint16_t));
-  alignas(64) uint16_t operand[G][16 * 32];
-  for (int64_t i = 0; i < G * rows; ++i) _mm512_store_ps(sums + 16 * i, _mm512_setzero_ps());
-  const uint8_t* first_tile = tiles + group * count * Layout::kBytes;
-  const int64_t group_bytes = count * Layout::kBytes;
-  for (int64_t b = 0; b < count; ++b) {
-    const uint8_t* tile = first_tile + b * Layout::kBytes;
-    for (int g = 0; g < G; ++g) {
-      const char* ahead = reinterpret_cast<const char*>(tile + g * group_bytes) + kGgufLookahead;
-      for (int line = 0; line < Layout::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
-      widen_codes<Format>(tile + g * group_bytes + Layout::kCodes, operand[g]);
-    }
-    _tile_loadd(2, operand[0], 64);
-    if constexpr (G > 1) _tile_loadd(3, operand[1], 64);
-    for (int64_t first = 0; first < padded; first += tile_rows) {
-      _tile_zero(0);
-      if constexpr (G > 1) _tile_zero(1);
-      _tile_loadd(4, parts + first * in + b * kTileValues, stride);
-      _tile_dpbf16ps(0, 4, 2);
-      if constexpr (G > 1) _tile_dpbf16ps(1, 4, 3);
-      _tile_stored(0, block + 16 * first, 64);
-      if constexpr (G > 1) _tile_stored(1, block + 16 * (padded + first), 64);
-    }
-    for (int g = 0; g < G; ++g)
-      scale_block<Format>(block + 16 * g * padded, tile + g * group_bytes, block_sums + b, count,
-                          sums + 16 * g * rows, rows, part_count);
-  }
+// out[r, 16 g + n] (+ bias) for the feature groups g = group, group + 1 (G of them) from their sums [G, rows, 16]
+template <int G, typename Out>
+inline void write_feature_groups(const float* sums, const float* bias, Out* out, int64_t rows, int64_t out_stride,
+                                 int64_t group) {
   for (int g = 0; g < G; ++g)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t n = 0; n < kTileFeatures; ++n) {
@@ -201,6 +195,85 @@ SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16
         if (bias != nullptr) value += bias[feature];
         out[r * out_stride + feature] = static_cast<Out>(value);
       }
+}
+
+// The sums [G, rows, 16] of the feature groups g = group, group + 1 (G of them) for the `rows` rows of x, from their
+// parts (`parts` [padded, in] bf16: row r's part s at r * part_count + s, zero rows after them), `tile_rows` of them a
+// tile product, and the rows' sums over each block (`block_sums` [rows, count]). Scratch, 64-byte aligned: `sums` [G,
+// rows, 16] and `block` [G, padded, 16] fp32. Each row's running sums go to memory and back at every block; see
+// sums_in_registers for few rows.
+template <int Format, int G>
+SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
+                                              const float* block_sums, float* sums, float* block, int64_t rows,
+                                              int64_t padded, int tile_rows, int64_t in, int64_t group) {
+  using Layout = TileLayout<Format>;
+  const int64_t count = in / kTileValues, group_bytes = count * Layout::kBytes;
+  alignas(64) uint16_t operand[G][16 * 32];
+  for (int64_t i = 0; i < G * rows; ++i) _mm512_store_ps(sums + 16 * i, _mm512_setzero_ps());
+  const uint8_t* first_tile = tiles + group * group_bytes;
+  for (int64_t b = 0; b < count; ++b) {
+    const uint8_t* tile = first_tile + b * Layout::kBytes;
+    block_tile_sums<Format, G>(tile, group_bytes, parts, b, in, padded, tile_rows, operand, block);
+    for (int g = 0; g < G; ++g) {
+      __m512 d, m;
+      tile_scales<Format>(tile + g * group_bytes, d, m);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sum = sums + 16 * (g * rows + r);
+        _mm512_store_ps(sum, scaled_row<Format>(block + 16 * (g * padded + part_count * r), part_count, d, m,
+                                                block_sums[r * count + b], _mm512_load_ps(sum)));
+      }
+    }
+  }
+}
+
+// tiles_feature_groups for two feature groups and R rows, R known when compiled: each row's running sums stay in
+// registers over the blocks instead of going to memory and back at each one (the same operations in the same order,
+// so the same sums bit for bit). Why: with few rows, those loads and stores are much of a block's work beside its
+// tile products.
+template <int Format, int R>
+SPECPIPE_AMX_TARGET void two_groups_in_registers(const uint8_t* tiles, const uint16_t* parts, int part_count,
+                                                 const float* block_sums, float* sums, float* block, int64_t padded,
+                                                 int tile_rows, int64_t in, int64_t group) {
+  using Layout = TileLayout<Format>;
+  const int64_t count = in / kTileValues, group_bytes = count * Layout::kBytes;
+  alignas(64) uint16_t operand[2][16 * 32];
+  __m512 running[2][R];
+  for (int g = 0; g < 2; ++g)
+    for (int r = 0; r < R; ++r) running[g][r] = _mm512_setzero_ps();
+  const uint8_t* first_tile = tiles + group * group_bytes;
+  for (int64_t b = 0; b < count; ++b) {
+    const uint8_t* tile = first_tile + b * Layout::kBytes;
+    block_tile_sums<Format, 2>(tile, group_bytes, parts, b, in, padded, tile_rows, operand, block);
+    for (int g = 0; g < 2; ++g) {
+      __m512 d, m;
+      tile_scales<Format>(tile + g * group_bytes, d, m);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        running[g][r] = scaled_row<Format>(block + 16 * (g * padded + part_count * r), part_count, d, m,
+                                           block_sums[r * count + b], running[g][r]);
+    }
+  }
+  for (int g = 0; g < 2; ++g)
+    for (int r = 0; r < R; ++r) _mm512_store_ps(sums + 16 * (g * R + r), running[g][r]);
+}
+
+// Rows up to kRegisterRows keep their running sums in registers (two_groups_in_registers)
+constexpr int64_t kRegisterRows = 8;
+
+// tiles_feature_groups<Format, 2>, by two_groups_in_registers<Format, rows> where rows <= kRegisterRows
+template <int Format, int R = 1>
+SPECPIPE_AMX_TARGET void two_feature_groups(int64_t rows, const uint8_t* tiles, const uint16_t* parts, int part_count,
+                                            const float* block_sums, float* sums, float* block, int64_t padded,
+                                            int tile_rows, int64_t in, int64_t group) {
+  if (rows > kRegisterRows)
+    return tiles_feature_groups<Format, 2>(tiles, parts, part_count, block_sums, sums, block, rows, padded, tile_rows,
+                                           in, group);
+  if constexpr (R < kRegisterRows) {
+    if (rows != R)
+      return two_feature_groups<Format, R + 1>(rows, tiles, parts, part_count, block_sums, sums, block, padded,
+                                               tile_rows, in, group);
+  }
+  two_groups_in_registers<Format, R>(tiles, parts, part_count, block_sums, sums, block, padded, tile_rows, in, group);
 }
 
 // bf16 parts of x's rows [rows, in] (three for fp32 x, one for bf16 x) as tiles_feature_groups takes them, zero rows
@@ -250,12 +323,15 @@ void tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bia
     float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
     float* block = aligned + 2 * 16 * rows;
     int64_t group = begin;
-    for (; group + 2 <= end; group += 2)
-      tiles_feature_groups<Format, 2>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded,
-                                      tile_rows, in, out_features, group);
-    if (group < end)
-      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, bias, out, aligned, block, rows, padded,
-                                      tile_rows, in, out_features, group);
+    for (; group + 2 <= end; group += 2) {
+      two_feature_groups<Format>(rows, tiles, part, part_count, sums, aligned, block, padded, tile_rows, in, group);
+      write_feature_groups<2>(aligned, bias, out, rows, out_features, group);
+    }
+    if (group < end) {
+      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, aligned, block, rows, padded, tile_rows, in,
+                                      group);
+      write_feature_groups<1>(aligned, bias, out, rows, out_features, group);
+    }
     amx_release();
   });
 }
