@@ -201,7 +201,7 @@ inline void write_feature_groups(const float* sums, const float* bias, Out* out,
 // parts (`parts` [padded, in] bf16: row r's part s at r * part_count + s, zero rows after them), `tile_rows` of them a
 // tile product, and the rows' sums over each block (`block_sums` [rows, count]). Scratch, 64-byte aligned: `sums` [G,
 // rows, 16] and `block` [G, padded, 16] fp32. Each row's running sums go to memory and back at every block; see
-// sums_in_registers for few rows.
+// two_groups_in_registers for few rows.
 template <int Format, int G>
 SPECPIPE_AMX_TARGET void tiles_feature_groups(const uint8_t* tiles, const uint16_t* parts, int part_count,
                                               const float* block_sums, float* sums, float* block, int64_t rows,
@@ -314,23 +314,24 @@ void tile_product(const torch::Tensor& x, const uint8_t* tiles, const float* bia
   torch::Tensor parts, block_sums;
   tile_parts(x, part_count, rows, padded, in, parts, block_sums);
   const uint16_t* part = reinterpret_cast<const uint16_t*>(parts.data_ptr<at::BFloat16>());
-  const float* sums = block_sums.data_ptr<float>();
+  const float* x_block_sums = block_sums.data_ptr<float>();
   const int64_t groups = out_features / kTileFeatures;
   const int64_t grain = std::max<int64_t>(2, groups / (4 * at::get_num_threads()));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     tiles_configure(tile_rows);
     std::vector<float> scratch(2 * 16 * (rows + padded) + 16);
-    float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-    float* block = aligned + 2 * 16 * rows;
+    float* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    float* block = sums + 2 * 16 * rows;
     int64_t group = begin;
     for (; group + 2 <= end; group += 2) {
-      two_feature_groups<Format>(rows, tiles, part, part_count, sums, aligned, block, padded, tile_rows, in, group);
-      write_feature_groups<2>(aligned, bias, out, rows, out_features, group);
+      two_feature_groups<Format>(rows, tiles, part, part_count, x_block_sums, sums, block, padded, tile_rows, in,
+                                 group);
+      write_feature_groups<2>(sums, bias, out, rows, out_features, group);
     }
     if (group < end) {
-      tiles_feature_groups<Format, 1>(tiles, part, part_count, sums, aligned, block, rows, padded, tile_rows, in,
-                                      group);
-      write_feature_groups<1>(aligned, bias, out, rows, out_features, group);
+      tiles_feature_groups<Format, 1>(tiles, part, part_count, x_block_sums, sums, block, rows, padded, tile_rows,
+                                      in, group);
+      write_feature_groups<1>(sums, bias, out, rows, out_features, group);
     }
     amx_release();
   });
