@@ -1,6 +1,6 @@
-"""engine.native_layers: the target's decoder layers over GGUF blocks run one kernel call each, and compute bit for
-bit what the op-by-op lean loop computes: the logits, the hidden states every layer records and the cache rows of a
-prefill, of one-token steps, of a tree verify and of a ragged batch of several sequences' rows."""
+"""engine.native_layers: the target's decoder layers over GGUF blocks run in one kernel call a forward, and compute
+bit for bit what the op-by-op lean loop computes: the logits, the hidden states every layer records and the cache rows
+of a prefill, of one-token steps, of a tree verify and of a ragged batch of several sequences' rows."""
 from __future__ import annotations
 
 import pytest
@@ -20,13 +20,14 @@ def lean_model(pipe) -> LeanLlamaModel:
     return model
 
 
-def counted(model: LeanLlamaModel) -> list[int]:
-    """Counts the kernel layer's calls on `model` (one element per call)."""
+def counted(model: LeanLlamaModel) -> list[list[torch.Tensor]]:
+    """The kernel layers' calls on `model`: per call, the layers' outputs it returned."""
     calls, kernel = [], model.native_layer_kernel
 
     def counting(*args):
-        calls.append(1)
-        return kernel(*args)
+        outputs = kernel(*args)
+        calls.append(outputs)
+        return outputs
     model.native_layer_kernel = counting
     return calls
 
@@ -80,8 +81,10 @@ def test_the_kernel_layer_computes_the_lean_loop_bit_for_bit(overrides):
         calls[native] = counted(model) if native else []
         results[native] = run_forwards(pipe, prompts, torch.Generator().manual_seed(7))
     layers = lean_model(pipe).config.num_hidden_layers
-    # the prefills (up to 40 rows, within native_rows), both steps, the verify and the batch ran the kernel's layers
-    assert len(calls[True]) == 7 * layers
+    # the prefills (up to 40 rows, within native_rows), both steps, the verify and the batch ran the kernel's layers,
+    # all of a forward's in one call
+    assert len(calls[True]) == 7
+    assert all(len(outputs) == layers for outputs in calls[True])
     assert len(results[True]) == len(results[False])
     for index, (fused, op_by_op) in enumerate(zip(results[True], results[False])):
         assert fused.dtype == op_by_op.dtype and fused.shape == op_by_op.shape, index
@@ -100,4 +103,4 @@ def test_the_engine_line_says_where_the_layers_run_in_one_call(weights, native):
                                           f"engine.target_weights={weights}"]))
     assert (lean_model(pipe).native_layer_kernel is not None) == native
     line = pipe.target.model.specpipe_engine_rewrite
-    assert ("the decoder layers over native blocks one kernel call each in steps and verifies" in line) == native
+    assert ("the decoder layers over native blocks one kernel call a forward in steps and verifies" in line) == native

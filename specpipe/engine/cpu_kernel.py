@@ -137,8 +137,10 @@ class CpuKernel:
         # attending its own cache (the C++ ragged_tree_attention; set and cleared with `attention`)
         self.ragged_attention = None
         # native_layer(...): a target's decoder layer over GGUF blocks in one call (the C++ native_decoder_layer, made
-        # of the parts above: set where the norm and the attention passed their checks)
+        # of the parts above: set where the norm and the attention passed their checks); native_layers(...): all the
+        # decoder layers of a forward in one call (native_decoder_layers, the same layer one after another)
         self.native_layer = None
+        self.native_layers = None
         # gate(gate_up [..., 2n]) -> [..., n]: silu(gate) * up, bitwise torch's where `serves_gate` says so
         self.gate = None
         self.reason = ""
@@ -217,6 +219,7 @@ class CpuKernel:
             self.gate = module.silu_gate
         if self.norm is not None and self.attention is not None:
             self.native_layer = module.native_decoder_layer
+            self.native_layers = module.native_decoder_layers
 
     def _take_gguf_tiles(self, module) -> None:
         """The Q4_1 and Q8_0 product on AMX tiles (gguf_tile_pack), where this build and CPU have the tiles, Linux

@@ -109,8 +109,8 @@ class LeanLlamaModel(LlamaModel):
     # `level_kernel` (set by swap_lean_model): the kernel's block_draft_level, for a drafter that runs a draft model's
     # whole level in one call (KernelDraftLevel); this forward never calls it
     level_kernel = None
-    # `native_layer_kernel` (set by swap_lean_model, with the norm and attention kernels): CpuKernel.native_layer, a
-    # decoder layer over GGUF blocks in one call, for the layers of `native_layer_table` (native_layers.NativeLayer by
+    # `native_layer_kernel` (set by swap_lean_model, with the norm and attention kernels): CpuKernel.native_layers, the
+    # decoder layers over GGUF blocks in one call, for the layers of `native_layer_table` (native_layers.NativeLayer by
     # module) in the forwards it serves (native_layers.serving_layers); None = op by op
     native_layer_kernel = None
     native_layer_table: Mapping[nn.Module, object] = MappingProxyType({})
@@ -360,7 +360,7 @@ def swap_lean_model(model: nn.Module, norm_kernel=None, attention_kernel=None, a
     (BlockLayers); `level_kernel`: the kernel's block_draft_level (BlockProduct.draft_level), for a draft's whole
     level (KernelDraftLevel): an EAGLE head's, and with `draft_model` (the model only drafts) a LlamaModel's. Each
     also gets `rotary_lookup` (RotaryTables, where they serve its rotary embedding). `native_layer_kernel`:
-    CpuKernel.native_layer, for the decoder layers over GGUF blocks of the models whose norms and attention the
+    CpuKernel.native_layers, for the decoder layers over GGUF blocks of the models whose norms and attention the
     kernel runs (native_layers)."""
     max_rows = MappingProxyType(kernel_attention_max_rows(attention_isa, bf16_on_tiles))
     swapped = 0

@@ -1,11 +1,12 @@
-"""The target's decoder layers over GGUF blocks, one kernel call each (`engine.native_layers`).
+"""The target's decoder layers over GGUF blocks, all of a forward's in one kernel call (`engine.native_layers`).
 
 Where a target's linears are its GGUF file's blocks (engine.target_weights=native, int8, int4), the lean forward's
 products take ~60% of a one-row step of a small model; the rest went to the ~20 torch ops around them per layer and
 the Python between those. The kernel's `native_decoder_layer` runs a whole Llama decoder layer: the norms, the q|k|v
 product, the rotary embedding, the rows' keys and values appended to their caches and the attention (one sequence's
 or a batch's, each over its own cache), the output projection, the residual adds, the gate|up product, the SiLU gate
-and the down product. Each is the op the lean loop runs, rounded as it rounds, so a layer's output and cache rows
+and the down product; `native_decoder_layers` runs every layer of a forward in one call. Each is the op the lean
+loop runs, rounded as it rounds, so a layer's output and cache rows
 are the lean loop's bit for bit (tests/test_native_layers.py): vanilla and speculation get the same logits either
 way, and the switch changes only the speed.
 
@@ -102,6 +103,8 @@ def serving_layers(table: Mapping[nn.Module, NativeLayer], layers: Sequence[nn.M
         return None
     if any(native.input_norm.dtype != hidden.dtype for native in natives):
         return None
+    if len({(native.heads, native.kv_heads, native.head_dim, native.intermediate) for native in natives}) != 1:
+        return None  # one kernel call runs them all, with one shape
     cos, signed_sin = rotary
     if cos.dtype != hidden.dtype or signed_sin.dtype != hidden.dtype or cos.shape[0] != 1:
         return None
@@ -111,10 +114,10 @@ def serving_layers(table: Mapping[nn.Module, NativeLayer], layers: Sequence[nn.M
 def run_native_layers(kernel: Callable, natives: Sequence[NativeLayer], hidden: Tensor, rotary: tuple[Tensor, Tensor],
                       caches: Sequence, rows: Sequence[int], masks: Sequence[Tensor | None],
                       recorded: list[Tensor] | None) -> Tensor:
-    """The decoder layers `natives` over hidden [1, R, width] -> [1, R, width], one kernel call each: sequence b owns
-    `rows[b]` rows in order, appended to and attending its own `caches[b]` (a PositionIndexedCache) under `masks[b]`
-    [q_b, cached_b + q_b] bool (None: one row that sees everything). Each layer's output is appended to `recorded`
-    where given."""
+    """The decoder layers `natives` over hidden [1, R, width] -> [1, R, width], in one kernel call
+    (CpuKernel.native_layers): sequence b owns `rows[b]` rows in order, appended to and attending its own `caches[b]` (a PositionIndexedCache)
+    under `masks[b]` [q_b, cached_b + q_b] bool (None: one row that sees everything). Each layer's output is appended
+    to `recorded` where given."""
     cos, signed_sin = (table[0, :, 0].contiguous() for table in rotary)  # [R, head_dim]
     first = natives[0]
     like = hidden.new_empty(1, first.kv_heads, 0, first.head_dim)
@@ -122,18 +125,22 @@ def run_native_layers(kernel: Callable, natives: Sequence[NativeLayer], hidden: 
     for count in rows:
         starts.append(starts[-1] + count)
     mask_rows = [mask if mask is not None else torch.empty(0, dtype=torch.bool) for mask in masks]
-    states = hidden[0].contiguous()
+    key_buffers, value_buffers, cached = [], [], []  # layer-major: layer l's of every sequence, then layer l + 1's
     for native in natives:
-        key_buffers, value_buffers, cached = [], [], []
         for cache, count in zip(caches, rows):
             key_buffer, value_buffer, start = cache.rows_to_write(native.layer_idx, like, count)
             key_buffers.append(key_buffer)
             value_buffers.append(value_buffer)
             cached.append(start)
-        states = kernel(states, native.input_norm, native.post_norm, native.eps, native.blocks, native.formats,
-                        native.biases, native.heads, native.kv_heads, native.intermediate,
-                        native.gate_kernel and serves_gate(starts[-1], native.intermediate), cos, signed_sin, key_buffers, value_buffers, cached,
-                        starts, mask_rows, native.scale)
-        if recorded is not None:
-            recorded.append(states[None])
-    return states[None]
+    outputs = kernel(hidden[0].contiguous(), [native.input_norm for native in natives],
+                     [native.post_norm for native in natives], [native.eps for native in natives],
+                     [block for native in natives for block in native.blocks],
+                     [form for native in natives for form in native.formats],
+                     [bias for native in natives for bias in native.biases], first.heads, first.kv_heads,
+                     first.intermediate,
+                     [int(native.gate_kernel and serves_gate(starts[-1], native.intermediate)) for native in natives],
+                     cos, signed_sin, key_buffers, value_buffers, cached, starts, mask_rows,
+                     [native.scale for native in natives])
+    if recorded is not None:
+        recorded.extend(output[None] for output in outputs)
+    return outputs[-1][None]

@@ -101,8 +101,8 @@ class OneDNNEngine:
     # the layers' calls (an EAGLE head's) or the lean forward (a draft model's) with torch ops and Python between them
     draft_level: bool = True
     # with the kernel's norm and attention: the target's decoder layers over GGUF blocks (native, int8, int4 weights) run
-    # one kernel call each in the forwards where every op of theirs runs in the kernel anyway (steps and verifies),
-    # bitwise the op-by-op lean loop (native_layers); false = op by op
+    # in one kernel call a forward where every op of theirs runs in the kernel anyway (steps and verifies), bitwise the
+    # op-by-op lean loop (native_layers); false = op by op
     native_layers: bool = True
     # the cache hint of the kernel's software prefetch of the weights: "nta" keeps a forward's streamed
     # weights from evicting the KV cache, the activations and a draft head from L2/L3; "t0" caches them
@@ -317,7 +317,7 @@ class OneDNNEngine:
                                           else None,
                                           attention_isa=extension.isa if extension is not None else "avx2",
                                           layer_kernel=layer, level_kernel=level, draft_model=drafter,
-                                          native_layer_kernel=getattr(extension, "native_layer", None)
+                                          native_layer_kernel=getattr(extension, "native_layers", None)
                                           if self.native_layers and not drafter else None,
                                           bf16_on_tiles=path.dtype == torch.bfloat16 and "amx" in path.kernel)
         layers = ("; a draft head's decoder layers one kernel call each" if lean_models and layer is not None and any(
@@ -327,7 +327,7 @@ class OneDNNEngine:
         elif drafter and lean_models and level is not None:
             layers = "; a draft model's whole level one kernel call where its products serve"
         if lean_models and any(getattr(module, "native_layer_kernel", None) is not None for module in model.modules()):
-            layers += "; the decoder layers over native blocks one kernel call each in steps and verifies"
+            layers += "; the decoder layers over native blocks one kernel call a forward in steps and verifies"
         whys = [why for why in (norm_why, attention_why) if why] if lean_models else []
         whys += [gate_why] if lean and gate_why else []
         return lean, lean_models, layers, whys

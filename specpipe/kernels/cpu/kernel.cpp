@@ -16,7 +16,8 @@
 //   gate.h         silu_gate: the MLP's silu(gate) * up, bitwise torch's
 //   draft_level.h  block_decoder_layer, block_draft_level: a draft head's layer and level in one call
 //   gguf_tiles.h   gguf_tile_pack: Q4_1 and Q8_0 blocks reordered for AMX tiles, which gguf_product multiplies there
-//   native_layer.h native_decoder_layer: a target's decoder layer over GGUF blocks in one call
+//   native_layer.h native_decoder_layer, native_decoder_layers: a target's decoder layer, or all of a forward's, over
+//                  GGUF blocks in one call
 //
 // One translation unit, because the parts share helpers in anonymous namespaces and call into each other, and torch's
 // headers are compiled once: include the parts here only. The build's flags pick the ISA (specpipe.engine.cpu_kernel
@@ -54,6 +55,7 @@ m.def("gguf_tile_unpack", torch::wrap_pybind_function(gguf_tile_unpack), "gguf_t
 m.def("block_decoder_layer", torch::wrap_pybind_function(block_decoder_layer), "block_decoder_layer");
 m.def("block_draft_level", torch::wrap_pybind_function(block_draft_level), "block_draft_level");
 m.def("native_decoder_layer", torch::wrap_pybind_function(native_decoder_layer), "native_decoder_layer");
+m.def("native_decoder_layers", torch::wrap_pybind_function(native_decoder_layers), "native_decoder_layers");
 m.def("amx_block_product", torch::wrap_pybind_function(amx_block_product), "amx_block_product");
 m.def("amx_request", torch::wrap_pybind_function(amx_request), "amx_request");
 }

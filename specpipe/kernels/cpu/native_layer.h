@@ -112,3 +112,42 @@ torch::Tensor native_decoder_layer(torch::Tensor hidden, torch::Tensor input_nor
   TORCH_CHECK(mlp_out.size(-1) == width, "down blocks: width outputs");
   return dtype == torch::kBFloat16 ? residual<at::BFloat16>(x, mlp_out) : residual<float>(x, mlp_out);
 }
+
+// A forward's decoder layers in one call, layer l computed by native_decoder_layer over layer l - 1's output: per layer
+// l, input_norms[l], post_norms[l], eps[l], scales[l] and gate_kernels[l] (nonzero: the SiLU gate kernel), and blocks,
+// formats and biases [4 l .. 4 l + 3]; per layer l and sequence b (S = masks.size() sequences), key_buffers[l * S + b],
+// value_buffers[l * S + b] and cached[l * S + b]; heads, kv_heads, intermediate, cos, signed_sin, starts and masks as
+// native_decoder_layer takes them, shared by every layer. -> every layer's output [R, width], in order (the last is
+// the forward's). Why one call: per layer, converting some thirty arguments and the Python between the calls cost
+// about what the norms and the rotary embedding do.
+std::vector<torch::Tensor> native_decoder_layers(
+    torch::Tensor hidden, std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
+    std::vector<double> eps, std::vector<torch::Tensor> blocks, std::vector<int64_t> formats,
+    std::vector<c10::optional<torch::Tensor>> biases, int64_t heads, int64_t kv_heads, int64_t intermediate,
+    std::vector<int64_t> gate_kernels, torch::Tensor cos, torch::Tensor signed_sin,
+    std::vector<torch::Tensor> key_buffers, std::vector<torch::Tensor> value_buffers, std::vector<int64_t> cached,
+    std::vector<int64_t> starts, std::vector<torch::Tensor> masks, std::vector<double> scales) {
+  const size_t layers = input_norms.size(), sequences = masks.size();
+  TORCH_CHECK(layers >= 1 && post_norms.size() == layers && eps.size() == layers && scales.size() == layers &&
+                  gate_kernels.size() == layers && blocks.size() == 4 * layers && formats.size() == 4 * layers &&
+                  biases.size() == 4 * layers,
+              "per layer an input norm, a post norm, eps, scale and gate flag, and four blocks, formats and biases");
+  TORCH_CHECK(sequences >= 1 && key_buffers.size() == layers * sequences &&
+                  value_buffers.size() == layers * sequences && cached.size() == layers * sequences,
+              "per layer and sequence a key buffer, a value buffer and a cached row count");
+  std::vector<torch::Tensor> outputs;
+  outputs.reserve(layers);
+  for (size_t l = 0; l < layers; ++l) {
+    const auto layer_part = [l](auto& all, size_t per) {  // layer l's `per` elements of a flattened vector
+      using Vector = std::decay_t<decltype(all)>;
+      return Vector(all.begin() + l * per, all.begin() + (l + 1) * per);
+    };
+    hidden = native_decoder_layer(hidden, input_norms[l], post_norms[l], eps[l], layer_part(blocks, 4),
+                                  layer_part(formats, 4), layer_part(biases, 4), heads, kv_heads, intermediate,
+                                  gate_kernels[l] != 0, cos, signed_sin, layer_part(key_buffers, sequences),
+                                  layer_part(value_buffers, sequences), layer_part(cached, sequences), starts, masks,
+                                  scales[l]);
+    outputs.push_back(hidden);
+  }
+  return outputs;
+}
