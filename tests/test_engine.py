@@ -531,13 +531,29 @@ def test_the_kernel_builds_and_equals_an_fp32_product_of_bf16_and_fp32_weights(i
     pytest.param("avx512_bf16", marks=pytest.mark.skipif(
         not {"avx512f", "avx512bw", "avx512_bf16"} <= cpuinfo.cpu_flags(), reason="pair products need AVX512_BF16"))])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, dtype, tolerance):
+@pytest.mark.parametrize("tiles", [False, True], ids=["vectors", "tiles"])
+def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, dtype, tolerance, tiles):
     """The decoding attention of each build against SDPA in fp32: head sizes of its register paths (64 and
-    128, and 32 on the AVX2 build; bf16 keys times bf16 queries in pairs on the AVX512_BF16 build) and odd ones, 1-13 query rows under ancestor masks, keys and values
-    read as strided rows of a larger cache, 1, 3, 4 and 8 query heads per KV head."""
-    from specpipe.engine import cpu_kernel_build, cpu_kernel_checks
+    128, and 32 on the AVX2 build; bf16 keys times bf16 queries in pairs on the AVX512_BF16 build, and with `tiles`
+    bf16 heads of 64 dims on AMX tiles where the CPU has them) and odd ones, 1-13 query rows under ancestor masks, keys
+    and values read as strided rows of a larger cache, 1, 3, 4 and 8 query heads per KV head."""
+    from specpipe.engine import cpu_kernel_build
 
-    attention = cpu_kernel_build.build_kernel(None, isa).tree_attention
+    module = cpu_kernel_build.build_kernel(None, isa)
+    if tiles and (isa != "avx512_bf16" or "amx_bf16" not in cpuinfo.cpu_flags() or not module.amx_request()):
+        pytest.skip("bf16 heads attend on AMX tiles on the AVX512_BF16 build, where the CPU has them and Linux grants "
+                    "them")
+    before = module.attention_tiles_on()
+    assert module.set_attention_tiles(tiles) == tiles  # the process-wide setting, for this test alone
+    try:
+        check_the_kernels_attention(module.tree_attention, dtype, tolerance)
+    finally:
+        module.set_attention_tiles(before)
+
+
+def check_the_kernels_attention(attention, dtype: torch.dtype, tolerance: float) -> None:
+    from specpipe.engine import cpu_kernel_checks
+
     generator = torch.Generator().manual_seed(11)
     for head_dim in (64, 128, 32, 24, 72):
         for q, kv in ((1, 1), (1, 300), (2, 19), (5, 64), (13, 77)):
@@ -583,9 +599,10 @@ def test_the_kernels_attention_equals_sdpa_over_tree_masks_and_cache_rows(isa, d
         attention(query, key, value, torch.ones(2, 39, dtype=torch.bool), 0.125)
     # every build: a row gets, bit for bit, what one row gets over the keys it sees stored one after another (a
     # tree node's verify row is then its path's one-token step), whether its unseen keys trail, sit between the
-    # ones it sees (a side branch's ancestors), or none are hidden, for every path's head size and grouping
+    # ones it sees (a side branch's ancestors), or none are hidden, for every path's head size and grouping (on
+    # the tiles: rows in groups of up to 16 query vectors, keys in blocks of 16 and chunks of 32 a row's run ends in)
     for head_dim in (64, 128, 24):
-        for kv in (1, 5, 16, 17, 40, 47, 70):
+        for kv in (1, 5, 16, 17, 40, 47, 70, 100):
             for groups in (1, 3, 4):
                 cache = torch.randn(2, 1, 2, kv + 9, head_dim, generator=generator).to(dtype)  # [K|V, 1, 2, kv + 9, hd]
                 query = torch.randn(1, 2 * groups, 6, head_dim, generator=generator).to(dtype)

@@ -141,6 +141,8 @@ class CpuKernel:
         # decoder layers of a forward in one call (native_decoder_layers, the same layer one after another)
         self.native_layer = None
         self.native_layers = None
+        # whether the attention's bf16 heads of 64 dims run on AMX tiles (set_attention_tiles)
+        self.attention_tiles = False
         # gate(gate_up [..., 2n]) -> [..., n]: silu(gate) * up, bitwise torch's where `serves_gate` says so
         self.gate = None
         self.reason = ""
@@ -202,8 +204,15 @@ class CpuKernel:
             self.norm_reason = f"its RMSNorm is not bitwise torch's here ({mismatch})"
         else:
             self.norm = module.rms_norm
+        # bf16 heads of 64 dims attend on AMX tiles where Linux granted them (the GGUF tiles' request): a process-wide
+        # setting of the loaded module, made before any forward, and checked against SDPA as the vector path is
+        self.attention_tiles = self.gguf_tile_pack is not None and module.set_attention_tiles(True)
         mismatch = attention_mismatch(module.tree_attention) or ragged_mismatch(module.ragged_tree_attention,
                                                                                 module.tree_attention)
+        if mismatch and self.attention_tiles:
+            self.attention_tiles = module.set_attention_tiles(False)
+            mismatch = attention_mismatch(module.tree_attention) or ragged_mismatch(module.ragged_tree_attention,
+                                                                                    module.tree_attention)
         if mismatch:
             self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
         else:

@@ -261,7 +261,7 @@ class OneDNNEngine:
                      "one-token step's", self.name, " and ".join(gaps))
             return f"batch_invariant asked, not held ({', '.join(gaps)})"
         return ("steps and verifies row-invariant (batch_invariant: blocks or the row-invariant kernel product at any "
-                "row count, no AMX tiles)")
+                "row count, never a path picked by the row count)")
 
     def _leave_as_loaded(self, why: str, quantize: str | None, native: dict[str, GgufWeight] | None) -> None:
         """Where oneDNN's prepacked products do not serve the model (`why`): ConfigError where the target's weights
@@ -307,8 +307,11 @@ class OneDNNEngine:
 
             norm, norm_why = self._kernel_part(self.kernel_norm, path, extension, "norm", "RMSNorm in torch",
                                                f"RMSNorm in specpipe's kernel {getattr(extension, 'build', '')}")
+            on_tiles = (" (bf16 heads of 64 dims on AMX tiles)" if path.dtype == torch.bfloat16
+                        and getattr(extension, "attention_tiles", False) else "")
             attention, attention_why = self._kernel_part(self.kernel_attention, path, extension, "attention",
-                                                         "attention in SDPA", "decoding attention in the kernel")
+                                                         "attention in SDPA",
+                                                         f"decoding attention in the kernel{on_tiles}")
             layer = (blocks.decoder_layer if self.draft_layers and blocks is not None and norm is not None
                      and attention is not None else None)
             level = blocks.draft_level if layer is not None and self.draft_level else None

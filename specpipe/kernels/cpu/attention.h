@@ -17,6 +17,8 @@
 
 #pragma once
 
+#include <atomic>
+
 #include "lanes.h"
 
 namespace {
@@ -403,6 +405,269 @@ void attend_heads_paired(const uint16_t* const* queries, const uint16_t* keys, i
 }
 #endif
 
+#if defined(SPECPIPE_AMX) && defined(__AVX512BF16__)
+// Whether bf16 heads of 64 dims attend on AMX tiles (attend_rows_tiles): one setting for the process, made at load once
+// Linux granted the tiles and before any forward (specpipe.engine.cpu_kernel), never changed while a model decodes: a
+// tree node's row must be computed as its path's one-row forward computes it, whichever forward either is in.
+inline std::atomic<bool>& attention_tiles() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+// The tiles' shapes for G query heads a KV head: 0-5 = 16 rows of 64 bytes (16 keys' or 16 vectors' fp32 sums, the A and
+// B operands of the shared parts), 6-7 = G rows of 64 bytes (one row's sums of 16 dims and its weights)
+template <int G>
+SPECPIPE_AMX_TARGET inline void configure_attention_tiles() {
+  AmxConfig config;
+  for (int t = 0; t <= 7; ++t) config.rows[t] = t < 6 ? 16 : G, config.bytes_per_row[t] = 64;
+  asm volatile("" : : "r"(&config) : "memory");  // every shape stored before LDTILECFG reads them (amx_configure)
+  _tile_loadconfig(&config);
+}
+
+// rows[16] of 16 floats -> out[c] = column c (out[c] lane k = rows[k] lane c)
+inline void transpose16(const __m512* rows, __m512* out) {
+  __m512 a[16], b[16], c[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x0 = _mm512_castps_pd(a[4 * i]), x1 = _mm512_castps_pd(a[4 * i + 1]);
+    const __m512d y0 = _mm512_castps_pd(a[4 * i + 2]), y1 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
+  }
+  for (int i = 0; i < 2; ++i)  // b[4 i + k]'s 128-bit lane l: rows 4 i .. 4 i + 3 of column 4 l + k
+    for (int k = 0; k < 4; ++k) {
+      c[8 * i + k] = _mm512_shuffle_f32x4(b[8 * i + k], b[8 * i + 4 + k], 0x88);
+      c[8 * i + 4 + k] = _mm512_shuffle_f32x4(b[8 * i + k], b[8 * i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    out[k] = _mm512_shuffle_f32x4(c[k], c[8 + k], 0x88);
+    out[k + 8] = _mm512_shuffle_f32x4(c[k], c[8 + k], 0xdd);
+  }
+}
+
+// The scores of run positions [j, j + count) of `row` (every row's, where shared) for the 16 vectors in tiles 3-4:
+// the keys as the A tiles 1-2 (as they lie in the cache where they are 16 cache rows in order, else gathered into
+// `gathered` [16 x 64], zeros past count), their sums in tile 0, turned to one vector of 16 keys' scores per query
+// vector in `columns` (unscaled).
+SPECPIPE_AMX_TARGET inline void key_block_scores(const uint16_t* keys, int64_t key_stride, const SeenKeys& row,
+                                                 int64_t j, int count, uint16_t* gathered, __m512* columns) {
+  if (count == 16 && j + 16 <= row.prefix) {
+    _tile_loadd(1, keys + j * key_stride, key_stride * 2);
+    _tile_loadd(2, keys + j * key_stride + 32, key_stride * 2);
+  } else {
+    for (int r = 0; r < 16; ++r) {
+      if (r < count)
+        std::memcpy(gathered + r * 64, keys + row[j + r] * key_stride, 128);
+      else
+        std::memset(gathered + r * 64, 0, 128);
+    }
+    _tile_loadd(1, gathered, 128);
+    _tile_loadd(2, gathered + 32, 128);
+  }
+  _tile_zero(0);
+  _tile_dpbf16ps(0, 1, 3);
+  _tile_dpbf16ps(0, 2, 4);
+  alignas(64) float block[16][16];
+  _tile_stored(0, block, 64);
+  __m512 rows[16];
+  for (int r = 0; r < 16; ++r) rows[r] = _mm512_load_ps(block[r]);
+  transpose16(rows, columns);
+}
+
+// Run positions [c, c + 32) of a vector: its weights (scores from `head`) rounded to bf16 as attend_heads_paired rounds
+// them, zeros past its `keys_seen` keys, into weights[32]
+inline void weight_chunk(const float* head, int64_t c, int64_t keys_seen, uint16_t* weights) {
+  const int64_t left = keys_seen - c;
+  const __mmask16 low = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+  const __mmask16 high = static_cast<__mmask16>(left >= 32 ? 0xFFFF : left <= 16 ? 0 : (1u << (left - 16)) - 1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(low, head + c)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 16),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(high, head + c + 16)));
+}
+
+// The value rows of run positions [c, c + 32) of `row` interleaved in pairs of keys, zeros past `keys_seen`: pairs
+// [4][16][32], per 32 dims block 2w holding dims 0-3, 8-11, 16-19, 24-27 and block 2w + 1 the rest (value_pairs'
+// unpacking), each block the B operand of one TDPBF16PS (16 pairs of keys x 16 dims)
+inline void value_chunk(const uint16_t* values, int64_t value_stride, const SeenKeys& row, int64_t c,
+                        int64_t keys_seen, uint16_t (*pairs)[16][32]) {
+  alignas(64) static const uint16_t kZeros[64] = {};
+  for (int k = 0; k < 16; ++k) {
+    const int64_t a = c + 2 * k, b = a + 1;
+    const uint16_t* x_row = a < keys_seen ? values + row[a] * value_stride : kZeros;
+    const uint16_t* y_row = b < keys_seen ? values + row[b] * value_stride : kZeros;
+    for (int w = 0; w < 2; ++w) {
+      const __m512i x = _mm512_loadu_si512(x_row + 32 * w), y = _mm512_loadu_si512(y_row + 32 * w);
+      _mm512_storeu_si512(pairs[2 * w][k], _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(pairs[2 * w + 1][k], _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// The G query heads of 64 dims of one KV head over `rows` rows of one sequence, bf16, on AMX tiles: per row,
+// attend_heads_paired's result with the scores summed in the tiles' order. queries / outs: rows * G vectors (at most
+// 16), row by row (vector r * G + h); seen: each row's keys. The keys every row sees in cache order (the shared
+// prefix) are read once for all the vectors: their scores are one TDPBF16PS pair per 16 keys (the keys' rows as they
+// lie in the cache times the vectors' pairs of dims), their weighted values one TDPBF16PS per 32 keys and 16 dims (the
+// weights, rounded to bf16, times the value rows interleaved in pairs of keys). Each row's other keys (a tree node's
+// ancestors, a prompt chunk's earlier rows) follow, gathered, its sums in tiles of its own. A score depends on its key
+// and query alone, and a row's value sums run over its run of keys in pairs, in chunks of 32 from the run's first key,
+// whatever rows share the call: a tree node's row is bitwise its path's one-row row. `scratch` is the calling thread's.
+template <int G>
+SPECPIPE_AMX_TARGET void attend_rows_tiles(int rows, const uint16_t* const* queries, const uint16_t* keys,
+                                           int64_t key_stride, const uint16_t* values, int64_t value_stride,
+                                           const SeenKeys* seen, float scale, uint16_t* const* outs,
+                                           std::vector<float>& scratch) {
+  static_assert(G >= 1 && G <= 4, "up to 4 query heads a KV head");
+  const int n = rows * G;
+  int64_t shared = seen[0].prefix, longest = 0;
+  for (int r = 0; r < rows; ++r) shared = std::min(shared, seen[r].prefix), longest = std::max(longest, seen[r].count);
+  scratch.resize(static_cast<size_t>(n) * static_cast<size_t>(longest));
+  float* scores = scratch.data();  // vector v's score of the key its run has at j: scores[v * longest + j]
+  configure_attention_tiles<G>();
+  alignas(64) uint32_t vector_pairs[2][16][16] = {};  // [dims 0-31 | 32-63][pair of dims][vector]: the B operands
+  for (int v = 0; v < n; ++v) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(queries[v]);
+    for (int k = 0; k < 16; ++k) vector_pairs[0][k][v] = pairs[k], vector_pairs[1][k][v] = pairs[16 + k];
+  }
+  _tile_loadd(3, vector_pairs[0], 64);
+  _tile_loadd(4, vector_pairs[1], 64);
+  alignas(64) uint16_t gathered[16 * 64];
+  const __m512 scale_lanes = _mm512_set1_ps(scale);
+  __m512 columns[16];
+  for (int64_t j = 0; j < shared; j += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, shared - j));
+    key_block_scores(keys, key_stride, seen[0], j, count, gathered, columns);
+    const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
+    for (int v = 0; v < n; ++v)
+      _mm512_mask_storeu_ps(scores + v * longest + j, present, _mm512_mul_ps(columns[v], scale_lanes));
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = shared; j < seen[r].count; j += 16) {
+      const int count = static_cast<int>(std::min<int64_t>(16, seen[r].count - j));
+      key_block_scores(keys, key_stride, seen[r], j, count, gathered, columns);
+      const __mmask16 present = static_cast<__mmask16>((1u << count) - 1);
+      for (int h = 0; h < G; ++h)
+        _mm512_mask_storeu_ps(scores + (r * G + h) * longest + j, present,
+                              _mm512_mul_ps(columns[r * G + h], scale_lanes));
+    }
+  float inverse[16];
+  for (int v = 0; v < n; ++v) {
+    const float sum = softmax_weights(scores + v * longest, seen[v / G].count);
+    inverse[v] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  alignas(64) uint16_t pairs[4][16][32];
+  alignas(64) uint16_t weights[16][32] = {};
+  alignas(64) float sums[4][16][16];  // [dim block][vector][16 dims]
+  const int64_t shared_chunks = shared / 32 * 32;  // chunks of keys every row sees in cache order
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < shared_chunks; c += 32) {
+    for (int v = 0; v < n; ++v) weight_chunk(scores + v * longest, c, seen[v / G].count, weights[v]);
+    value_chunk(values, value_stride, seen[0], c, shared_chunks, pairs);
+    _tile_loadd(4, weights, 64);
+    _tile_loadd(5, pairs[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, pairs[1], 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, pairs[2], 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, pairs[3], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tail = seen[r].count - shared_chunks;
+    if (tail <= 0) continue;
+    const int64_t chunks = (tail + 31) / 32;
+    std::vector<uint16_t> row_weights(static_cast<size_t>(chunks) * G * 32);
+    std::vector<uint16_t> row_pairs(static_cast<size_t>(chunks) * 4 * 16 * 32);
+    for (int64_t i = 0; i < chunks; ++i) {
+      for (int h = 0; h < G; ++h)
+        weight_chunk(scores + (r * G + h) * longest, shared_chunks + 32 * i, seen[r].count,
+                     row_weights.data() + (i * G + h) * 32);
+      value_chunk(values, value_stride, seen[r], shared_chunks + 32 * i, seen[r].count,
+                  reinterpret_cast<uint16_t(*)[16][32]>(row_pairs.data() + i * 4 * 16 * 32));
+    }
+    for (int t = 0; t < 4; ++t) {
+      _tile_loadd(6, sums[t][r * G], 64);
+      for (int64_t i = 0; i < chunks; ++i) {
+        _tile_loadd(7, row_weights.data() + i * G * 32, 64);
+        _tile_loadd(5, row_pairs.data() + (i * 4 + t) * 16 * 32, 64);
+        _tile_dpbf16ps(6, 7, 5);
+      }
+      _tile_stored(6, sums[t][r * G], 64);
+    }
+  }
+  for (int v = 0; v < n; ++v)
+    for (int t = 0; t < 4; ++t)
+      for (int c = 0; c < 16; ++c)
+        store_value(outs[v] + 32 * (t / 2) + (c / 4) * 8 + (t % 2) * 4 + c % 4, sums[t][v][c] * inverse[v]);
+}
+
+// One sequence's q rows in groups of attend_rows_tiles (its tiles hold 16 query vectors: up to 16 / G rows), as even as
+// those groups allow: `count` groups of `per` rows (the last fewer)
+struct TileRowGroups {
+  int64_t count, per;
+};
+inline TileRowGroups tile_row_groups(int64_t q, int64_t groups) {
+  const int64_t most = 16 / groups, count = (q + most - 1) / most;
+  return {count, (q + count - 1) / count};
+}
+
+// Unit `unit` of one sequence's attention on the tiles (KV head unit / groups.count, its row group unit % count): its
+// rows' query and output vectors found at `row_offset` + r in query [1, heads, R, 64] and out [1, R, heads, 64].
+inline void attend_tiles_unit(int64_t unit, TileRowGroups split, int64_t q, int64_t groups, const torch::Tensor& query,
+                              const uint16_t* query_data, int64_t row_offset, const uint16_t* key_data,
+                              int64_t key_head_stride, int64_t key_stride, const uint16_t* value_data,
+                              int64_t value_head_stride, int64_t value_stride, const SeenKeys* seen, float scale,
+                              uint16_t* out_data, int64_t heads, std::vector<float>& scratch) {
+  const int64_t g = unit / split.count, first = (unit % split.count) * split.per;
+  const int rows = static_cast<int>(std::min<int64_t>(split.per, q - first));
+  const uint16_t* queries[16];
+  uint16_t* outs[16];
+  for (int r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < groups; ++h) {
+      const int64_t row = row_offset + first + r, head = g * groups + h;
+      queries[r * groups + h] = query_data + head * query.stride(1) + row * query.stride(2);
+      outs[r * groups + h] = out_data + (row * heads + head) * 64;
+    }
+  const uint16_t* keys = key_data + g * key_head_stride;
+  const uint16_t* values = value_data + g * value_head_stride;
+  switch (groups) {
+    case 4:
+      return attend_rows_tiles<4>(rows, queries, keys, key_stride, values, value_stride, seen + first, scale, outs,
+                                  scratch);
+    case 3:
+      return attend_rows_tiles<3>(rows, queries, keys, key_stride, values, value_stride, seen + first, scale, outs,
+                                  scratch);
+    case 2:
+      return attend_rows_tiles<2>(rows, queries, keys, key_stride, values, value_stride, seen + first, scale, outs,
+                                  scratch);
+    default:
+      return attend_rows_tiles<1>(rows, queries, keys, key_stride, values, value_stride, seen + first, scale, outs,
+                                  scratch);
+  }
+}
+
+// Whether a call's heads attend on the tiles: bf16, 64 dims, up to 4 query heads a KV head, the tiles on
+template <typename Raw>
+bool on_tiles(int64_t head_dim, int64_t groups) {
+  return std::is_same_v<Raw, uint16_t> && head_dim == 64 && groups >= 1 && groups <= 4 &&
+         attention_tiles().load(std::memory_order_relaxed);
+}
+#endif
+
 // G query heads that read the same KV head over one row, each computed exactly as attend_heads<NV, 1> computes it
 // alone (the same products and sums in the same order), with each key and value row read once for all G: where
 // the registers hold only one head's query row (AVX2: 16 registers, a 64-dim fp32 row takes 8), one head at a time
@@ -609,6 +874,20 @@ void attend(const torch::Tensor& query, const torch::Tensor& key, const torch::T
   const int64_t key_stride = key.stride(2), value_stride = value.stride(2);
   std::vector<int64_t> later;
   const std::vector<SeenKeys> seen = seen_keys_of(mask, q, kv, later);
+#if defined(SPECPIPE_AMX) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Raw, uint16_t>) {
+    if (on_tiles<Raw>(head_dim, groups)) {  // one (KV head, group of rows) per unit
+      const TileRowGroups split = tile_row_groups(q, groups);
+      at::parallel_for(0, kv_heads * split.count, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch;
+        for (int64_t unit = begin; unit < end; ++unit)
+          attend_tiles_unit(unit, split, q, groups, query, query_data, 0, key_data, key.stride(1), key_stride,
+                            value_data, value.stride(1), value_stride, seen.data(), scale, out_data, heads, scratch);
+      });
+      return;
+    }
+  }
+#endif
   // one (KV head, chunk of its query heads, row) per unit, the rows of one chunk next to each other (they
   // read the same keys); a verify's units spread evenly over the threads
   at::parallel_for(0, kv_heads * chunks * q, 1, [&](int64_t begin, int64_t end) {
@@ -654,6 +933,28 @@ void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>&
     longest = std::max<int64_t>(longest, keys[b].size(2));
     seen[b] = seen_keys_of(masks[b], starts[b + 1] - starts[b], keys[b].size(2), later[b]);
   }
+#if defined(SPECPIPE_AMX) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Raw, uint16_t>) {
+    if (on_tiles<Raw>(head_dim, groups)) {  // one (sequence, KV head, group of its rows) per unit
+      std::vector<TileRowGroups> splits(sequences);
+      for (int64_t b = 0; b < sequences; ++b) {
+        splits[b] = tile_row_groups(starts[b + 1] - starts[b], groups);
+        first_unit[b + 1] = first_unit[b] + kv_heads * splits[b].count;
+      }
+      at::parallel_for(0, first_unit[sequences], 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch;
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+          attend_tiles_unit(unit - first_unit[b], splits[b], starts[b + 1] - starts[b], groups, query, query_data,
+                            starts[b], reinterpret_cast<const Raw*>(keys[b].data_ptr<T>()), keys[b].stride(1),
+                            keys[b].stride(2), reinterpret_cast<const Raw*>(values[b].data_ptr<T>()),
+                            values[b].stride(1), values[b].stride(2), seen[b].data(), scale, out_data, heads, scratch);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, first_unit[sequences], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(together * longest), sums(head_dim);
     std::vector<uint32_t> weight_pairs(together * (longest / 2 + 1));
@@ -680,6 +981,28 @@ void attend_ragged(const torch::Tensor& query, const std::vector<torch::Tensor>&
 }
 
 }  // namespace
+
+// Puts bf16 heads of 64 dims on AMX tiles (`on`, once Linux granted them: amx_request) or back on attend_heads_paired
+// for every later call in this process; returns whether they are on (never on a build without the tiles). Set at load,
+// before any forward (see attention_tiles).
+bool set_attention_tiles(bool on) {
+#if defined(SPECPIPE_AMX) && defined(__AVX512BF16__) && SPECPIPE_ATTENTION_PAIRS
+  attention_tiles().store(on);
+  return on;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// Whether bf16 heads of 64 dims attend on AMX tiles now (set_attention_tiles)
+bool attention_tiles_on() {
+#if defined(SPECPIPE_AMX) && defined(__AVX512BF16__) && SPECPIPE_ATTENTION_PAIRS
+  return attention_tiles().load();
+#else
+  return false;
+#endif
+}
 
 // Attention of a decoding step or a tree verify, batch 1: query [1, heads, q, head_dim], key and value
 // [1, kv_heads, kv, head_dim] (the KV cache's rows, any strides but the last), mask [q, kv] bool (True =

@@ -13,6 +13,7 @@
 //   blocks.h       pair_blocks, block_product, amx_block_product: bf16 and int8 weights in column blocks
 //   norm.h         rms_norm: LlamaRMSNorm, bitwise transformers'
 //   attention.h    tree_attention, ragged_tree_attention: a step's or a verify's attention over the KV cache
+//                  (set_attention_tiles: bf16 heads on AMX tiles)
 //   gate.h         silu_gate: the MLP's silu(gate) * up, bitwise torch's
 //   draft_level.h  block_decoder_layer, block_draft_level: a draft head's layer and level in one call
 //   gguf_tiles.h   gguf_tile_pack: Q4_1 and Q8_0 blocks reordered for AMX tiles, which gguf_product multiplies there
@@ -47,6 +48,8 @@ m.def("block_product", torch::wrap_pybind_function(block_product), "block_produc
 m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
 m.def("tree_attention", torch::wrap_pybind_function(tree_attention), "tree_attention");
 m.def("ragged_tree_attention", torch::wrap_pybind_function(ragged_tree_attention), "ragged_tree_attention");
+m.def("set_attention_tiles", torch::wrap_pybind_function(set_attention_tiles), "set_attention_tiles");
+m.def("attention_tiles_on", torch::wrap_pybind_function(attention_tiles_on), "attention_tiles_on");
 m.def("silu_gate", torch::wrap_pybind_function(silu_gate), "silu_gate");
 m.def("gguf_product", torch::wrap_pybind_function(gguf_product), "gguf_product");
 m.def("gguf_widen", torch::wrap_pybind_function(gguf_widen), "gguf_widen");
