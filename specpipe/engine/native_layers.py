@@ -115,9 +115,9 @@ def run_native_layers(kernel: Callable, natives: Sequence[NativeLayer], hidden: 
                       caches: Sequence, rows: Sequence[int], masks: Sequence[Tensor | None],
                       recorded: list[Tensor] | None) -> Tensor:
     """The decoder layers `natives` over hidden [1, R, width] -> [1, R, width], in one kernel call
-    (CpuKernel.native_layers): sequence b owns `rows[b]` rows in order, appended to and attending its own `caches[b]` (a PositionIndexedCache)
-    under `masks[b]` [q_b, cached_b + q_b] bool (None: one row that sees everything). Each layer's output is appended
-    to `recorded` where given."""
+    (CpuKernel.native_layers): sequence b owns `rows[b]` rows in order, appended to and attending its own `caches[b]`
+    (a PositionIndexedCache) under `masks[b]` [q_b, cached_b + q_b] bool (None: one row that sees everything). Each
+    layer's output is appended to `recorded` where given."""
     cos, signed_sin = (table[0, :, 0].contiguous() for table in rotary)  # [R, head_dim]
     first = natives[0]
     like = hidden.new_empty(1, first.kv_heads, 0, first.head_dim)

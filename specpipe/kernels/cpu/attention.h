@@ -414,8 +414,8 @@ inline std::atomic<bool>& attention_tiles() {
   return on;
 }
 
-// The tiles' shapes for G query heads a KV head: 0-5 = 16 rows of 64 bytes (16 keys' or 16 vectors' fp32 sums, the A and
-// B operands of the shared parts), 6-7 = G rows of 64 bytes (one row's sums of 16 dims and its weights)
+// The tiles' shapes for G query heads a KV head: 0-5 = 16 rows of 64 bytes (16 keys' or 16 vectors' fp32 sums, the A
+// and B operands of the shared parts), 6-7 = G rows of 64 bytes (one row's sums of 16 dims and its weights)
 template <int G>
 SPECPIPE_AMX_TARGET inline void configure_attention_tiles() {
   AmxConfig config;
