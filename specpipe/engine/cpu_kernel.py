@@ -206,13 +206,15 @@ class CpuKernel:
             self.norm = module.rms_norm
         # bf16 heads of 64 dims attend on AMX tiles where Linux granted them (the GGUF tiles' request): a process-wide
         # setting of the loaded module, made before any forward, and checked against SDPA as the vector path is
-        self.attention_tiles = self.gguf_tile_pack is not None and module.set_attention_tiles(True)
-        mismatch = attention_mismatch(module.tree_attention) or ragged_mismatch(module.ragged_tree_attention,
+        def attention_check() -> str:
+            return attention_mismatch(module.tree_attention) or ragged_mismatch(module.ragged_tree_attention,
                                                                                 module.tree_attention)
+
+        self.attention_tiles = self.gguf_tile_pack is not None and module.set_attention_tiles(True)
+        mismatch = attention_check()
         if mismatch and self.attention_tiles:
             self.attention_tiles = module.set_attention_tiles(False)
-            mismatch = attention_mismatch(module.tree_attention) or ragged_mismatch(module.ragged_tree_attention,
-                                                                                    module.tree_attention)
+            mismatch = attention_check()
         if mismatch:
             self.attention_reason = f"its attention disagrees with SDPA here ({mismatch})"
         else:
